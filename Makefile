@@ -1,0 +1,31 @@
+# talking-head lab: `make run` (every notebook headless → outputs/), `make test`, `make lab`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Pinned in every install so pip can never swap torch for another build.
+TORCH_PINS := "torch==2.11.*" "torchaudio==2.11.0" "torchvision==0.26.*"
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test test-gpu lab clean-outputs
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[dev]" $(TORCH_PINS)
+	touch $(STAMP)
+
+setup: $(STAMP)
+	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then $(BIN)/nbdime config-git --enable >/dev/null && echo "nbdime git diff/merge drivers enabled"; fi
+
+run: setup
+	$(BIN)/lab reproduce $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-gpu: setup
+	$(BIN)/python -m pytest -q -m gpu -p no:cacheprovider $(ARGS)
+
+lab: setup
+	$(BIN)/python -m ipykernel install --user --name talking-head-lab --display-name "talking-head lab (.venv)"
+	$(BIN)/jupyter lab notebooks/

@@ -1,0 +1,75 @@
+"""`lab` command line: run one notebook, reproduce all, print the environment."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lab.errors import LabError
+
+
+def _banner(device: str, quick: bool) -> tuple[str, bool]:
+    import torch
+
+    if device in ("auto", "cuda") and not torch.cuda.is_available():
+        if device == "cuda":
+            raise LabError("--device cuda was asked for but no CUDA GPU is visible")
+        if not quick:
+            print("=" * 72 + "\nNo CUDA GPU found: running the QUICK profile (small configs, few frames).\n"
+                  "Speed figures from this run are smoke-test numbers, not results.\n" + "=" * 72, flush=True)
+        return "cpu", True
+    return device, quick
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lab import runner
+
+    ap = argparse.ArgumentParser(prog="lab", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="execute one notebook headless with papermill")
+    r.add_argument("notebook", help="'01', '01_profiling' or a path")
+    r.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
+    r.add_argument("--out", default=None, help="run folder (default outputs/<run-id>/<notebook>)")
+    rp = sub.add_parser("reproduce", help="execute every numbered notebook and write report.md")
+    rp.add_argument("--quick", action="store_true", help="small configs (CPU CI profile)")
+    rp.add_argument("--only", default="", help="comma-separated notebook numbers, e.g. 00,01")
+    rp.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    rp.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
+    sub.add_parser("env", help="print the hardware/software fingerprint and backend availability")
+    sub.add_parser("list", help="list the notebooks")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "env":
+            from lab.env import backends, fingerprint
+
+            print(json.dumps({"fingerprint": fingerprint(), "backends": backends()}, indent=2))
+            return 0
+        if a.cmd == "list":
+            for nb in runner.list_notebooks():
+                print(nb.stem)
+            return 0
+        if a.cmd == "run":
+            from lab.results import OUTPUTS, new_run_id
+
+            nb = runner.find_notebook(a.notebook)
+            params = {k: runner.parse_value(v) for k, v in a.param}
+            out = a.out or OUTPUTS / new_run_id() / nb.stem
+            e = runner.run_notebook(nb, out, params, progress=True)
+            print(f"{e.notebook}: {e.status} in {e.wall_s:.1f} s → {e.out_dir}" + (f"\n  {e.error}" if e.error else ""))
+            return 0 if e.status == "ok" else 1
+        if a.cmd == "reproduce":
+            device, quick = _banner(a.device, a.quick)
+            extra = {k: runner.parse_value(v) for k, v in a.param}
+            run, entries = runner.reproduce(quick=quick, only=a.only.split(",") if a.only else None,
+                                            device=device, extra=extra)
+            failed = [e.notebook for e in entries if e.status != "ok"]
+            print(f"report: {run / 'report.md'}" + (f"\nFAILED: {', '.join(failed)}" if failed else ""))
+            return 1 if failed else 0
+    except LabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

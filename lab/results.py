@@ -1,0 +1,165 @@
+"""The Result record every experiment returns, and run folders under outputs/.
+
+A Result serializes to JSON; it is written atomically (temp file + fsync + rename) so a crash
+mid-write never leaves a partial results.json, and nothing in a run folder is ever overwritten.
+The report, the README tables and the tests all read this same record.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import secrets
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OUTPUTS = ROOT / "outputs"
+
+VERDICTS = ("reproduced", "differs", "needs real weights", "not comparable")
+
+
+@dataclass
+class Comparison:
+    """One published claim set beside our measurement of the same thing."""
+
+    source: str
+    claim: str
+    their_value: float | str | None
+    their_hardware: str
+    our_value: float | str | None
+    our_hardware: str
+    unit: str
+    verdict: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+
+
+@dataclass
+class Result:
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    weights: dict[str, str] = field(default_factory=dict)
+    comparisons: list[Comparison] = field(default_factory=list)
+    headline: dict[str, Any] = field(default_factory=dict)
+    figures: list[str] = field(default_factory=list)
+    tables: dict[str, list[dict]] = field(default_factory=dict)
+
+    def compare(self, **kw: Any) -> Comparison:
+        c = Comparison(**kw)
+        self.comparisons.append(c)
+        return c
+
+    def to_dict(self) -> dict:
+        return _clean(asdict(self))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Result":
+        d = dict(d)
+        d["comparisons"] = [Comparison(**c) for c in d.get("comparisons", [])]
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Result":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def save(self, folder: str | Path, filename: str = "results.json") -> Path:
+        if not self.provenance:
+            from lab.env import provenance
+
+            self.provenance = provenance()
+        return atomic_write_text(Path(folder) / filename, self.to_json())
+
+
+def _clean(x: Any) -> Any:
+    """JSON-safe: numpy/torch scalars → python, NaN/inf → strings, paths → str."""
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    if hasattr(x, "item") and callable(x.item) and getattr(x, "ndim", 0) == 0:
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes, overwrite: bool = False) -> Path:
+    """Write `data` to `path` so readers see either nothing or the whole file.
+
+    Refuses to replace an existing file unless `overwrite` (run folders are append-only).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; run folders are never overwritten (start a new run)")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if not overwrite:
+            # link() fails if the name appeared meanwhile: no silent overwrite even under a race
+            os.link(tmp, path)
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str, overwrite: bool = False) -> Path:
+    return atomic_write_bytes(path, text.encode(), overwrite=overwrite)
+
+
+def new_run_id(now: _dt.datetime | None = None) -> str:
+    """Sortable by time: UTC timestamp to the microsecond plus a random suffix."""
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    return now.strftime("%Y%m%d-%H%M%S-%f") + "-" + secrets.token_hex(2)
+
+
+def run_dir(notebook: str, out_dir: str | Path | None = None, root: str | Path | None = None) -> Path:
+    """The folder a notebook writes into.
+
+    `out_dir` given (the runner passes one, where it also keeps the executed notebook): use it;
+    files in it are still never overwritten. Otherwise a fresh `outputs/<run-id>/<notebook>/`.
+    """
+    if out_dir is not None:
+        p = Path(out_dir)
+    else:
+        p = Path(root or OUTPUTS) / new_run_id() / notebook
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def save_figure(fig: Any, folder: str | Path, name: str, result: Result | None = None) -> Path:
+    """Save a matplotlib figure as PNG atomically and register it on the Result."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    path = atomic_write_bytes(Path(folder) / f"{name}.png", buf.getvalue())
+    if result is not None:
+        result.figures.append(path.name)
+    return path

@@ -1,0 +1,220 @@
+"""Timing: a nested stage timer for pipelines and a `bench()` loop for kernels/modules.
+
+GPU work is asynchronous, so every measurement either uses CUDA events or synchronizes before
+reading a host clock. `bench` follows nanoGPT's bench.py: warm up, synchronize, time many runs,
+report the median.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+
+def sync(device: torch.device | str | None = None) -> None:
+    """Wait for queued GPU work (no-op on CPU)."""
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        torch.cuda.synchronize()
+
+
+def _is_cuda(device: torch.device | str | None) -> bool:
+    return device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+@dataclass
+class _Span:
+    name: str
+    depth: int
+    start: Any
+    end: Any = None
+    cpu_start: float = 0.0
+    cpu_end: float = 0.0
+
+
+class StageTimer:
+    """Named, nestable stage timings.
+
+    With a CUDA device, each stage records a pair of CUDA events (no sync inside the hot loop);
+    `report()` synchronizes once and reads them. On CPU it uses `time.perf_counter`.
+    A stage entered several times (one per batch) accumulates.
+
+        timer = StageTimer(device)
+        with timer.stage("unet"):
+            ...
+        timer.report(n_frames=775)
+    """
+
+    def __init__(self, device: torch.device | str | None = "cpu"):
+        self.cuda = _is_cuda(device)
+        self.spans: list[_Span] = []
+        self._stack: list[str] = []
+        self._wall0 = time.perf_counter()
+        self._wall1: float | None = None
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        full = "/".join(self._stack + [name])
+        span = _Span(full, len(self._stack), None)
+        if self.cuda:
+            span.start = torch.cuda.Event(enable_timing=True)
+            span.end = torch.cuda.Event(enable_timing=True)
+            span.start.record()
+        span.cpu_start = time.perf_counter()
+        self._stack.append(name)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+            if self.cuda:
+                span.end.record()
+            span.cpu_end = time.perf_counter()
+            self.spans.append(span)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Record a duration measured elsewhere (e.g. in a worker thread)."""
+        span = _Span(name, name.count("/"), None, cpu_start=0.0, cpu_end=seconds)
+        self.spans.append(span)
+
+    def stop(self) -> None:
+        self._wall1 = time.perf_counter()
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per stage name (accumulated over repeats), in first-seen order."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        for s in self.spans:
+            if s.start is not None and self.cuda:
+                dt = s.start.elapsed_time(s.end) / 1e3
+            else:
+                dt = s.cpu_end - s.cpu_start
+            out[s.name] = out.get(s.name, 0.0) + dt
+        return out
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.spans:
+            out[s.name] = out.get(s.name, 0) + 1
+        return out
+
+    def wall(self) -> float:
+        end = self._wall1 if self._wall1 is not None else time.perf_counter()
+        return end - self._wall0
+
+    def report(self, n_frames: int | None = None, wall: float | None = None) -> list[dict]:
+        """Rows: stage, seconds, calls, share of top-level total, ms/frame, FPS of that stage."""
+        totals = self.totals()
+        counts = self.counts()
+        top = sum(v for k, v in totals.items() if "/" not in k)
+        rows = []
+        for name, sec in totals.items():
+            row = {"stage": name, "seconds": sec, "calls": counts[name],
+                   "share": sec / top if top > 0 else 0.0}
+            if n_frames:
+                row["ms_per_frame"] = 1e3 * sec / n_frames
+                row["fps"] = n_frames / sec if sec > 0 else float("inf")
+            rows.append(row)
+        return rows
+
+    def table(self, n_frames: int | None = None) -> str:
+        rows = self.report(n_frames)
+        lines = [f"{'stage':<32}{'seconds':>10}{'share':>8}{'calls':>7}" + (f"{'ms/frame':>10}{'FPS':>10}" if n_frames else "")]
+        for r in rows:
+            ind = "  " * r["stage"].count("/")
+            line = f"{ind + r['stage'].split('/')[-1]:<32}{r['seconds']:>10.4f}{100 * r['share']:>7.1f}%{r['calls']:>7}"
+            if n_frames:
+                line += f"{r['ms_per_frame']:>10.3f}{r['fps']:>10.1f}"
+            lines.append(line)
+        return "\n".join(lines)
+
+
+@dataclass
+class BenchResult:
+    median_s: float
+    min_s: float
+    max_s: float
+    iters: int
+    times_s: list[float] = field(repr=False, default_factory=list)
+    flops: int | None = None
+    tflops: float | None = None
+    pct_of_ceiling: float | None = None
+    device: str = "cpu"
+
+    def per_item(self, n: int) -> float:
+        return self.median_s / n
+
+    def throughput(self, n: int) -> float:
+        """Items per second at the median time (e.g. frames/s for a batch of n frames)."""
+        return n / self.median_s
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "times_s"}
+        return d
+
+
+def count_flops(fn: Callable, *args: Any, **kwargs: Any) -> int:
+    """FLOPs of one call, counted by torch.utils.flop_counter (matmul/conv family)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        fn(*args, **kwargs)
+    return int(fc.get_total_flops())
+
+
+def bench(fn: Callable, *args: Any, inputs: Sequence[tuple] | None = None, warmup: int = 3,
+          iters: int = 20, device: torch.device | str | None = None, flops: int | bool | None = None,
+          ceiling_tflops: float | None = None, min_time_s: float = 0.0, **kwargs: Any) -> BenchResult:
+    """Time `fn(*args, **kwargs)`: warm-up, synchronize, `iters` timed runs, median.
+
+    `inputs`: optional list of argument tuples rotated between runs, so repeated runs do not
+    measure a warm L2 (pass several input sets larger than the cache together).
+    `flops`: True to count them with FlopCounterMode on the first input, or a known count.
+    `ceiling_tflops`: a measured matrix ceiling; the result then carries % of it.
+    `min_time_s`: keep timing past `iters` until this much time was measured (short kernels).
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = _is_cuda(device)
+    arg_sets = list(inputs) if inputs else [args]
+    n_flops = None
+    if flops is True:
+        n_flops = count_flops(fn, *arg_sets[0], **kwargs)
+    elif isinstance(flops, int) and not isinstance(flops, bool):
+        n_flops = flops
+    with torch.inference_mode():
+        for i in range(warmup):
+            fn(*arg_sets[i % len(arg_sets)], **kwargs)
+        sync(device)
+        times: list[float] = []
+        i = 0
+        spent = 0.0
+        while i < iters or spent < min_time_s:
+            a = arg_sets[i % len(arg_sets)]
+            if cuda:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn(*a, **kwargs)
+                e.record()
+                e.synchronize()
+                dt = s.elapsed_time(e) / 1e3
+            else:
+                t0 = time.perf_counter()
+                fn(*a, **kwargs)
+                dt = time.perf_counter() - t0
+            times.append(dt)
+            spent += dt
+            i += 1
+            if i > 100 * max(iters, 1):
+                break
+    med = statistics.median(times)
+    res = BenchResult(med, min(times), max(times), len(times), times, device=str(device))
+    if n_flops:
+        res.flops = n_flops
+        res.tflops = n_flops / med / 1e12
+        if ceiling_tflops:
+            res.pct_of_ceiling = 100.0 * res.tflops / ceiling_tflops
+    return res
