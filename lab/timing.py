@@ -218,3 +218,67 @@ def bench(fn: Callable, *args: Any, inputs: Sequence[tuple] | None = None, warmu
         if ceiling_tflops:
             res.pct_of_ceiling = 100.0 * res.tflops / ceiling_tflops
     return res
+
+
+def matmul_ceiling(dtype: torch.dtype = torch.float16, device: torch.device | str = "cuda", n: int = 8192,
+                   iters: int = 20) -> float:
+    """Measured dense matrix-multiply rate in TFLOP/s for an n×n×n product on random data.
+
+    fp8 (float8_e4m3fn) goes through torch._scaled_mm with unit scales. This is the "ceiling"
+    later notebooks quote "% of" against; it is measured, not a datasheet number.
+    """
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    if dtype == torch.float8_e4m3fn:
+        a = torch.randn(n, n, device=dev, generator=g).to(dtype)
+        b = torch.randn(n, n, device=dev, generator=g).to(dtype).t()  # column-major, as _scaled_mm wants
+        one = torch.ones((), device=dev)
+        fn = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+    else:
+        a = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
+        b = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
+        fn = lambda: a @ b  # noqa: E731
+    r = bench(fn, warmup=3, iters=iters, device=dev)
+    return 2 * n**3 / r.median_s / 1e12
+
+
+def copy_bandwidth(device: torch.device | str = "cuda", gib: float = 1.0, iters: int = 20) -> float:
+    """Measured device-to-device copy bandwidth in GB/s (bytes read + bytes written)."""
+    dev = torch.device(device)
+    n = int(gib * 2**30) // 4
+    src = torch.randn(n, device=dev)
+    dst = torch.empty_like(src)
+    r = bench(lambda: dst.copy_(src), warmup=3, iters=iters, device=dev)
+    return 2 * n * 4 / r.median_s / 1e9
+
+
+def ceilings(device: torch.device | str = "cuda", quick: bool = False) -> dict[str, Any]:
+    """The device's measured matrix-multiply rates (TFLOP/s per dtype) and copy bandwidth (GB/s).
+
+    On a GPU: fp32 (tf32 off), tf32, bf16, fp16 and, where compute capability ≥ 8.9, fp8 e4m3.
+    On a CPU: fp32 and bf16 only. A dtype the device cannot run is reported with the reason.
+    """
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    n = (1024 if quick else 8192) if cuda else (256 if quick else 1024)
+    iters = 5 if quick else 20
+    dtypes: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if cuda:
+        dtypes = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        if torch.cuda.get_device_capability(dev) >= (8, 9):
+            dtypes["fp8_e4m3"] = torch.float8_e4m3fn
+    out: dict[str, Any] = {"device": str(dev), "matmul_n": n, "matmul_tflops": {}, "unavailable": {}}
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for name, dt in dtypes.items():
+            torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+            try:
+                out["matmul_tflops"][name] = matmul_ceiling(dt, dev, n=n, iters=iters)
+            except (RuntimeError, NotImplementedError) as e:
+                out["unavailable"][name] = f"{type(e).__name__}: {str(e)[:200]}"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    if cuda and "fp8_e4m3" not in dtypes:
+        out["unavailable"]["fp8_e4m3"] = "compute capability < 8.9: no FP8 tensor cores"
+    out["copy_gbps"] = copy_bandwidth(dev, gib=(0.25 if quick else 2.0) if cuda else 0.05, iters=iters)
+    return out

@@ -1,0 +1,1 @@
+"""Model families: one file each, real architecture + loader ("random" | HF id | local path)."""

@@ -1,0 +1,24 @@
+"""Papermill smoke run of every numbered notebook with quick=True on CPU (one test each)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from lab.results import Result
+from lab.runner import list_notebooks, run_notebook
+
+NOTEBOOKS = list_notebooks()
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
+def test_notebook_smoke(nb: Path, tmp_path: Path):
+    cells = json.loads(nb.read_text())["cells"]
+    assert any("parameters" in c.get("metadata", {}).get("tags", []) for c in cells), "no parameters cell"
+    assert not any(c.get("outputs") for c in cells if c["cell_type"] == "code"), "committed with outputs"
+    entry = run_notebook(nb, tmp_path / nb.stem, {"quick": True, "device": "cpu", "seed": 0})
+    assert entry.status == "ok", entry.error
+    res = Result.load(tmp_path / nb.stem / "results.json")
+    assert res.name == nb.stem
+    assert res.provenance["machine"]
+    for f in res.figures:
+        assert (tmp_path / nb.stem / f).stat().st_size > 1000, f
