@@ -50,6 +50,9 @@ def _cpu_name() -> str:
 
 
 def git_commit() -> str | None:
+    """Short commit of the checkout (+ '-dirty'); LAB_GIT_COMMIT stands in where no .git travelled (GPU host)."""
+    if os.environ.get("LAB_GIT_COMMIT"):
+        return os.environ["LAB_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
                              capture_output=True, text=True, timeout=5)
