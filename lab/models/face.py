@@ -57,7 +57,11 @@ def load_sfd(weights: str = "random", device: str | torch.device = "cpu", dtype:
         if not p.is_file():
             raise WeightsError(f"{p}: SFD weights file not found; expected face-alignment's s3fd state dict "
                                f"(s3fd-619a316812.pth), downloaded on a machine with internet access")
-        net = load_into(s3fd(), p)
+        try:
+            net = load_into(s3fd(), p)
+        except RuntimeError as e:  # load_state_dict raises on shape mismatches even with strict=False
+            raise WeightsError(f"{p}: does not match the S3FD architecture ({str(e).splitlines()[0]} ...); "
+                               f"expected face-alignment's s3fd state dict") from None
         source = f"local file {p}"
     return net.to(device=device, dtype=dtype).eval().requires_grad_(False), source
 
@@ -286,7 +290,7 @@ def prepare_avatar(frames: np.ndarray, source_name: str, cache_dir: str | Path |
         raise InputError(f"crop must be at least 16 pixels, got {crop}")
     detect = detector or detect_face_or_raise
     params = {"crop": int(crop), "per_frame": bool(per_frame), "expand": float(expand),
-              "detector": getattr(detect, "__qualname__", repr(detect))}
+              "detector": "lbp_cascade" if detector is None else getattr(detector, "__qualname__", repr(detector))}
     key = avatar_cache_key(frames, params)
     path = Path(cache_dir) / f"avatar-{key}.npz" if cache_dir is not None else None
     if path is not None and path.exists():

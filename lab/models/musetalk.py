@@ -23,7 +23,7 @@ UNET_CONFIG = dict(
     act_fn="silu", norm_num_groups=32, norm_eps=1e-5, cross_attention_dim=384, attention_head_dim=8,
 )
 UNET_TINY = dict(UNET_CONFIG, block_out_channels=(32, 32, 64, 64), layers_per_block=1, norm_num_groups=8,
-                 cross_attention_dim=384, attention_head_dim=4)
+                 cross_attention_dim=64, attention_head_dim=4)  # matches the tiny Whisper (d_model 64)
 AUDIO_DIM = 384
 AUDIO_TOKENS = 50  # 5 Whisper hidden states × 10-frame window
 

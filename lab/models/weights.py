@@ -57,7 +57,11 @@ def load_into(model: torch.nn.Module, path: str | Path, strip_prefix: str = "") 
     sd = read_state_dict(path)
     if strip_prefix:
         sd = {k[len(strip_prefix):] if k.startswith(strip_prefix) else k: v for k, v in sd.items()}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+    except RuntimeError as e:  # shape mismatches: a checkpoint of another config
+        raise WeightsError(f"{path}: tensor shapes do not match {type(model).__name__} "
+                           f"({str(e).splitlines()[-1].strip()[:300]})") from None
     if missing or unexpected:
         raise WeightsError(f"{path}: does not match {type(model).__name__}: {len(missing)} missing keys "
                            f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})")

@@ -104,7 +104,11 @@ def load_whisper(weights: str = "random", size: str = "full", device: str | torc
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = build()
-        missing, unexpected = model.load_state_dict(sd, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(sd, strict=False)
+        except RuntimeError as e:  # shape mismatches raise even with strict=False
+            raise WeightsError(f"{p}: does not match the Whisper encoder (size={size!r}): "
+                               f"{str(e).splitlines()[-1].strip()[:300]}") from None
         # embed_positions is a fixed sinusoid some exporters drop; anything else missing is a mismatch
         missing = [k for k in missing if k != "embed_positions.weight"]
         if missing or unexpected:

@@ -1,0 +1,1 @@
+"""End-to-end engines composed from lab.models, lab.audio, lab.video and lab.accel."""

@@ -1,0 +1,619 @@
+"""MuseTalk v1.5-shaped lip-sync pipeline, every stage timed.
+
+    audio (any rate) → resample to 16 kHz → Whisper-tiny features (T, 50, 384)
+      → UNet at t=0 on [masked lower-half latent ‖ reference latent] per frame (batched)
+      → VAE decode → blend the 256² face into the full frame → H.264 encode (+ audio mux)
+
+Two modes:
+
+* ``sequential``: one thread does every stage of a batch in turn (what the write-up started from);
+* ``async``: the write-up's triple-buffered producer/consumer. The calling thread is the GPU
+  worker (UNet → decode → [GPU blend] → copy into one of `queue_depth` pinned host buffers); a
+  second thread is the blend+encode worker. Bounded queues carry full and free buffers, so memory
+  is fixed and the GPU never waits unless the encoder falls `queue_depth` batches behind.
+  The overlap is *measured*: hidden = (GPU-busy + post-busy − wall) / post-busy.
+
+Avatars loop forward then backward when the audio is longer than the avatar video (upstream's
+``frame_list + frame_list[::-1]``). Keyframe strides (notebook 05) plug in through
+``Config.stride``: the UNet runs only on keyframes and the latents in between are SLERPed.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lab import audio as lab_audio
+from lab.errors import InputError
+from lab.timing import StageTimer, sync
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MODES = ("sequential", "async")
+WRITERS = ("ffmpeg", "pyav", "null")
+
+
+@dataclass
+class Config:
+    fps: float = 30.0
+    batch_size: int = 16
+    dtype: str = "fp16"
+    decoder: str = "sd-vae"                 # "sd-vae" | "taesd"
+    resampler: str = "torchaudio_gpu"       # any lab.audio backend; falls back to torchaudio_cpu without CUDA
+    mode: str = "sequential"                # "sequential" | "async"
+    size: str = "full"                      # "full" (upstream configs) | "tiny" (CPU tests)
+    frame_size: tuple[int, int] = (1080, 1920)  # composite (width, height)
+    crop: int = 256
+    loop_frames: int = 32                   # frames in the synthetic avatar loop
+    blend: str = "auto"                     # "cpu" (numpy, in the encode worker) | "gpu" (torch, in the GPU worker)
+    writer: str = "ffmpeg"                  # "ffmpeg" | "pyav" | "null" (discard: neural + blend only)
+    preset: str = "ultrafast"               # libx264 preset: the encoder must keep up with the GPU
+    crf: int = 18
+    queue_depth: int = 3
+    channels_last: bool = True
+    stride: int | str = 1                   # 1 = every frame; k = keyframe every k; "adaptive" (lab.accel.stride)
+    max_gap: int = 3                        # adaptive stride: largest keyframe interval
+    allow_silence: bool = False
+    weights: dict[str, str] = field(default_factory=lambda: {"whisper": "random", "unet": "random", "vae": "random"})
+    seed: int = 0
+
+    def check(self) -> "Config":
+        if self.mode not in MODES:
+            raise InputError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.dtype not in DTYPES:
+            raise InputError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.writer not in WRITERS:
+            raise InputError(f"writer must be one of {WRITERS}, got {self.writer!r}")
+        if self.blend not in ("auto", "cpu", "gpu"):
+            raise InputError(f"blend must be 'auto', 'cpu' or 'gpu', got {self.blend!r}")
+        if int(self.batch_size) < 1 or int(self.queue_depth) < 1:
+            raise InputError(f"batch_size and queue_depth must be >= 1, got {self.batch_size}, {self.queue_depth}")
+        if self.fps <= 0:
+            raise InputError(f"fps must be > 0, got {self.fps}")
+        if not (self.stride == "adaptive" or (isinstance(self.stride, int) and self.stride >= 1)):
+            raise InputError(f"stride must be a positive int or 'adaptive', got {self.stride!r}")
+        return self
+
+
+@dataclass
+class Engine:
+    cfg: Config
+    device: torch.device
+    dtype: torch.dtype
+    whisper: torch.nn.Module
+    generator: torch.nn.Module   # (latents8, audio) → latents4, PE inside
+    decoder: torch.nn.Module     # latents → images in [0, 1]
+    vae: Any
+    weights: dict[str, str]
+    avatar: Any = None
+    masked_latents: torch.Tensor | None = None
+    ref_latents: torch.Tensor | None = None
+    frames_gpu: torch.Tensor | None = None
+
+
+def build_engine(cfg: Config, device: torch.device | str = "cpu") -> Engine:
+    """Load Whisper, the UNet and the decoder (weights per cfg.weights: "random", HF id or path)."""
+    from lab.models.musetalk import load_musetalk_unet
+    from lab.models.vae import load_vae
+    from lab.models.whisper import load_whisper
+
+    cfg.check()
+    dev = torch.device(device)
+    dt = DTYPES[cfg.dtype]
+    if dev.type == "cpu" and dt == torch.float16:
+        dt = torch.float32  # many CPU conv kernels lack fp16; the CPU profile is a smoke test anyway
+    if dev.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    w = {"whisper": "random", "unet": "random", "vae": "random", **cfg.weights}
+    whisper, w_src = load_whisper(w["whisper"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
+    unet = load_musetalk_unet(w["unet"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
+    vae = load_vae(cfg.decoder, w["vae"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
+    gen, dec = unet.module(), vae.decoder_module()
+    if cfg.channels_last and dev.type == "cuda":
+        gen = gen.to(memory_format=torch.channels_last)
+        dec = dec.to(memory_format=torch.channels_last)
+    return Engine(cfg, dev, dt, whisper, gen, dec, vae,
+                  {"whisper": w_src, "unet": unet.weights, cfg.decoder: vae.weights})
+
+
+# ---------------------------------------------------------------- avatar
+
+def avatar_loop(n: int, frame_size: tuple[int, int], photo: np.ndarray | None = None, seed: int = 0) -> np.ndarray:
+    """A synthetic anchor video: the photo on a studio backdrop, gently bobbing, (n, H, W, 3) uint8.
+
+    Every frame differs (a few pixels of motion), so no stage is ever timed on identical inputs.
+    """
+    from PIL import Image
+
+    from lab.data import default_avatar
+
+    w, h = frame_size
+    photo = default_avatar() if photo is None else photo
+    side = min(w, h)
+    face = np.asarray(Image.fromarray(photo).resize((side, side), Image.BICUBIC))
+    yy = np.linspace(0, 1, h, dtype=np.float32)[:, None, None]
+    base = (np.array([18, 32, 64], np.float32) * (1 - yy) + np.array([8, 12, 24], np.float32) * yy)
+    base = np.broadcast_to(base, (h, w, 3)).astype(np.uint8).copy()
+    top = max(0, (h - side) // 3)
+    base[top:top + side, (w - side) // 2:(w - side) // 2 + side] = face
+    out = np.empty((n, h, w, 3), np.uint8)
+    for i in range(n):
+        dy = int(round(3 * math.sin(2 * math.pi * i / max(n, 1))))
+        out[i] = np.roll(base, dy, axis=0)
+    return out
+
+
+def pingpong(i: np.ndarray | int, n: int) -> np.ndarray:
+    """Frame index into an n-frame avatar played forward then backward (period 2n)."""
+    i = np.asarray(i) % (2 * n)
+    return np.where(i < n, i, 2 * n - 1 - i)
+
+
+def prepare(engine: Engine, frames: np.ndarray | None = None, source_name: str = "default avatar",
+            cache_dir: str | Path | None = None) -> Engine:
+    """Detect + crop + mask the avatar (cached in the vault) and VAE-encode its latents once."""
+    from lab.models.face import prepare_avatar
+    from lab.models.musetalk import masked_latent_input
+
+    cfg = engine.cfg
+    if frames is None:
+        frames = avatar_loop(cfg.loop_frames, cfg.frame_size, seed=cfg.seed)
+    av = prepare_avatar(frames, source_name, cache_dir=cache_dir, crop=cfg.crop)
+    faces = torch.from_numpy(av.crops).permute(0, 3, 1, 2).float().div(255)
+    m, r = [], []
+    with torch.inference_mode():
+        for s in range(0, len(faces), cfg.batch_size):
+            mi, ri = masked_latent_input(engine.vae, faces[s:s + cfg.batch_size].to(engine.device))
+            m.append(mi)
+            r.append(ri)
+    engine.avatar = av
+    engine.masked_latents = torch.cat(m).to(engine.dtype)
+    engine.ref_latents = torch.cat(r).to(engine.dtype)
+    av.latents = engine.ref_latents.float().cpu().numpy()
+    if _blend_on_gpu(engine):
+        engine.frames_gpu = torch.from_numpy(av.frames).to(engine.device)
+    return engine
+
+
+def _blend_on_gpu(engine: Engine) -> bool:
+    return engine.cfg.blend == "gpu" or (engine.cfg.blend == "auto" and engine.device.type == "cuda")
+
+
+# ---------------------------------------------------------------- stages
+
+def prepare_audio(engine: Engine, audio: np.ndarray, sr: int, timer: StageTimer) -> tuple[np.ndarray, torch.Tensor]:
+    """Resample + silence check + Whisper features → (audio at 16 kHz, features (T, 50, D))."""
+    from lab.models.whisper import musetalk_audio_features
+
+    cfg = engine.cfg
+    audio = np.asarray(audio, dtype=np.float32)
+    if audio.ndim != 1:
+        raise InputError(f"audio of shape {audio.shape}; expected mono (n,) samples (lab.data.load_audio gives that)")
+    if len(audio) < sr / cfg.fps:
+        raise InputError(f"audio of {len(audio)} samples ({1e3 * len(audio) / sr:.1f} ms) is shorter than one video "
+                         f"frame at {cfg.fps} fps ({1e3 / cfg.fps:.1f} ms)")
+    backend = cfg.resampler
+    if backend == "torchaudio_gpu" and engine.device.type != "cuda":
+        backend = "torchaudio_cpu"
+    with timer.stage("resample"):
+        a16 = lab_audio.resample(audio, sr, 16000, backend=backend) if sr != 16000 else audio
+    rms = lab_audio.rms_per_frame(a16, 16000, cfg.fps)
+    if lab_audio.is_silent(rms).all() and not cfg.allow_silence:
+        raise InputError(f"the audio is silent throughout (peak RMS {20 * np.log10(max(rms.max(), 1e-12)):.1f} dBFS "
+                         f"< -40 dBFS): there is nothing to lip-sync. Pass allow_silence=True to render anyway.")
+    with timer.stage("whisper"), torch.inference_mode():
+        feats = musetalk_audio_features(engine.whisper, a16, fps=cfg.fps, batch_size=4)
+    return a16, feats
+
+
+def keyframe_plan(engine: Engine, a16: np.ndarray, n_frames: int) -> np.ndarray:
+    """Frames the UNet runs on: all (stride 1), every k-th, or chosen from the audio ('adaptive')."""
+    from lab.accel import stride as st
+
+    s = engine.cfg.stride
+    if s == "adaptive":
+        return st.adaptive_keyframes(a16, 16000, engine.cfg.fps, n_frames, max_gap=engine.cfg.max_gap).indices
+    return st.keyframe_indices(n_frames, int(s))
+
+
+class _Latents:
+    """Keyframe latents computed on demand, batch by batch, and expanded by SLERP in between."""
+
+    def __init__(self, engine: Engine, feats: torch.Tensor, keys: np.ndarray):
+        self.e, self.feats, self.keys = engine, feats, np.asarray(keys)
+        self.cache: dict[int, torch.Tensor] = {}
+        self.unet_frames = 0
+
+    def _run_unet(self, idx: list[int]) -> None:
+        e = self.e
+        j = torch.as_tensor(pingpong(np.asarray(idx), len(e.masked_latents)), device=e.device)
+        x = torch.cat([e.masked_latents[j], e.ref_latents[j]], dim=1)
+        if e.cfg.channels_last and e.device.type == "cuda":
+            x = x.contiguous(memory_format=torch.channels_last)
+        out = e.generator(x, self.feats[torch.as_tensor(idx, device=self.feats.device)])
+        for k, z in zip(idx, out):
+            self.cache[k] = z
+        self.unet_frames += len(idx)
+
+    def batch(self, s: int, t: int) -> torch.Tensor:
+        from lab.accel.stride import slerp
+
+        frames = np.arange(s, t)
+        pos = np.searchsorted(self.keys, frames, side="right") - 1
+        left = self.keys[np.clip(pos, 0, len(self.keys) - 1)]
+        right = self.keys[np.clip(pos + 1, 0, len(self.keys) - 1)]
+        is_key = left == frames
+        right = np.where(is_key, left, right)
+        need = sorted({int(k) for k in np.concatenate([left, right[~is_key]])} - set(self.cache))
+        if need:
+            self._run_unet(need)
+        for k in [k for k in self.cache if k < left.min()]:
+            del self.cache[k]  # keep memory bounded on long audio
+        z_l = torch.stack([self.cache[int(k)] for k in left])
+        if is_key.all():
+            return z_l
+        z_r = torch.stack([self.cache[int(k)] for k in right])
+        alpha = torch.as_tensor((frames - left) / np.maximum(right - left, 1),
+                                device=z_l.device, dtype=torch.float32)
+        return slerp(z_l, z_r, alpha)
+
+
+def _faces_uint8(images: torch.Tensor) -> torch.Tensor:
+    """(B, 3, h, w) in [0, 1] → (B, h, w, 3) uint8 on the same device."""
+    return images.mul(255).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
+def _open_writer(cfg: Config, out_path: str | Path | None, audio16: np.ndarray):
+    from lab import video
+
+    if cfg.writer == "null" or out_path is None:
+        return None
+    cls = video.FFmpegWriter if cfg.writer == "ffmpeg" else video.PyAVWriter
+    return cls(out_path, cfg.fps, cfg.frame_size, audio=(audio16, 16000), crf=cfg.crf, preset=cfg.preset)
+
+
+def _blend_cpu(engine: Engine, faces: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Vectorized numpy blend of a batch (one resize per distinct box; static avatars have one)."""
+    from lab.video import blend_batch
+
+    av = engine.avatar
+    j = pingpong(idx, len(av.frames))
+    return blend_batch(av.frames[j], faces, av.masks[0], av.boxes[j])
+
+
+@dataclass
+class RunReport:
+    n_frames: int
+    wall_s: float                 # resample → last frame encoded (model load, avatar prep, warm-up excluded)
+    fps: float                    # end-to-end
+    generation_wall_s: float      # the batched loop alone
+    first_frame_s: float          # start → first frame handed to the encoder
+    stages: list[dict]
+    gpu_busy_s: float
+    post_busy_s: float
+    hidden_fraction: float | None  # async only: share of blend+encode time hidden behind GPU work
+    unet_frames: int
+    duty_cycle: float
+    config: dict
+    output: str | None
+    weights: dict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def warmup(engine: Engine) -> None:
+    """One batch through UNet + decoder so cuDNN autotuning and lazy init stay out of the timings."""
+    cfg = engine.cfg
+    b = cfg.batch_size
+    g = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    with torch.inference_mode():
+        x = torch.randn(b, 8, cfg.crop // 8, cfg.crop // 8, generator=g).to(engine.device, engine.dtype)
+        a = torch.randn(b, 50, engine.generator.unet.config.cross_attention_dim, generator=g).to(engine.device, engine.dtype)
+        for _ in range(2):
+            engine.decoder(engine.generator(x, a))
+    sync(engine.device)
+
+
+def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None = None,
+        n_frames: int | None = None, progress: bool = False) -> RunReport:
+    """Render a lip-synced video of `audio` with the prepared avatar; every stage timed."""
+    from tqdm.auto import tqdm
+
+    cfg = engine.cfg
+    if engine.avatar is None:
+        raise InputError("engine has no avatar: call prepare(engine, frames) first")
+    timer = StageTimer(engine.device)
+    t0 = time.perf_counter()
+    a16, feats = prepare_audio(engine, audio, sr, timer)
+    T = feats.shape[0] if n_frames is None else min(int(n_frames), feats.shape[0])
+    keys = keyframe_plan(engine, a16, T)
+    lat = _Latents(engine, feats, keys)
+    writer = _open_writer(cfg, out_path, a16[: int(round(T / cfg.fps * 16000))])
+    gpu_blend = _blend_on_gpu(engine)
+    batches = [(s, min(s + cfg.batch_size, T)) for s in range(0, T, cfg.batch_size)]
+    first = [None]
+    post_busy = [0.0]
+
+    def gpu_work(s: int, t: int, tm: StageTimer) -> torch.Tensor:
+        with tm.stage("unet"):
+            z = lat.batch(s, t)
+        with tm.stage("vae_decode"):
+            img = engine.decoder(z.contiguous(memory_format=torch.channels_last) if cfg.channels_last and engine.device.type == "cuda" else z)
+        faces = _faces_uint8(img)
+        if gpu_blend:
+            from lab.video import blend_torch
+
+            with tm.stage("blend"):
+                j = torch.as_tensor(pingpong(np.arange(s, t), len(engine.frames_gpu)), device=engine.device)
+                faces = blend_torch(engine.frames_gpu[j], faces, torch.from_numpy(engine.avatar.masks[0]).to(engine.device),
+                                    engine.avatar.boxes[pingpong(np.arange(s, t), len(engine.frames_gpu))])
+        return faces
+
+    def post_work(host: np.ndarray, s: int, t: int) -> None:
+        t1 = time.perf_counter()
+        frames = host if gpu_blend else _blend_cpu(engine, host, np.arange(s, t))
+        t2 = time.perf_counter()
+        if writer is not None:
+            writer.write(frames)
+        t3 = time.perf_counter()
+        if first[0] is None:
+            first[0] = t3 - t0
+        if not gpu_blend:
+            timer.add("blend", t2 - t1)
+        timer.add("encode", t3 - t2)
+        post_busy[0] += t3 - t1
+
+    gen0 = time.perf_counter()
+    gpu_busy = 0.0
+    ok = False
+    try:
+        with torch.inference_mode():
+            if cfg.mode == "sequential":
+                for s, t in tqdm(batches, desc="frames", unit="batch", disable=not progress):
+                    g0 = time.perf_counter()
+                    out = gpu_work(s, t, timer)
+                    with timer.stage("d2h"):
+                        host = out.cpu().numpy()
+                    gpu_busy += time.perf_counter() - g0
+                    post_work(host, s, t)
+            else:
+                gpu_busy = _run_async(engine, batches, gpu_work, post_work, timer, progress)
+        ok = True
+    finally:
+        if writer is not None:
+            if ok:
+                with timer.stage("mux_close"):
+                    writer.close()
+            else:
+                writer.abort()
+    timer.stop()
+    wall = time.perf_counter() - t0
+    gen_wall = time.perf_counter() - gen0
+    hidden = None
+    if cfg.mode == "async" and post_busy[0] > 0:
+        hidden = float(np.clip((gpu_busy + post_busy[0] - gen_wall) / post_busy[0], 0.0, 1.0))
+    return RunReport(n_frames=T, wall_s=wall, fps=T / wall, generation_wall_s=gen_wall, first_frame_s=first[0] or wall,
+                     stages=timer.report(n_frames=T), gpu_busy_s=gpu_busy, post_busy_s=post_busy[0],
+                     hidden_fraction=hidden, unet_frames=lat.unet_frames, duty_cycle=lat.unet_frames / max(T, 1),
+                     config={k: v for k, v in asdict(cfg).items()}, output=str(out_path) if writer else None,
+                     weights=engine.weights)
+
+
+def _run_async(engine: Engine, batches: list[tuple[int, int]], gpu_work, post_work, timer: StageTimer,
+               progress: bool) -> float:
+    """GPU worker (this thread) → bounded queue of pinned buffers → blend+encode worker thread."""
+    from tqdm.auto import tqdm
+
+    cfg = engine.cfg
+    depth = cfg.queue_depth
+    pin = engine.device.type == "cuda"
+    free: queue.Queue = queue.Queue()
+    full: queue.Queue = queue.Queue(maxsize=depth)
+    bufs: list[torch.Tensor] = []
+    error: list[BaseException] = []
+
+    def worker() -> None:
+        while True:
+            item = full.get()
+            if item is None:
+                return
+            i, s, t, ev = item
+            try:
+                if ev is not None:
+                    ev.synchronize()  # the copy into this pinned buffer has landed
+                if not error:
+                    post_work(bufs[i][: t - s].numpy(), s, t)
+            except BaseException as e:  # re-raised in the GPU thread
+                error.append(e)
+            free.put(i)
+
+    th = threading.Thread(target=worker, name="blend+encode", daemon=True)
+    th.start()
+    gpu_busy = 0.0
+    try:
+        for s, t in tqdm(batches, desc="frames", unit="batch", disable=not progress):
+            if error:
+                break
+            g0 = time.perf_counter()
+            out = gpu_work(s, t, timer)
+            if len(bufs) < depth + 1 and free.empty():
+                bufs.append(torch.empty((cfg.batch_size, *out.shape[1:]), dtype=out.dtype, pin_memory=pin))
+                i = len(bufs) - 1
+            else:
+                w0 = time.perf_counter()
+                i = free.get()  # blocks when the encoder is `depth` batches behind
+                timer.add("wait_for_encoder", time.perf_counter() - w0)
+            with timer.stage("d2h"):
+                bufs[i][: t - s].copy_(out, non_blocking=pin)
+                ev = None
+                if pin:
+                    ev = torch.cuda.Event()
+                    ev.record()
+            gpu_busy += time.perf_counter() - g0
+            full.put((i, s, t, ev))
+    finally:
+        full.put(None)
+        th.join()
+    if error:
+        raise error[0]
+    return gpu_busy
+
+
+# ---------------------------------------------------------------- variants, waterfall, neural-only, trace
+
+def reconfigure(engine: Engine, **changes: Any) -> Engine:
+    """The same engine under another config: dtype / decoder changes copy or load modules (the
+    originals are untouched, so fp32 masters stay exact); avatar latents are re-encoded."""
+    import copy
+
+    from lab.models.vae import load_vae
+
+    cfg = Config(**{**asdict(engine.cfg), **changes}).check()
+    new = Engine(cfg, engine.device, engine.dtype, engine.whisper, engine.generator, engine.decoder, engine.vae,
+                 dict(engine.weights), engine.avatar, engine.masked_latents, engine.ref_latents, engine.frames_gpu)
+    dt = DTYPES[cfg.dtype]
+    if engine.device.type == "cpu" and dt == torch.float16:
+        dt = torch.float32
+    relatent = False
+    if cfg.decoder != engine.cfg.decoder:
+        w = cfg.weights.get("vae", "random") if cfg.weights.get("vae", "random") == "random" else cfg.weights.get(cfg.decoder, "random")
+        new.vae = load_vae(cfg.decoder, w, size=cfg.size, device=engine.device, dtype=dt, seed=cfg.seed)
+        new.decoder = new.vae.decoder_module()
+        new.weights.pop(engine.cfg.decoder, None)
+        new.weights[cfg.decoder] = new.vae.weights
+        relatent = True
+    if dt != engine.dtype:
+        new.dtype = dt
+        new.whisper = copy.deepcopy(engine.whisper).to(dt)
+        new.generator = copy.deepcopy(engine.generator).to(dt)
+        if not relatent:
+            new.vae = copy.deepcopy(engine.vae)
+            new.vae.model.to(dt)
+            new.decoder = new.vae.decoder_module()
+        else:
+            new.vae.model.to(dt)
+        relatent = True
+    if cfg.channels_last and engine.device.type == "cuda":
+        new.decoder = new.decoder.to(memory_format=torch.channels_last)
+        new.generator = new.generator.to(memory_format=torch.channels_last)
+    if relatent and engine.avatar is not None:
+        prepare(new, engine.avatar.frames, engine.avatar.source_name)
+    return new
+
+
+WATERFALL = [
+    ("baseline: librosa kaiser_best, fp32, batch 1, sequential, SD-VAE",
+     dict(resampler="librosa_kaiser_best", dtype="fp32", batch_size=1, mode="sequential", decoder="sd-vae")),
+    ("+ GPU resampler (torchaudio)", dict(resampler="torchaudio_gpu")),
+    ("+ fp16", dict(dtype="fp16")),
+    ("+ batch 16", dict(batch_size=16)),
+    ("+ async blend/encode", dict(mode="async")),
+    ("SD-VAE → TAESD (quality trade)", dict(decoder="taesd")),
+]
+
+
+def waterfall(engine: Engine, audio: np.ndarray, sr: int, n_frames: int, folder: str | Path | None = None,
+              steps: list[tuple[str, dict]] | None = None, batch_size: int | None = None,
+              progress: bool = True) -> list[dict]:
+    """Each optimization adds a row (changes are cumulative): FPS, speed-up over the first row.
+
+    A resampler that is not installed here (librosa's kaiser_best needs resampy) falls back to
+    librosa's default with the row saying so. Each row renders a full video when `folder` is given.
+    """
+    from tqdm.auto import tqdm
+
+    from lab.errors import BackendUnavailable
+
+    rows: list[dict] = []
+    cur = engine
+    changes: dict[str, Any] = {}
+    for i, (label, ch) in enumerate(tqdm(steps or WATERFALL, desc="waterfall", disable=not progress)):
+        changes.update(ch)
+        if batch_size is not None and changes.get("batch_size", 1) > 1:
+            changes["batch_size"] = batch_size
+        note = ""
+        try:
+            lab_audio.resample(np.zeros(1600, np.float32), 24000, 16000, backend=changes.get("resampler", "torchaudio_cpu"))
+        except BackendUnavailable as e:
+            note = f"{changes['resampler']} unavailable ({e}); used librosa_soxr"
+            changes["resampler"] = "librosa_soxr"
+        cur = reconfigure(cur, **changes)
+        warmup(cur)
+        out = Path(folder) / f"waterfall_{i}.mp4" if folder is not None else None
+        r = run(cur, audio, sr, out, n_frames=n_frames)
+        if out is not None and out.exists():
+            out.unlink()  # the row's video only proved the encode ran; keep the run folder small
+        st = {s["stage"]: s["seconds"] for s in r.stages}
+        rows.append({"step": label, "fps": r.fps, "wall_s": r.wall_s, "speedup": 0.0,
+                     "resample_ms": 1e3 * st.get("resample", 0.0), "unet_s": st.get("unet", 0.0),
+                     "vae_decode_s": st.get("vae_decode", 0.0), "blend_s": st.get("blend", 0.0),
+                     "encode_s": st.get("encode", 0.0), "hidden": r.hidden_fraction,
+                     "first_frame_s": r.first_frame_s, "note": note, "config": r.config})
+    for r_ in rows:
+        r_["speedup"] = r_["fps"] / rows[0]["fps"]
+    return rows
+
+
+def neural_bench(engine: Engine, batch_size: int | None = None, iters: int = 20, ceiling_tflops: float | None = None) -> dict:
+    """UNet + decoder alone on a batch (random latents/audio, rotated): FPS, FLOPs/frame, % of ceiling."""
+    from lab.timing import bench, count_flops
+
+    cfg = engine.cfg
+    b = batch_size or cfg.batch_size
+    g = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+    h = cfg.crop // 8
+    d = engine.generator.unet.config.cross_attention_dim
+    sets = [(torch.randn(b, 8, h, h, generator=g).to(engine.device, engine.dtype),
+             torch.randn(b, 50, d, generator=g).to(engine.device, engine.dtype)) for _ in range(3)]
+    if cfg.channels_last and engine.device.type == "cuda":
+        sets = [(x.contiguous(memory_format=torch.channels_last), a) for x, a in sets]
+
+    def step(x, a):
+        return engine.decoder(engine.generator(x, a))
+
+    flops = count_flops(step, *sets[0])
+    f_unet = count_flops(engine.generator, *sets[0])
+    r = bench(step, inputs=sets, warmup=3, iters=iters, device=engine.device, flops=flops, ceiling_tflops=ceiling_tflops)
+    ru = bench(engine.generator, inputs=sets, warmup=3, iters=iters, device=engine.device, flops=f_unet,
+               ceiling_tflops=ceiling_tflops)
+    lat = [(engine.generator(*s_),) for s_ in sets]
+    rd = bench(engine.decoder, inputs=lat, warmup=3, iters=iters, device=engine.device, flops=flops - f_unet,
+               ceiling_tflops=ceiling_tflops)
+    return {"batch": b, "dtype": cfg.dtype, "decoder": cfg.decoder,
+            "fps": r.throughput(b), "ms_per_batch": 1e3 * r.median_s, "gflop_per_frame": flops / b / 1e9,
+            "tflops": r.tflops, "pct_of_ceiling": r.pct_of_ceiling,
+            "unet_fps": ru.throughput(b), "unet_pct_of_ceiling": ru.pct_of_ceiling,
+            "decoder_fps": rd.throughput(b), "decoder_pct_of_ceiling": rd.pct_of_ceiling,
+            "unet_gflop_per_frame": f_unet / b / 1e9, "decoder_gflop_per_frame": (flops - f_unet) / b / 1e9}
+
+
+def profile_trace(engine: Engine, audio: np.ndarray, sr: int, path: str | Path, n_frames: int | None = None) -> Path:
+    """torch.profiler trace (Chrome/Perfetto JSON, gzipped) of a short run: audio → encode (null writer)."""
+    import gzip
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from lab.results import atomic_write_bytes
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    e = reconfigure(engine, writer="null") if engine.cfg.writer != "null" else engine
+    n = n_frames or 2 * engine.cfg.batch_size
+    with profile(activities=acts, record_shapes=False) as prof:
+        run(e, audio[: int(sr * (n + 1) / engine.cfg.fps)], sr, None, n_frames=n)
+    fd, tmp = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        data = gzip.compress(Path(tmp).read_bytes())
+    finally:
+        os.unlink(tmp)
+    return atomic_write_bytes(path, data)
