@@ -107,3 +107,60 @@ def table_markdown(rows: Sequence[dict], cols: Sequence[str] | None = None, floa
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     out += ["| " + " | ".join(f(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(out)
+
+
+def fps_and_ratio_vs_batch(rows: Sequence[dict], fast: str = "taesd", slow: str = "sd-vae", title: str = ""):
+    """Two panels from decoder-bench rows (decoder, batch, dtype, variant, fps, status): FPS vs batch
+    per decoder × dtype × variant (log-log), and the FPS ratio fast/slow at each batch."""
+    ok = [r for r in rows if r.get("status", "ok") == "ok" and r.get("fps")]
+    fig, (ax, axr) = plt.subplots(1, 2, figsize=(11, 3.8))
+    colors = {slow: "#4c72b0", fast: "#dd8452"}
+    styles = ["-", "--", ":", "-."]
+    combos = sorted({(r["dtype"], r["variant"]) for r in ok})
+    for j, (dt, var) in enumerate(combos):
+        ls = styles[j % len(styles)]
+        per = {}
+        for dec in (slow, fast):
+            pts = sorted((r["batch"], r["fps"]) for r in ok if (r["decoder"], r["dtype"], r["variant"]) == (dec, dt, var))
+            if pts:
+                per[dec] = dict(pts)
+                ax.plot(*zip(*pts), ls, marker="o", ms=3, color=colors.get(dec), label=f"{dec} {dt} {var}")
+        common = sorted(set(per.get(slow, {})) & set(per.get(fast, {})))
+        if common:
+            axr.plot(common, [per[fast][b] / per[slow][b] for b in common], ls, marker="o", ms=3, color="k",
+                     label=f"{dt} {var}")
+    for a in (ax, axr):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("batch (frames per decode call)")
+        a.grid(alpha=0.3, which="both")
+    ax.set_yscale("log")
+    ax.set_ylabel("frames / s")
+    axr.set_ylabel(f"FPS {fast} / FPS {slow}")
+    ax.legend(fontsize=6, ncol=2)
+    if axr.lines:
+        axr.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def labelled_image_grid(images: Sequence[Sequence], row_labels: Sequence[str], col_labels: Sequence[str],
+                        suptitle: str = "", cell: float = 2.2):
+    """A grid of uint8 HWC images: images[r][c], row labels on the left, column labels on top."""
+    nr, nc = len(images), max((len(r) for r in images), default=0)
+    fig, axes = plt.subplots(nr, nc, figsize=(cell * nc, cell * nr + 0.4), squeeze=False)
+    for r in range(nr):
+        for c in range(nc):
+            ax = axes[r][c]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if c < len(images[r]):
+                ax.imshow(images[r][c])
+            if r == 0:
+                ax.set_title(col_labels[c], fontsize=8)
+            if c == 0:
+                ax.set_ylabel(row_labels[r], fontsize=8)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -252,6 +252,11 @@ class _Latents:
         right = np.where(is_key, left, right)
         need = sorted({int(k) for k in np.concatenate([left, right[~is_key]])} - set(self.cache))
         if need:
+            # fill the UNet call up to batch_size with the next keyframes: a frame batch holds only
+            # ~batch/k keyframes, and a small-batch UNet call costs about as much as a full one on a
+            # GPU (launch-bound), so without look-ahead stride k would save little
+            later = [int(k) for k in self.keys[self.keys > need[-1]] if int(k) not in self.cache]
+            need += later[: max(0, self.e.cfg.batch_size - len(need))]
             self._run_unet(need)
         for k in [k for k in self.cache if k < left.min()]:
             del self.cache[k]  # keep memory bounded on long audio
@@ -316,7 +321,7 @@ def warmup(engine: Engine) -> None:
     with torch.inference_mode():
         x = torch.randn(b, 8, cfg.crop // 8, cfg.crop // 8, generator=g).to(engine.device, engine.dtype)
         a = torch.randn(b, 50, engine.generator.unet.config.cross_attention_dim, generator=g).to(engine.device, engine.dtype)
-        for _ in range(2):
+        for _ in range(2 if engine.device.type == "cuda" else 1):  # cuDNN autotunes on the first call
             engine.decoder(engine.generator(x, a))
     sync(engine.device)
 
@@ -580,11 +585,11 @@ def neural_bench(engine: Engine, batch_size: int | None = None, iters: int = 20,
 
     flops = count_flops(step, *sets[0])
     f_unet = count_flops(engine.generator, *sets[0])
-    r = bench(step, inputs=sets, warmup=3, iters=iters, device=engine.device, flops=flops, ceiling_tflops=ceiling_tflops)
-    ru = bench(engine.generator, inputs=sets, warmup=3, iters=iters, device=engine.device, flops=f_unet,
+    r = bench(step, inputs=sets, warmup=min(3, iters), iters=iters, device=engine.device, flops=flops, ceiling_tflops=ceiling_tflops)
+    ru = bench(engine.generator, inputs=sets, warmup=min(3, iters), iters=iters, device=engine.device, flops=f_unet,
                ceiling_tflops=ceiling_tflops)
     lat = [(engine.generator(*s_),) for s_ in sets]
-    rd = bench(engine.decoder, inputs=lat, warmup=3, iters=iters, device=engine.device, flops=flops - f_unet,
+    rd = bench(engine.decoder, inputs=lat, warmup=min(3, iters), iters=iters, device=engine.device, flops=flops - f_unet,
                ceiling_tflops=ceiling_tflops)
     return {"batch": b, "dtype": cfg.dtype, "decoder": cfg.decoder,
             "fps": r.throughput(b), "ms_per_batch": 1e3 * r.median_s, "gflop_per_frame": flops / b / 1e9,

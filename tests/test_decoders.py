@@ -1,0 +1,223 @@
+"""TAESD vs SD-VAE engine (lab.decoders) and the comparator widget (lab.widgets), on tiny configs."""
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from lab import decoders as D
+from lab import widgets
+from lab.errors import InputError
+from lab.models.vae import load_vae
+from lab.results import Result
+
+FIELDS = {"decoder", "batch", "dtype", "variant", "status", "reason", "fps", "ms_per_batch", "ms_per_frame",
+          "gflops_per_frame", "tflops", "ceiling", "ceiling_tflops", "pct_of_ceiling", "psnr_vs_fp32",
+          "max_abs_vs_fp32", "setup_s", "peak_mem_gib", "iters"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny decoders: a second intra-op thread only adds sync cost, and on a busy 2-core runner
+    oversubscribed OpenMP threads make each op ~10× slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def vaes():
+    return {k: load_vae(k, size="tiny") for k in ("sd-vae", "taesd")}
+
+
+@pytest.fixture(scope="module")
+def photos():
+    imgs = D.load_photos(32, ["astronaut-face", "chelsea"])
+    return list(imgs), D.to_tensor(list(imgs.values()))
+
+
+def test_bench_rows_on_tiny_configs(vaes):
+    variants = ["eager", "channels_last", "cuda_graph", "compile", "compile_cudagraphs"]
+    rows = D.bench_decoders(vaes, [1, 2], ["fp32"], variants, latent_hw=4, device="cpu", quick=True, iters=2,
+                            warmup=1, n_sets=2, progress=False)
+    assert len(rows) == 2 * 2 * len(variants)
+    assert [(r["decoder"], r["batch"], r["variant"]) for r in rows[:len(variants)]] == \
+           [("sd-vae", 1, v) for v in variants]  # table order survives the compile-last schedule
+    for r in rows:
+        assert set(r) == FIELDS
+        if r["variant"] in ("eager", "channels_last"):
+            assert r["status"] == "ok", r["reason"]
+            assert r["fps"] > 0 and r["ms_per_batch"] > 0 and r["gflops_per_frame"] > 0
+            assert r["pct_of_ceiling"] > 0 and r["ceiling"] == "fp32"
+            # same latents, same function: eager is bit-identical to the fp32 reference
+            assert r["psnr_vs_fp32"] > 100 and r["max_abs_vs_fp32"] < 1e-4
+        else:
+            assert r["status"] == "skipped" and r["fps"] is None
+            assert len(r["reason"]) > 10
+    compiled = [r for r in rows if r["variant"] == "compile"]
+    assert all("quick" in r["reason"] for r in compiled)
+
+
+def test_compile_off_and_budget_give_reasons(vaes):
+    assert "compile=False" in D.skip_reason("compile", "cpu", quick=False, compile=False)
+    assert D.skip_reason("eager", "cpu", quick=True) is None
+    assert "CUDA" in D.skip_reason("cuda_graph", "cpu", quick=False)
+
+
+def test_flops_scale_with_latent_area(vaes):
+    small, big = D.flops_per_frame(vaes["taesd"], 4), D.flops_per_frame(vaes["taesd"], 8)
+    assert big == pytest.approx(4 * small, rel=1e-6)
+
+
+def test_random_latents_are_rotating_and_unit_std():
+    sets = D.random_latents(8, 16, n_sets=3, seed=1)
+    assert len(sets) == 3 and all(z.shape == (8, 4, 16, 16) for z in sets)
+    assert not torch.equal(sets[0], sets[1])
+    assert all((z != 0).all() for z in sets)
+    assert float(sets[0].std()) == pytest.approx(1.0, abs=0.05)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda v: D.bench_decoders({"vqgan": v["taesd"]}, progress=False), "unknown decoder kind"),
+    (lambda v: D.bench_decoders(v, [0], progress=False), "batch sizes"),
+    (lambda v: D.bench_decoders(v, [1], ["fp8"], progress=False), "unknown dtype"),
+    (lambda v: D.bench_decoders(v, [1], variants=["tensorrt"], progress=False), "unknown variant"),
+    (lambda v: D.random_latents(0, 4), "batch sizes"),
+    (lambda v: D.check_latents(torch.randn(1, 3, 4, 4)), "expected \\(B, 4, h, w\\)"),
+    (lambda v: D.check_latents(torch.randn(4, 4, 4)), "expected \\(B, 4, h, w\\)"),
+    (lambda v: D.check_latents(torch.full((1, 4, 2, 2), float("nan"))), "NaN"),
+    (lambda v: D.splice_latents(torch.randn(1, 4, 4, 4), torch.randn(1, 4, 8, 8)), "same shape"),
+    (lambda v: D.splice_latents(torch.randn(1, 4, 4, 4), torch.randn(1, 3, 4, 4)), "expected \\(B, 4, h, w\\)"),
+    (lambda v: D.round_trip(v, torch.rand(1, 3, 30, 30)), "multiples of 8"),
+    (lambda v: D.load_photos(30), "multiple of 8"),
+    (lambda v: D.load_photos(32, ["lena"]), "unknown photo"),
+])
+def test_bad_inputs_raise_input_error(vaes, call, match):
+    with pytest.raises(InputError, match=match):
+        call(vaes)
+
+
+def test_photos_are_real_and_shift_moves_them():
+    a = D.load_photos(64, ["astronaut-face"])["astronaut-face"]
+    b = D.load_photos(64, ["astronaut-face"], shift=(4, 2))["astronaut-face"]
+    assert a.shape == (64, 64, 3) and a.dtype == np.uint8
+    assert a.std() > 20  # a photo, not a flat image
+    assert np.abs(a.astype(int) - b.astype(int)).mean() > 1
+
+
+def test_round_trip_shapes_range_and_fidelity_table(vaes, photos):
+    names, x = photos
+    rec = D.round_trip(vaes, x)
+    assert set(rec) == {"sd-vae", "taesd", "sd-vae→taesd"}
+    for y in rec.values():
+        assert y.shape == x.shape and y.dtype == torch.float32
+        assert float(y.min()) >= 0 and float(y.max()) <= 1
+    rows = D.fidelity_table(x, rec, names)
+    assert len(rows) == 3 * len(names)
+    for r in rows:
+        for k in ("psnr_db", "mouth_psnr_db", "ssim", "d_sat", "da", "db", "delta_e"):
+            assert math.isfinite(r[k]), k
+        assert isinstance(r["lpips"], float) or r["lpips"].startswith("unavailable: ")
+    mean = D.mean_by(rows, "path", ["psnr_db", "lpips"])
+    assert [m["path"] for m in mean] == ["sd-vae", "taesd", "sd-vae→taesd"] and mean[0]["n"] == len(names)
+
+
+def test_splice_takes_lower_rows_from_generated():
+    up, low = torch.zeros(2, 4, 8, 8), torch.ones(2, 4, 8, 8)
+    z = D.splice_latents(up, low)
+    assert z[:, :, :4].eq(0).all() and z[:, :, 4:].eq(1).all()
+
+
+def test_inpaint_experiment_is_finite(vaes, photos):
+    names, x = photos
+    rows, images = D.inpaint_experiment(vaes, x, torch.roll(x, 1, dims=0), names)
+    assert set(images) == {"composite", "sd-vae", "taesd"}
+    assert all(v.shape == x.shape for v in images.values())
+    # the composite pastes pixels: its upper half is the reference, its lower half the other photo
+    assert torch.equal(images["composite"][:, :, :16], x[:, :, :16])
+    assert len(rows) == 2 * len(names)
+    for r in rows:
+        for k in ("seam", "seam_composite", "psnr_vs_composite_db", "d_sat", "da", "delta_e"):
+            assert math.isfinite(r[k]), (k, r)
+    assert all("vs_sdvae_d_sat" in r for r in rows if r["decoder"] == "taesd")
+
+
+def test_flicker_experiment(vaes):
+    frames = D.to_tensor(D.pan_frames(size=32, n=3))
+    rows, images = D.flicker_experiment(vaes, frames)
+    assert [r["frames"] for r in rows] == ["source", "sd-vae", "taesd"]
+    assert all(math.isfinite(r["flicker"]) and r["flicker"] >= 0 for r in rows)
+    with pytest.raises(InputError, match="at least 3"):
+        D.pan_frames(size=32, n=2)
+
+
+def _rows(sd_fps, taesd_fps, batch=16, dtype="fp16"):
+    base = dict(status="ok", batch=batch, dtype=dtype, variant="eager", pct_of_ceiling=10.0, ceiling=dtype,
+                psnr_vs_fp32=60.0)
+    return [dict(base, decoder="sd-vae", fps=sd_fps), dict(base, decoder="taesd", fps=taesd_fps),
+            dict(base, decoder="sd-vae", fps=sd_fps * 3, variant="compile")]
+
+
+def test_headline_and_speed_comparison_verdicts():
+    rows = _rows(100.0, 1136.0)
+    h = D.headline(rows, 16, "fp16")
+    assert h["sd-vae best FPS b16 fp16"] == 300.0 and h["sd-vae best variant"] == "compile"
+    assert h["taesd/sd-vae FPS ratio (eager vs eager)"] == pytest.approx(11.36)
+    assert h["taesd/sd-vae FPS ratio (best vs best)"] == pytest.approx(1136 / 300, abs=0.01)
+    verdict = {}
+    for name, rs, full in (("same", rows, True), ("far", _rows(100.0, 300.0), True), ("quick", rows, False)):
+        res = Result("02_taesd_vs_vae")
+        D.compare_speed(res, rs, "test machine", full_size=full)
+        verdict[name] = res.comparisons[0].verdict
+        assert all(c.verdict == "not comparable" for c in res.comparisons[1:])  # absolute FPS, other GPU
+    assert verdict == {"same": "reproduced", "far": "differs", "quick": "not comparable"}
+
+
+def test_quality_claims_need_real_weights_when_random():
+    seam = [{"decoder": "taesd", "seam": 2.0, "vs_sdvae_d_sat": 0.1, "vs_sdvae_da": 3.0},
+            {"decoder": "sd-vae", "seam": 1.0}]
+    fid = [{"path": "sd-vae", "photo": "astronaut-face", "mouth_psnr_db": 30.0},
+           {"path": "sd-vae→taesd", "photo": "astronaut-face", "mouth_psnr_db": 25.0}]
+    res = Result("02_taesd_vs_vae")
+    D.compare_quality(res, seam, fid, {"sd-vae": "random (seed 0)", "taesd": "hf:madebyollin/taesd"}, "m")
+    assert [c.verdict for c in res.comparisons] == ["needs real weights"] * 3
+    res = Result("02_taesd_vs_vae")
+    D.compare_quality(res, seam, fid, {"sd-vae": "hf:stabilityai/sd-vae-ft-mse", "taesd": "hf:madebyollin/taesd"}, "m")
+    assert [c.verdict for c in res.comparisons] == ["reproduced"] * 3
+
+
+def test_widgets_import_without_kernel_or_ipywidgets():
+    code = "import sys, lab.widgets as w; assert 'ipywidgets' not in sys.modules; assert not w.frontend_available()"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_comparator_falls_back_to_a_static_figure():
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    rng = np.random.default_rng(0)
+    frames = {k: rng.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8) for k in ("composite", "sd-vae", "taesd")}
+    assert not widgets.resolve_interactive(None)  # pytest: no front end
+    fig = widgets.decoder_comparator(frames, labels=["a", "b"], a="sd-vae", b="taesd")
+    assert isinstance(fig, Figure) and len(fig.axes) >= 2 * 5
+    plt.close(fig)
+    with pytest.raises(InputError, match="not one of"):
+        widgets.comparison_figure(frames, "sd-vae", "vqgan")
+    with pytest.raises(InputError, match="out of range"):
+        widgets.comparison_figure(frames, "sd-vae", "taesd", index=5)
+
+
+def test_comparator_widget_reacts_to_its_controls():
+    pytest.importorskip("ipywidgets")
+    rng = np.random.default_rng(0)
+    frames = {k: rng.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8) for k in ("composite", "sd-vae", "taesd")}
+    box = widgets.decoder_comparator(frames, labels=["face", "cat"], a="sd-vae", b="taesd", interactive=True)
+    (slider, name), (dd_a, dd_b) = box.children[0].children, box.children[1].children
+    assert name.value == "face" and dd_a.value == "sd-vae" and dd_b.value == "taesd"
+    slider.value = 1
+    assert name.value == "cat"
+    dd_b.value = "composite"  # redraws without error
+    assert list(dd_a.options) == ["composite", "sd-vae", "taesd"]

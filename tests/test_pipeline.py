@@ -1,0 +1,189 @@
+"""MuseTalk-style pipeline on tiny configs: shapes, modes, strides, outputs, bad inputs."""
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from lab import data
+from lab.errors import InputError, WeightsError
+from lab.pipelines import musetalk as mt
+from lab.video import read_video_info
+
+FS = (128, 192)  # composite (width, height)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cfg = mt.Config(size="tiny", frame_size=FS, crop=64, loop_frames=5, batch_size=4, dtype="fp32")
+    e = mt.build_engine(cfg, "cpu")
+    mt.prepare(e)
+    mt.warmup(e)
+    return e
+
+
+@pytest.fixture(scope="module")
+def speech():
+    a, sr = data.default_audio()
+    return a[: int(0.6 * sr)], sr
+
+
+def test_upstream_shapes_full_config():
+    # The full UNet is SD1.5-sized: check the config, not a forward (CPU time).
+    from lab.models.musetalk import UNET_CONFIG
+    from lab.models.vae import SD_VAE_CONFIG
+
+    assert UNET_CONFIG["in_channels"] == 8 and UNET_CONFIG["out_channels"] == 4
+    assert UNET_CONFIG["cross_attention_dim"] == 384 and UNET_CONFIG["block_out_channels"] == (320, 640, 1280, 1280)
+    assert SD_VAE_CONFIG["scaling_factor"] == 0.18215
+
+
+def test_vault_latents_and_avatar(engine):
+    av = engine.avatar
+    assert av.crops.shape == (5, 64, 64, 3) and av.masks.shape == (5, 64, 64)
+    assert engine.masked_latents.shape == (5, 4, 8, 8) == engine.ref_latents.shape
+    # the masked input differs from the reference: the lower half was zeroed before encoding
+    assert not torch.allclose(engine.masked_latents, engine.ref_latents)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "async"])
+def test_run_writes_video_with_right_frames(engine, speech, tmp_path, mode):
+    a, sr = speech
+    e = mt.reconfigure(engine, mode=mode)
+    out = tmp_path / f"{mode}.mp4"
+    r = mt.run(e, a, sr, out)
+    assert r.n_frames == 18  # 0.6 s at 30 fps
+    info = read_video_info(out)
+    assert info.n_frames == 18 and abs(info.duration - 0.6) < 0.05 and info.has_audio
+    stages = {s["stage"] for s in r.stages}
+    assert {"resample", "whisper", "unet", "vae_decode", "blend", "encode"} <= stages
+    assert r.fps > 0 and r.first_frame_s <= r.wall_s
+    if mode == "async":
+        assert 0.0 <= r.hidden_fraction <= 1.0
+    else:
+        assert r.hidden_fraction is None
+
+
+def test_sequential_and_async_render_the_same_frames(engine, speech, tmp_path):
+    a, sr = speech
+    frames = {}
+    for mode in ("sequential", "async"):
+        e = mt.reconfigure(engine, mode=mode, writer="null")
+        got = []
+        orig = mt._blend_cpu
+        mt._blend_cpu = lambda eng, faces, idx, _o=orig: got.append(_o(eng, faces, idx)) or got[-1]
+        try:
+            mt.run(e, a, sr, None)
+        finally:
+            mt._blend_cpu = orig
+        frames[mode] = np.concatenate(got)
+    assert np.array_equal(frames["sequential"], frames["async"])
+
+
+def test_blend_only_touches_the_face_box(engine, speech):
+    a, sr = speech
+    got = []
+    orig = mt._blend_cpu
+    mt._blend_cpu = lambda eng, faces, idx, _o=orig: got.append((_o(eng, faces, idx), idx)) or got[-1][0]
+    try:
+        mt.run(mt.reconfigure(engine, writer="null"), a, sr, None, n_frames=4)
+    finally:
+        mt._blend_cpu = orig
+    out, idx = got[0]
+    src = engine.avatar.frames[mt.pingpong(idx, len(engine.avatar.frames))]
+    x0, y0, x1, y1 = engine.avatar.boxes[0]
+    outside = np.ones(out.shape[1:3], bool)
+    outside[y0:y1, x0:x1] = False
+    assert np.array_equal(out[:, outside], src[:, outside])
+    assert not np.array_equal(out[:, y0:y1, x0:x1], src[:, y0:y1, x0:x1])
+
+
+@pytest.mark.parametrize("stride,expect", [(1, 18), (2, 10), (3, 7)])
+def test_stride_runs_unet_on_keyframes_only(engine, speech, stride, expect):
+    a, sr = speech
+    r = mt.run(mt.reconfigure(engine, stride=stride, writer="null"), a, sr, None)
+    assert r.n_frames == 18 and r.unet_frames == expect
+
+
+def test_pingpong_loops_avatar_forward_then_backward():
+    assert mt.pingpong(np.arange(12), 4).tolist() == [0, 1, 2, 3, 3, 2, 1, 0, 0, 1, 2, 3]
+
+
+def test_audio_longer_than_avatar_loops(engine, speech):
+    a, sr = speech  # 18 frames over a 5-frame avatar
+    r = mt.run(mt.reconfigure(engine, writer="null"), a, sr, None)
+    assert r.n_frames == 18
+
+
+def test_audio_shorter_than_one_frame(engine):
+    with pytest.raises(InputError, match="shorter than one video frame"):
+        mt.run(engine, np.full(300, 0.1, np.float32), 24000, None)
+
+
+def test_silence_only(engine):
+    silent = np.zeros(12000, np.float32)
+    with pytest.raises(InputError, match="silent throughout"):
+        mt.run(engine, silent, 24000, None)
+    r = mt.run(mt.reconfigure(engine, allow_silence=True, writer="null"), silent, 24000, None)
+    assert r.n_frames == 15
+
+
+def test_image_with_no_face(engine, tmp_path):
+    from lab.data import load_image
+
+    p = tmp_path / "wall.png"
+    import imageio.v3 as iio
+
+    iio.imwrite(p, np.full((192, 128, 3), 128, np.uint8))
+    with pytest.raises(InputError, match="wall.png"):
+        mt.prepare(engine, load_image(p)[None], source_name=str(p))
+
+
+def test_missing_weights_path(tmp_path):
+    cfg = mt.Config(size="tiny", frame_size=FS, crop=64, dtype="fp32",
+                    weights={"unet": str(tmp_path / "musetalkV15" / "unet.pth")})
+    with pytest.raises(WeightsError, match="unet.pth.*not found"):
+        mt.build_engine(cfg, "cpu")
+
+
+def test_bad_config():
+    with pytest.raises(InputError, match="mode"):
+        mt.Config(mode="parallel").check()
+    with pytest.raises(InputError, match="stride"):
+        mt.Config(stride=0).check()
+    with pytest.raises(InputError, match="batch_size"):
+        mt.Config(batch_size=0).check()
+
+
+def test_writer_error_leaves_no_file(engine, speech, tmp_path, monkeypatch):
+    a, sr = speech
+    out = tmp_path / "broken.mp4"
+
+    def boom(*args, **kw):
+        raise RuntimeError("decoder exploded")
+
+    e = mt.reconfigure(engine, mode="async")
+    monkeypatch.setattr(e, "decoder", boom)
+    with pytest.raises(RuntimeError, match="exploded"):
+        mt.run(e, a, sr, out)
+    assert not out.exists()
+
+
+def test_loaded_audio_file_end_to_end(engine, tmp_path):
+    sr = 44100
+    t = np.arange(int(0.4 * sr)) / sr
+    st = np.stack([np.sin(2 * np.pi * 220 * t), np.sin(2 * np.pi * 330 * t)], 1) * 0.3
+    sf.write(tmp_path / "in.wav", st, sr)
+    a, r_sr = data.load_audio(tmp_path / "in.wav")
+    rep = mt.run(mt.reconfigure(engine, writer="null"), a, r_sr, None)
+    assert rep.n_frames == 12
+
+
+def test_neural_bench_and_trace(engine, speech, tmp_path):
+    nb = mt.neural_bench(engine, iters=1)
+    assert nb["fps"] > 0 and nb["gflop_per_frame"] > nb["unet_gflop_per_frame"] > 0
+    a, sr = speech
+    p = mt.profile_trace(engine, a, sr, tmp_path / "trace.json.gz", n_frames=4)
+    import gzip
+    import json
+
+    assert json.loads(gzip.decompress(p.read_bytes()))["traceEvents"]
