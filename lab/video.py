@@ -533,12 +533,15 @@ class VideoInfo(NamedTuple):
 
 
 def read_video_info(path: str | Path) -> VideoInfo:
-    """Frame count, frame rate, video duration and whether an audio stream exists (PyAV)."""
-    import av
-
+    """Frame count, frame rate, video duration and whether an audio stream exists (PyAV; the
+    ffmpeg binary of imageio-ffmpeg where PyAV is not installed)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: video file not found")
+    try:
+        import av
+    except ImportError:
+        return _read_video_info_ffmpeg(path)
     try:
         with av.open(str(path)) as c:
             if not c.streams.video:
@@ -557,3 +560,20 @@ def read_video_info(path: str | Path) -> VideoInfo:
             return VideoInfo(int(n), fps, dur, bool(c.streams.audio))
     except av.error.FFmpegError as e:
         raise InputError(f"{path}: not readable as a video ({e})") from None
+
+
+def _read_video_info_ffmpeg(path: Path) -> VideoInfo:
+    """Decode-and-count with the ffmpeg binary (slower than PyAV's header read, but always there)."""
+    import re
+
+    import imageio_ffmpeg
+
+    try:
+        n, secs = imageio_ffmpeg.count_frames_and_secs(str(path))
+    except RuntimeError as e:
+        raise InputError(f"{path}: not readable as a video ({e})") from None
+    probe = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-hide_banner", "-i", str(path)],
+                           capture_output=True, text=True).stderr
+    m = re.search(r"Video:.*?([\d.]+) fps", probe)
+    fps = float(m.group(1)) if m else (n / secs if secs else 0.0)
+    return VideoInfo(int(n), fps, n / fps if fps else float(secs), "Audio:" in probe)
