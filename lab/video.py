@@ -157,6 +157,29 @@ def blend_batch(frames: np.ndarray | torch.Tensor, faces: np.ndarray | torch.Ten
                      for i in range(len(frames))])
 
 
+def rgb_to_yuv420p(frames: torch.Tensor) -> torch.Tensor:
+    """RGB uint8 (B, H, W, 3) → I420 bytes (B, H·W·3/2): BT.601 limited range, 2×2-averaged chroma.
+
+    The conversion libx264's yuv420p input expects (what ffmpeg's swscale does by default for
+    rgb24 → yuv420p), done on the frames' device: on a GPU it costs microseconds and takes the
+    single-threaded swscale pass off the encoder.
+    """
+    b, h, w, _ = frames.shape
+    if h % 2 or w % 2:
+        raise InputError(f"frames {w}×{h}: yuv420p needs even width and height")
+    x = frames.to(torch.float32)
+    r, g, bl = x[..., 0], x[..., 1], x[..., 2]
+    y = 16 + (65.738 * r + 129.057 * g + 25.064 * bl) / 256
+    cb = 128 + (-37.945 * r - 74.494 * g + 112.439 * bl) / 256
+    cr = 128 + (112.439 * r - 94.154 * g - 18.285 * bl) / 256
+
+    def sub(c: torch.Tensor) -> torch.Tensor:
+        return c.reshape(b, h // 2, 2, w // 2, 2).mean(dim=(2, 4))
+
+    planes = [y.reshape(b, -1), sub(cb).reshape(b, -1), sub(cr).reshape(b, -1)]
+    return torch.cat(planes, dim=1).round_().clamp_(0, 255).to(torch.uint8)
+
+
 # ---------------------------------------------------------------- writers
 
 def _fps_fraction(fps: float) -> Fraction:
@@ -282,14 +305,19 @@ class FFmpegWriter(_WriterBase):
 
     def __init__(self, path: str | Path, fps: float, size: tuple[int, int],
                  audio: tuple[np.ndarray, int] | None = None, crf: int = 18, preset: str = "veryfast",
-                 overwrite: bool = False):
+                 overwrite: bool = False, pix_fmt: str = "rgb24"):
         import imageio_ffmpeg
 
+        if pix_fmt not in ("rgb24", "yuv420p"):
+            raise InputError(f"pix_fmt must be 'rgb24' or 'yuv420p', got {pix_fmt!r}")
         super().__init__(path, fps, size, audio, crf, overwrite)
+        # yuv420p input: frames already converted (rgb_to_yuv420p, e.g. on the GPU), so ffmpeg
+        # skips its single-threaded swscale RGB→YUV pass and the pipe carries half the bytes
+        self.pix_fmt = pix_fmt
         w, h = self.size
         rate = f"{self.fps.numerator}/{self.fps.denominator}"
         cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-y",
-               "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{w}x{h}", "-r", rate, "-i", "pipe:0"]
+               "-f", "rawvideo", "-pix_fmt", pix_fmt, "-s", f"{w}x{h}", "-r", rate, "-i", "pipe:0"]
         self.wav: Path | None = None
         if self.audio is not None:
             import soundfile as sf
@@ -310,15 +338,29 @@ class FFmpegWriter(_WriterBase):
             self._cleanup_side_files()
             raise BackendUnavailable(f"could not start ffmpeg ({cmd[0]}): {e}") from None
 
+    def _yuv_frames(self, frames: Any) -> np.ndarray:
+        if isinstance(frames, torch.Tensor):
+            frames = frames.detach().cpu().numpy()
+        a = np.asarray(frames)
+        w, h = self.size
+        n = w * h * 3 // 2
+        if a.ndim == 1:
+            a = a[None]
+        if a.ndim != 2 or a.shape[1] != n or a.dtype != np.uint8:
+            raise InputError(f"{self.path}: yuv420p frames of shape {a.shape} and dtype {a.dtype}; expected uint8 "
+                             f"(N, {n}) = Y ({h}×{w}) then U, V ({h // 2}×{w // 2}) per frame")
+        return np.ascontiguousarray(a)
+
     def _stderr(self) -> str:
         self._log.seek(0)
         return self._log.read().decode(errors="replace").strip()[-2000:]
 
     def write(self, frames: Any) -> None:
-        """One frame (H, W, 3) or a batch (N, H, W, 3), RGB uint8 (numpy or tensor)."""
+        """One frame (H, W, 3) or a batch (N, H, W, 3), RGB uint8 (numpy or tensor); with
+        pix_fmt='yuv420p', I420 planes per frame: (N, H·W·3/2) uint8 (see rgb_to_yuv420p)."""
         if self.closed:
             raise RuntimeError(f"{self.path}: writer is closed")
-        a = self._frames(frames)
+        a = self._frames(frames) if self.pix_fmt == "rgb24" else self._yuv_frames(frames)
         try:
             self.proc.stdin.write(memoryview(a).cast("B"))
         except (BrokenPipeError, OSError):

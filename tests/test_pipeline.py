@@ -162,7 +162,7 @@ def test_writer_error_leaves_no_file(engine, speech, tmp_path, monkeypatch):
         raise RuntimeError("decoder exploded")
 
     e = mt.reconfigure(engine, mode="async")
-    monkeypatch.setattr(e, "decoder", boom)
+    monkeypatch.setattr(e, "dec_fn", boom)
     with pytest.raises(RuntimeError, match="exploded"):
         mt.run(e, a, sr, out)
     assert not out.exists()

@@ -184,3 +184,35 @@ def test_read_video_info_errors(tmp_path):
     (tmp_path / "junk.mp4").write_bytes(b"not a video")
     with pytest.raises(InputError, match="junk.mp4"):
         read_video_info(tmp_path / "junk.mp4")
+
+
+def test_yuv420p_pipe_matches_rgb_pipe(tmp_path):
+    """Converting to I420 ourselves must give the same video as ffmpeg's own rgb24 → yuv420p."""
+    import imageio.v3 as iio
+    import torch
+
+    from lab.video import FFmpegWriter, rgb_to_yuv420p
+
+    rng = np.random.default_rng(0)
+    base = np.kron(rng.integers(0, 255, (6, 8, 3), dtype=np.uint8), np.ones((8, 8, 1), np.uint8))  # 48×64 blocks
+    frames = np.stack([np.roll(base, i, axis=1) for i in range(6)])
+    with FFmpegWriter(tmp_path / "rgb.mp4", 30, (64, 48), crf=0, preset="ultrafast") as w:
+        w.write(frames)
+    with FFmpegWriter(tmp_path / "yuv.mp4", 30, (64, 48), crf=0, preset="ultrafast", pix_fmt="yuv420p") as w:
+        w.write(rgb_to_yuv420p(torch.from_numpy(frames)))
+    a = np.stack(list(iio.imiter(tmp_path / "rgb.mp4"))).astype(float)
+    b = np.stack(list(iio.imiter(tmp_path / "yuv.mp4"))).astype(float)
+    assert a.shape == b.shape == frames.shape
+    d = np.abs(a - b)
+    assert np.median(d) <= 1 and d.mean() < 3.0  # chroma filters differ at block edges; colours must not
+    assert np.abs(b - frames).mean() < 6.0
+
+
+def test_yuv_writer_rejects_rgb_frames(tmp_path):
+    from lab.video import FFmpegWriter
+
+    w = FFmpegWriter(tmp_path / "x.mp4", 30, (64, 48), pix_fmt="yuv420p")
+    with pytest.raises(InputError, match="yuv420p frames"):
+        w.write(np.zeros((48, 64, 3), np.uint8))
+    w.abort()
+    assert not (tmp_path / "x.mp4").exists()

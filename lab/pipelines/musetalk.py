@@ -53,6 +53,8 @@ class Config:
     loop_frames: int = 32                   # frames in the synthetic avatar loop
     blend: str = "auto"                     # "cpu" (numpy, in the encode worker) | "gpu" (torch, in the GPU worker)
     writer: str = "ffmpeg"                  # "ffmpeg" | "pyav" | "null" (discard: neural + blend only)
+    pipe_format: str = "auto"               # "rgb24" | "yuv420p" (converted on the GPU) | "auto": yuv420p when blending on the GPU
+    compile: str = "none"                   # "none" | "default" | "reduce-overhead" (torch.compile + CUDA graphs) for UNet and decoder
     preset: str = "ultrafast"               # libx264 preset: the encoder must keep up with the GPU
     crf: int = 18
     queue_depth: int = 3
@@ -70,6 +72,10 @@ class Config:
             raise InputError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.writer not in WRITERS:
             raise InputError(f"writer must be one of {WRITERS}, got {self.writer!r}")
+        if self.pipe_format not in ("auto", "rgb24", "yuv420p"):
+            raise InputError(f"pipe_format must be 'auto', 'rgb24' or 'yuv420p', got {self.pipe_format!r}")
+        if self.compile not in ("none", "default", "reduce-overhead"):
+            raise InputError(f"compile must be 'none', 'default' or 'reduce-overhead', got {self.compile!r}")
         if self.blend not in ("auto", "cpu", "gpu"):
             raise InputError(f"blend must be 'auto', 'cpu' or 'gpu', got {self.blend!r}")
         if int(self.batch_size) < 1 or int(self.queue_depth) < 1:
@@ -95,6 +101,21 @@ class Engine:
     masked_latents: torch.Tensor | None = None
     ref_latents: torch.Tensor | None = None
     frames_gpu: torch.Tensor | None = None
+    gen_fn: Any = None           # what run() calls: the eager modules or their torch.compile wrappers
+    dec_fn: Any = None
+    compile_s: float = 0.0
+
+
+def _finalize(engine: Engine) -> Engine:
+    """Point gen_fn/dec_fn at eager or compiled modules per cfg.compile (compiles lazily, in warmup)."""
+    mode = engine.cfg.compile
+    if mode == "none":
+        engine.gen_fn, engine.dec_fn = engine.generator, engine.decoder
+    else:
+        kw = {} if mode == "default" else {"mode": mode}
+        engine.gen_fn = torch.compile(engine.generator, dynamic=False, **kw)
+        engine.dec_fn = torch.compile(engine.decoder, dynamic=False, **kw)
+    return engine
 
 
 def build_engine(cfg: Config, device: torch.device | str = "cpu") -> Engine:
@@ -118,8 +139,8 @@ def build_engine(cfg: Config, device: torch.device | str = "cpu") -> Engine:
     if cfg.channels_last and dev.type == "cuda":
         gen = gen.to(memory_format=torch.channels_last)
         dec = dec.to(memory_format=torch.channels_last)
-    return Engine(cfg, dev, dt, whisper, gen, dec, vae,
-                  {"whisper": w_src, "unet": unet.weights, cfg.decoder: vae.weights})
+    return _finalize(Engine(cfg, dev, dt, whisper, gen, dec, vae,
+                            {"whisper": w_src, "unet": unet.weights, cfg.decoder: vae.weights}))
 
 
 # ---------------------------------------------------------------- avatar
@@ -231,15 +252,21 @@ class _Latents:
         self.unet_frames = 0
 
     def _run_unet(self, idx: list[int]) -> None:
+        """UNet calls on exactly batch_size keyframes each (the last chunk padded by repetition), so
+        every call has one shape: no re-autotuning, no recompiles, CUDA graphs replay."""
         e = self.e
-        j = torch.as_tensor(pingpong(np.asarray(idx), len(e.masked_latents)), device=e.device)
-        x = torch.cat([e.masked_latents[j], e.ref_latents[j]], dim=1)
-        if e.cfg.channels_last and e.device.type == "cuda":
-            x = x.contiguous(memory_format=torch.channels_last)
-        out = e.generator(x, self.feats[torch.as_tensor(idx, device=self.feats.device)])
-        for k, z in zip(idx, out):
-            self.cache[k] = z
-        self.unet_frames += len(idx)
+        b = e.cfg.batch_size
+        for c in range(0, len(idx), b):
+            chunk = idx[c:c + b]
+            pad = chunk + [chunk[-1]] * (b - len(chunk))
+            j = torch.as_tensor(pingpong(np.asarray(pad), len(e.masked_latents)), device=e.device)
+            x = torch.cat([e.masked_latents[j], e.ref_latents[j]], dim=1)
+            if e.cfg.channels_last and e.device.type == "cuda":
+                x = x.contiguous(memory_format=torch.channels_last)
+            out = e.gen_fn(x, self.feats[torch.as_tensor(pad, device=self.feats.device)]).clone()  # graphs reuse their output memory
+            for k, z in zip(chunk, out):
+                self.cache[k] = z
+            self.unet_frames += len(chunk)
 
     def batch(self, s: int, t: int) -> torch.Tensor:
         from lab.accel.stride import slerp
@@ -269,18 +296,40 @@ class _Latents:
         return slerp(z_l, z_r, alpha)
 
 
+def _decode(engine: Engine, z: torch.Tensor) -> torch.Tensor:
+    """Decoder on exactly batch_size latents (tail padded), result trimmed back."""
+    n, b = z.shape[0], engine.cfg.batch_size
+    if n < b:
+        z = torch.cat([z, z[-1:].expand(b - n, *z.shape[1:])])
+    if engine.cfg.channels_last and engine.device.type == "cuda":
+        z = z.contiguous(memory_format=torch.channels_last)
+    return engine.dec_fn(z)[:n]
+
+
+def _pipe_format(engine: Engine) -> str:
+    f = engine.cfg.pipe_format
+    if f == "auto":
+        return "yuv420p" if _blend_on_gpu(engine) and engine.cfg.writer == "ffmpeg" else "rgb24"
+    return f
+
+
 def _faces_uint8(images: torch.Tensor) -> torch.Tensor:
     """(B, 3, h, w) in [0, 1] → (B, h, w, 3) uint8 on the same device."""
     return images.mul(255).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
-def _open_writer(cfg: Config, out_path: str | Path | None, audio16: np.ndarray):
+def _open_writer(engine: Engine, out_path: str | Path | None, audio16: np.ndarray):
     from lab import video
 
+    cfg = engine.cfg
     if cfg.writer == "null" or out_path is None:
         return None
-    cls = video.FFmpegWriter if cfg.writer == "ffmpeg" else video.PyAVWriter
-    return cls(out_path, cfg.fps, cfg.frame_size, audio=(audio16, 16000), crf=cfg.crf, preset=cfg.preset)
+    if cfg.writer == "ffmpeg":
+        return video.FFmpegWriter(out_path, cfg.fps, cfg.frame_size, audio=(audio16, 16000), crf=cfg.crf,
+                                  preset=cfg.preset, pix_fmt=_pipe_format(engine))
+    if _pipe_format(engine) != "rgb24":
+        raise InputError("pipe_format='yuv420p' needs writer='ffmpeg' (PyAV takes RGB frames)")
+    return video.PyAVWriter(out_path, cfg.fps, cfg.frame_size, audio=(audio16, 16000), crf=cfg.crf, preset=cfg.preset)
 
 
 def _blend_cpu(engine: Engine, faces: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -314,16 +363,33 @@ class RunReport:
 
 
 def warmup(engine: Engine) -> None:
-    """One batch through UNet + decoder so cuDNN autotuning and lazy init stay out of the timings."""
+    """Everything that happens once per process, kept out of the timings: the resampler's and
+    Whisper's first calls (kernel load), cuDNN autotuning at the one batch shape every call uses,
+    and torch.compile (its time is recorded in engine.compile_s)."""
+    from lab.models.whisper import musetalk_audio_features
+
     cfg = engine.cfg
     b = cfg.batch_size
     g = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    noise = (0.1 * torch.randn(24000, generator=g)).numpy()
+    backend = cfg.resampler if (cfg.resampler != "torchaudio_gpu" or engine.device.type == "cuda") else "torchaudio_cpu"
+    t0 = time.perf_counter()
     with torch.inference_mode():
+        a16 = lab_audio.resample(noise, 24000, 16000, backend=backend)
+        musetalk_audio_features(engine.whisper, a16, fps=cfg.fps)
         x = torch.randn(b, 8, cfg.crop // 8, cfg.crop // 8, generator=g).to(engine.device, engine.dtype)
+        if cfg.channels_last and engine.device.type == "cuda":
+            x = x.contiguous(memory_format=torch.channels_last)
         a = torch.randn(b, 50, engine.generator.unet.config.cross_attention_dim, generator=g).to(engine.device, engine.dtype)
-        for _ in range(2 if engine.device.type == "cuda" else 1):  # cuDNN autotunes on the first call
-            engine.decoder(engine.generator(x, a))
+        reps = 1 if engine.device.type == "cpu" and cfg.compile == "none" else 3  # CUDA graphs record on the 2nd+ call
+        for _ in range(reps):
+            if cfg.compile == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            z = engine.gen_fn(x, a).clone()
+            _decode(engine, z)
     sync(engine.device)
+    if cfg.compile != "none":
+        engine.compile_s = time.perf_counter() - t0
 
 
 def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None = None,
@@ -340,17 +406,22 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
     T = feats.shape[0] if n_frames is None else min(int(n_frames), feats.shape[0])
     keys = keyframe_plan(engine, a16, T)
     lat = _Latents(engine, feats, keys)
-    writer = _open_writer(cfg, out_path, a16[: int(round(T / cfg.fps * 16000))])
     gpu_blend = _blend_on_gpu(engine)
+    yuv = _pipe_format(engine) == "yuv420p"
+    if yuv and not gpu_blend:
+        raise InputError("pipe_format='yuv420p' needs blend='gpu' (the conversion runs after the GPU blend)")
+    writer = _open_writer(engine, out_path, a16[: int(round(T / cfg.fps * 16000))])
     batches = [(s, min(s + cfg.batch_size, T)) for s in range(0, T, cfg.batch_size)]
     first = [None]
     post_busy = [0.0]
 
     def gpu_work(s: int, t: int, tm: StageTimer) -> torch.Tensor:
+        if cfg.compile == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
         with tm.stage("unet"):
             z = lat.batch(s, t)
         with tm.stage("vae_decode"):
-            img = engine.decoder(z.contiguous(memory_format=torch.channels_last) if cfg.channels_last and engine.device.type == "cuda" else z)
+            img = _decode(engine, z)
         faces = _faces_uint8(img)
         if gpu_blend:
             from lab.video import blend_torch
@@ -359,6 +430,11 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
                 j = torch.as_tensor(pingpong(np.arange(s, t), len(engine.frames_gpu)), device=engine.device)
                 faces = blend_torch(engine.frames_gpu[j], faces, torch.from_numpy(engine.avatar.masks[0]).to(engine.device),
                                     engine.avatar.boxes[pingpong(np.arange(s, t), len(engine.frames_gpu))])
+            if yuv:
+                from lab.video import rgb_to_yuv420p
+
+                with tm.stage("yuv420p"):
+                    faces = rgb_to_yuv420p(faces)
         return faces
 
     def post_work(host: np.ndarray, s: int, t: int) -> None:
@@ -510,16 +586,24 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
         new.generator = new.generator.to(memory_format=torch.channels_last)
     if relatent and engine.avatar is not None:
         prepare(new, engine.avatar.frames, engine.avatar.source_name)
+    if cfg.compile != engine.cfg.compile or relatent:
+        _finalize(new)
+    else:
+        new.gen_fn, new.dec_fn, new.compile_s = engine.gen_fn, engine.dec_fn, engine.compile_s
     return new
 
 
 WATERFALL = [
     ("baseline: librosa kaiser_best, fp32, batch 1, sequential, SD-VAE",
-     dict(resampler="librosa_kaiser_best", dtype="fp32", batch_size=1, mode="sequential", decoder="sd-vae")),
+     dict(resampler="librosa_kaiser_best", dtype="fp32", batch_size=1, mode="sequential", decoder="sd-vae",
+          blend="cpu", pipe_format="rgb24", compile="none", stride=1)),
     ("+ GPU resampler (torchaudio)", dict(resampler="torchaudio_gpu")),
     ("+ fp16", dict(dtype="fp16")),
     ("+ batch 16", dict(batch_size=16)),
     ("+ async blend/encode", dict(mode="async")),
+    ("+ blend on the GPU", dict(blend="auto")),
+    ("+ RGB→YUV420 on the GPU (half the pipe, no swscale)", dict(pipe_format="auto")),
+    ("+ torch.compile + CUDA graphs (UNet, decoder)", dict(compile="reduce-overhead")),
     ("SD-VAE → TAESD (quality trade)", dict(decoder="taesd")),
 ]
 
@@ -560,7 +644,7 @@ def waterfall(engine: Engine, audio: np.ndarray, sr: int, n_frames: int, folder:
                      "resample_ms": 1e3 * st.get("resample", 0.0), "unet_s": st.get("unet", 0.0),
                      "vae_decode_s": st.get("vae_decode", 0.0), "blend_s": st.get("blend", 0.0),
                      "encode_s": st.get("encode", 0.0), "hidden": r.hidden_fraction,
-                     "first_frame_s": r.first_frame_s, "note": note, "config": r.config})
+                     "first_frame_s": r.first_frame_s, "compile_s": cur.compile_s, "note": note, "config": r.config})
     for r_ in rows:
         r_["speedup"] = r_["fps"] / rows[0]["fps"]
     return rows
@@ -580,18 +664,32 @@ def neural_bench(engine: Engine, batch_size: int | None = None, iters: int = 20,
     if cfg.channels_last and engine.device.type == "cuda":
         sets = [(x.contiguous(memory_format=torch.channels_last), a) for x, a in sets]
 
-    def step(x, a):
-        return engine.decoder(engine.generator(x, a))
+    def mark() -> None:
+        if cfg.compile == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
 
-    flops = count_flops(step, *sets[0])
+    def step(x, a):
+        mark()
+        return engine.dec_fn(engine.gen_fn(x, a).clone())
+
+    def unet(x, a):
+        mark()
+        return engine.gen_fn(x, a)
+
+    def dec(z):
+        mark()
+        return engine.dec_fn(z)
+
+    flops = count_flops(lambda x, a: engine.decoder(engine.generator(x, a)), *sets[0])  # FLOPs of the eager graph
     f_unet = count_flops(engine.generator, *sets[0])
     r = bench(step, inputs=sets, warmup=min(3, iters), iters=iters, device=engine.device, flops=flops, ceiling_tflops=ceiling_tflops)
-    ru = bench(engine.generator, inputs=sets, warmup=min(3, iters), iters=iters, device=engine.device, flops=f_unet,
+    ru = bench(unet, inputs=sets, warmup=min(3, iters), iters=iters, device=engine.device, flops=f_unet,
                ceiling_tflops=ceiling_tflops)
-    lat = [(engine.generator(*s_),) for s_ in sets]
-    rd = bench(engine.decoder, inputs=lat, warmup=min(3, iters), iters=iters, device=engine.device, flops=flops - f_unet,
+    cl = cfg.channels_last and engine.device.type == "cuda"
+    lat = [(engine.generator(*s_).contiguous(memory_format=torch.channels_last) if cl else engine.generator(*s_),) for s_ in sets]
+    rd = bench(dec, inputs=lat, warmup=min(3, iters), iters=iters, device=engine.device, flops=flops - f_unet,
                ceiling_tflops=ceiling_tflops)
-    return {"batch": b, "dtype": cfg.dtype, "decoder": cfg.decoder,
+    return {"batch": b, "dtype": cfg.dtype, "decoder": cfg.decoder, "compile": cfg.compile,
             "fps": r.throughput(b), "ms_per_batch": 1e3 * r.median_s, "gflop_per_frame": flops / b / 1e9,
             "tflops": r.tflops, "pct_of_ceiling": r.pct_of_ceiling,
             "unet_fps": ru.throughput(b), "unet_pct_of_ceiling": ru.pct_of_ceiling,
