@@ -164,3 +164,80 @@ def labelled_image_grid(images: Sequence[Sequence], row_labels: Sequence[str], c
         fig.suptitle(suptitle, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def layer_errors(reports: dict[str, Sequence[dict]], value: str = "out_rel_err", title: str = ""):
+    """Per-layer error bars in execution order, one panel per model, coloured by execution path
+    (rows as in `FP8Report.rows()`: name, path, out_rel_err, weight_rel_err)."""
+    colors = {"weight_only": "#8c8c8c", "gemm": "#4c72b0", "im2col": "#dd8452", "triton": "#55a868"}
+    names = [k for k, v in reports.items() if v]
+    fig, axes = plt.subplots(len(names) or 1, 1, figsize=(10, 2.3 * max(1, len(names))), squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        rows = [r for r in reports[name] if r.get(value) is not None]
+        ax.bar(range(len(rows)), [100 * r[value] for r in rows], color=[colors.get(r["path"], "#c44e52") for r in rows],
+               width=0.85)
+        if rows and "weight_rel_err" in rows[0]:
+            ax.plot(range(len(rows)), [100 * (r.get("weight_rel_err") or 0) for r in rows], "k.", ms=3, label="weight")
+        ax.set_ylabel("rel. L2 err (%)", fontsize=8)
+        ax.set_title(f"{name}: {len(rows)} FP8 layers", fontsize=8, loc="left")
+        ax.set_xlim(-1, max(len(rows), 1))
+        ax.tick_params(labelsize=7)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    axes[0, 0].legend(handles + [plt.Line2D([], [], color="k", marker=".", ls="")], list(colors) + ["weight error"],
+                      fontsize=7, ncol=5, loc="upper right")
+    axes[-1, 0].set_xlabel("layer (execution order)", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def grouped_bars(labels: Sequence[str], series: dict[str, Sequence[float | None]], ylabel: str, title: str = "",
+                 logy: bool = False):
+    """Bars grouped per label (e.g. ms per conv shape for fp16 / fp8 paths); None values are left out."""
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels) * max(1, len(series)) / 2 + 2), 3.6))
+    x = np.arange(len(labels))
+    w = 0.8 / max(1, len(series))
+    for i, (name, vals) in enumerate(series.items()):
+        ys = [v if v is not None else 0.0 for v in vals]
+        ax.bar(x + (i - (len(series) - 1) / 2) * w, ys, w, label=name)
+    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def speed_quality(rows: Sequence[dict], x: str = "speedup", y: str = "psnr_vs_eager", label: str = "backend",
+                  group: str = "model", title: str = "", y_cap: float = 120.0, y_line: float | None = None):
+    """Scatter of speed (x) against output fidelity (y) per row, one marker style per group.
+    Infinite/identical values (e.g. PSNR of eager against itself) are drawn at y_cap and noted."""
+    import math
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    markers = "osD^vP*X"
+    groups = list(dict.fromkeys(str(r.get(group)) for r in rows))
+    capped = False
+    for gi, g in enumerate(groups):
+        pts = [r for r in rows if str(r.get(group)) == g and r.get(x) is not None and r.get(y) is not None]
+        for r in pts:
+            yv = float(r[y])
+            if not math.isfinite(yv) or yv > y_cap:
+                yv, capped = y_cap, True
+            ax.scatter(float(r[x]), yv, marker=markers[gi % len(markers)], s=36,
+                       label=g if r is pts[0] else None, color=plt.get_cmap("tab10")(gi % 10))
+            ax.annotate(str(r.get(label)), (float(r[x]), yv), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    if y_line is not None:
+        ax.axhline(y_line, color="#c44e52", ls="--", lw=0.8)
+    ax.set_xlabel(x)
+    ax.set_ylabel(y + (f" (≥{y_cap:g} drawn at {y_cap:g})" if capped else ""))
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,562 @@
+"""FP8 (e4m3) quantization: scales, casts, the GEMM layouts (checked on CPU against float references),
+the Triton kernel (through Triton's CPU interpreter), quantize_module on the lab's models, edge cases.
+
+GPU tests (`-m gpu`) run the real `torch._scaled_mm` / Triton paths on an FP8 GPU (sm >= 8.9).
+"""
+import json
+import math
+import shutil
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lab.accel import fp8, fp8_triton
+from lab.accel.fp8 import E4M3, E4M3_MAX, FP8Conv2d, FP8Linear, quantize_module
+from lab.errors import InputError
+from lab.results import _clean
+
+HALF_ULP = 2.0**-4  # e4m3 has 3 mantissa bits: round-to-nearest error <= 2^-4 relative
+SUBNORMAL_HALF_STEP = 2.0**-10  # smallest e4m3 step is 2^-9 (of the scale)
+
+
+def _quiet(fn, *a, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*a, **kw)
+
+
+# ----------------------------------------------------------------------------- scales and casts
+
+def test_per_tensor_scale_is_the_writeups_formula():
+    w = torch.randn(8, 4, 3, 3)
+    w[2, 1, 0, 0] = -5.0
+    s = fp8.weight_scale(w, "per_tensor")
+    assert s.shape == () and s.dtype == torch.float32
+    assert s.item() == pytest.approx(5.0 / 448)
+
+
+def test_per_channel_scale_is_one_per_output_channel():
+    w = torch.randn(6, 5) * torch.arange(1, 7).float()[:, None]
+    s = fp8.weight_scale(w, "per_channel")
+    assert s.shape == (6,)
+    torch.testing.assert_close(s, w.abs().amax(dim=1) / 448)
+    q, sat = fp8.quantize(w, s)
+    assert sat == 0
+    # each row's largest magnitude lands on the top of the e4m3 range
+    torch.testing.assert_close(q.float().abs().amax(dim=1), torch.full((6,), 448.0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(log_mag=st.floats(-6, 6), scheme=st.sampled_from(fp8.SCHEMES), seed=st.integers(0, 2**16))
+def test_quantize_dequantize_error_is_bounded(log_mag, scheme, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(16, 24, generator=g) * 10.0**log_mag
+    s = fp8.weight_scale(w, scheme)
+    q, sat = fp8.quantize(w, s)
+    assert q.dtype == E4M3 and sat == 0
+    deq = fp8.dequantize(q, s)
+    bound = torch.maximum(w.abs() * HALF_ULP, fp8._bcast(s, 2) * SUBNORMAL_HALF_STEP) * (1 + 1e-6)
+    assert torch.all((deq - w).abs() <= bound)
+
+
+def test_all_zero_weights_give_finite_scale_and_no_nan():
+    conv = nn.Conv2d(16, 16, 3, padding=1)
+    with torch.no_grad():
+        conv.weight.zero_()
+    for scheme in fp8.SCHEMES:
+        layer = FP8Conv2d.from_float(conv, scheme=scheme)
+        assert torch.isfinite(layer.w_scale).all() and (layer.w_scale > 0).all()
+        x = torch.randn(1, 16, 5, 5)
+        out = layer(x)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, conv.bias.view(1, -1, 1, 1).expand_as(out))
+    # an all-zero activation as well (dynamic scale of 0 would be 0/0)
+    lin = FP8Linear.from_float(nn.Linear(16, 16), path="gemm", emulate=True)
+    assert torch.isfinite(lin(torch.zeros(3, 16))).all()
+
+
+def test_values_beyond_e4m3_range_saturate_and_are_counted():
+    x = torch.tensor([1.0, 447.0, 500.0, -1e6, 3e4])
+    assert torch.isnan(x.to(E4M3).float()).any(), "a plain cast turns out-of-range values into NaN"
+    q, sat = fp8.quantize(x, torch.tensor(1.0))
+    assert sat == 3
+    assert not torch.isnan(q.float()).any()
+    assert q.float().tolist() == [1.0, 448.0, 448.0, -448.0, 448.0]
+
+
+def test_static_activation_scale_saturates_louder_inputs_and_counts_them():
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    calib = torch.randn(4, 32)
+    q, rep = quantize_module(model, mode="weight_only", activation="static", calibration=(calib,), skip=None)
+    assert all(r.saturated == 0 for r in rep.layers)  # the calibration batch fits by construction
+    loud = fp8_layers_sat(q, calib * 10)
+    assert loud["0"] > 0
+
+
+def fp8_layers_sat(model, x):
+    return fp8.count_saturated(model, x)
+
+
+# ----------------------------------------------------------------------------- GEMM layouts on CPU
+
+def test_scaled_mm_reference_matches_torch_scaled_mm_on_cpu():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 64, generator=g).to(E4M3)
+    b = torch.randn(48, 64, generator=g).to(E4M3).t()  # column-major, as _scaled_mm wants
+    sa, sb = torch.tensor(0.5), torch.tensor(0.25)
+    ref = fp8.scaled_mm_reference(a, b, sa, sb, torch.float32)
+    try:
+        got = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"this torch build has no CPU _scaled_mm: {e}")
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(c=st.integers(1, 9), n=st.integers(1, 7), k=st.sampled_from([1, 3, 5]), s=st.sampled_from([1, 2]),
+       p=st.integers(0, 2), h=st.integers(5, 11), w=st.integers(5, 11), bias=st.booleans())
+def test_conv_as_gemm_equals_conv2d(c, n, k, s, p, h, w, bias):
+    g = torch.Generator().manual_seed(c * 100 + n)
+    x = torch.randn(2, c, h, w, generator=g)
+    wt = torch.randn(n, c, k, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    ref = F.conv2d(x, wt, b, stride=s, padding=p)
+    got = fp8.conv2d_as_gemm(x, wt, b, stride=(s, s), padding=(p, p))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_im2col_gathers_fp8_bytes_exactly():
+    x = torch.randn(2, 5, 6, 16).to(E4M3)
+    a = fp8.im2col_nhwc(x, 3, 3, 1, 1, 1, 1)
+    ref = fp8.im2col_nhwc(x.float(), 3, 3, 1, 1, 1, 1)
+    assert a.dtype == E4M3 and a.shape == (2 * 5 * 6, 9 * 16)
+    assert torch.equal(a.float(), ref)
+
+
+def _reference_conv(layer: FP8Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """What an FP8 conv must compute: conv of the FP8-rounded activation and weight, float32."""
+    s = fp8.activation_scale(x)
+    xq = fp8.dequantize(fp8.quantize(x, s)[0], s)
+    return F.conv2d(xq, layer.dequantized_weight(torch.float32), layer.bias, layer.stride, layer.padding)
+
+
+@pytest.mark.parametrize("path,k,stride", [("im2col", 3, 1), ("im2col", 3, 2), ("gemm", 1, 1), ("im2col", 1, 2)])
+@pytest.mark.parametrize("scheme", fp8.SCHEMES)
+def test_fp8_conv_gemm_paths_match_float_reference(path, k, stride, scheme):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(32, 48, k, stride=stride, padding=k // 2)
+    layer = FP8Conv2d.from_float(conv, scheme=scheme, path=path, emulate=True)
+    x = torch.randn(2, 32, 9, 7)
+    got = layer(x)
+    assert got.shape == conv(x).shape
+    torch.testing.assert_close(got, _reference_conv(layer, x), rtol=1e-4, atol=1e-4)
+    # and close to the float conv itself (e4m3: a few percent)
+    assert fp8._rel_l2(got, conv(x)) < 0.08
+
+
+@pytest.mark.parametrize("scheme", fp8.SCHEMES)
+def test_fp8_linear_gemm_on_3d_input(scheme):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    layer = FP8Linear.from_float(lin, scheme=scheme, path="gemm", emulate=True)
+    x = torch.randn(2, 7, 64)
+    s = fp8.activation_scale(x)
+    xq = fp8.dequantize(fp8.quantize(x, s)[0], s)
+    ref = F.linear(xq, layer.dequantized_weight(torch.float32), lin.bias)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding=.same.")
+@pytest.mark.parametrize("conv", [nn.Conv2d(4, 8, 4, padding="same"),
+                                  nn.Conv2d(4, 8, 3, padding=1, padding_mode="reflect"),
+                                  nn.Conv2d(8, 8, 3, groups=2, dilation=2, padding=2),
+                                  nn.Conv2d(3, 5, (1, 3), stride=(2, 1))])
+def test_weight_only_handles_any_conv_geometry(conv):
+    x = torch.randn(1, conv.in_channels, 9, 8)
+    layer = FP8Conv2d.from_float(conv)
+    ref = F.conv2d(x, layer.dequantized_weight(torch.float32), conv.bias, conv.stride, conv.padding, conv.dilation,
+                   conv.groups) if conv.padding_mode == "zeros" else None
+    out = layer(x)
+    assert out.shape == conv(x).shape and fp8._rel_l2(out, conv(x)) < 0.05
+    if ref is not None:
+        torch.testing.assert_close(out, ref)
+    assert not fp8.gemm_eligible(conv)[0]  # none of these is a 16-aligned dense GEMM
+
+
+def test_gemm_path_refuses_dims_that_are_not_multiples_of_16():
+    with pytest.raises(InputError, match="multiples of 16"):
+        FP8Linear.from_float(nn.Linear(10, 32), path="gemm")
+    with pytest.raises(InputError, match="multiples of 16"):
+        FP8Conv2d.from_float(nn.Conv2d(4, 32, 3), path="im2col")
+
+
+def test_half_keeps_scales_float32_and_weights_fp8():
+    layer = FP8Conv2d.from_float(nn.Conv2d(32, 32, 3, padding=1))
+    q0 = layer.qweight.clone()
+    layer = layer.half().to(memory_format=torch.channels_last)
+    assert layer.w_scale.dtype == torch.float32 and layer.a_scale.dtype == torch.float32
+    assert layer.qweight.dtype == torch.uint8 and torch.equal(layer.qweight, q0)
+    assert layer.bias.dtype == torch.float16
+
+
+# ----------------------------------------------------------------------------- the Triton kernel (interpreter)
+
+needs_triton = pytest.mark.skipif(not fp8_triton.HAVE_TRITON, reason="triton not installed")
+
+
+@needs_triton
+@pytest.mark.parametrize("k,stride,pad,per_channel,bias", [(3, 1, 1, False, True), (3, 2, 1, True, True),
+                                                           (1, 1, 0, False, False), (3, 1, 0, True, False)])
+def test_triton_conv_kernel_matches_reference_in_interpreter(k, stride, pad, per_channel, bias):
+    g = torch.Generator().manual_seed(k + stride)
+    bsz, c, n, h, w = 2, 32, 48, 7, 6
+    x = torch.randn(bsz, c, h, w, generator=g).to(E4M3)
+    wt = (torch.randn(n, c, k, k, generator=g) * 0.2).to(E4M3)
+    ws = torch.rand(n, generator=g) + 0.5 if per_channel else torch.tensor(0.7)
+    a_s = torch.tensor([1.3])
+    b = torch.randn(n, generator=g) if bias else None
+    out = fp8_triton.launch(fp8.nhwc_contiguous(x.permute(0, 2, 3, 1)), fp8.gemm_weight(wt).contiguous(), ws, a_s, b,
+                            k, k, stride, stride, pad, pad, torch.float32, config=(16, 16, 32, 4, 1), interpret=True)
+    ref = F.conv2d(x.float() * 1.3, wt.float() * fp8._bcast(ws, 4), b, stride=stride, padding=pad)
+    ho, wo = ref.shape[-2:]
+    torch.testing.assert_close(out.view(bsz, ho, wo, n).permute(0, 3, 1, 2), ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_triton
+def test_triton_path_of_fp8_conv_matches_im2col_path():
+    torch.manual_seed(1)
+    conv = nn.Conv2d(32, 32, 3, padding=1)
+    x = torch.randn(1, 32, 5, 4)
+    a = FP8Conv2d.from_float(conv, path="im2col", emulate=True)(x)
+    layer = FP8Conv2d.from_float(conv, path="triton")
+    layer.config = (16, 16, 32, 4, 1)
+    torch.testing.assert_close(layer(x), a, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_triton_custom_op_fake_matches_real():
+    x = torch.randn(1, 4, 3, 32).to(E4M3)
+    w = torch.randn(16, 9 * 32).to(E4M3)
+    args = (x, w, torch.tensor(1.0), torch.tensor([1.0]), torch.randn(16), 3, 3, 1, 1, 1, 1, torch.float32,
+            16, 16, 32, 4, 1)
+    torch.library.opcheck(torch.ops.lab_fp8.conv2d_nhwc.default, args,
+                          test_utils=("test_faketensor",))
+
+
+def _ptxas_available() -> bool:
+    if not fp8_triton.HAVE_TRITON:
+        return False
+    import os
+
+    import triton
+
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")) \
+        or shutil.which("ptxas") is not None
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="needs triton with its bundled ptxas")
+def test_triton_kernel_compiles_for_sm90_with_fp8_tensor_cores():
+    """Ahead-of-time compile for an H100/H200 without a GPU: catches code-generation errors and
+    checks the kernel really issues FP8 wgmma with pipelined async copies."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(fp8_triton._conv_body).parameters)
+    consts = dict(PER_CHANNEL=True, HAS_BIAS=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
+    ptrs = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "out_ptr": "*fp16", "bias_ptr": "*fp16", "ws_ptr": "*fp32",
+            "as_ptr": "*fp32"}
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
+    aligned = list(ptrs) + ["M", "C", "N", "H", "W", "HO", "WO"]  # what a launch specializes on
+    src = ASTSource(fn=triton.jit(fp8_triton._conv_body), signature=sig,
+                    constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
+    ptx = kern.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "e4m3" in ptx
+    assert "cp.async" in ptx
+
+
+# ----------------------------------------------------------------------------- quantize_module
+
+def test_no_quantizable_layer_gives_a_zero_layer_report_not_a_crash():
+    model = nn.Sequential(nn.GroupNorm(2, 4), nn.SiLU())
+    x = torch.randn(1, 4, 3, 3)
+    with pytest.warns(UserWarning, match="nothing quantized"):
+        q, rep = quantize_module(model, mode="weight_only", calibration=(x,))
+    assert rep.n_layers == 0 and "no Conv2d/Linear" in rep.notice
+    torch.testing.assert_close(q(x), model(x))
+
+
+def test_all_layers_skipped_is_reported_too():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 3, 1))
+    with pytest.warns(UserWarning, match="nothing quantized"):
+        _, rep = quantize_module(model, mode="weight_only")  # default skip: first + last conv
+    assert rep.n_layers == 0 and len(rep.skipped) == 2
+    assert {r.reason.split(" (")[0] for r in rep.skipped} == {"first conv of the model", "last conv of the model"}
+
+
+def test_fallback_notice_when_fp8_is_unsupported():
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    x = torch.randn(2, 32)
+    for mode in ("auto", "scaled_mm"):
+        with pytest.warns(UserWarning, match="weight-only FP8"):
+            q, rep = quantize_module(model, mode=mode, calibration=(x,))
+        assert rep.mode == "weight_only" and rep.mode_requested == mode
+        assert "FP8 GEMMs unavailable" in rep.notice
+        assert set(rep.paths()) == {"weight_only"}
+
+
+def test_bad_arguments_are_input_errors():
+    m = nn.Linear(16, 16)
+    with pytest.raises(InputError, match="scheme"):
+        quantize_module(m, scheme="per_block")
+    with pytest.raises(InputError, match="mode"):
+        quantize_module(m, mode="int8")
+    with pytest.raises(InputError, match="calibration"):
+        quantize_module(m, activation="static")
+    with pytest.raises(InputError, match="types"):
+        quantize_module(m, types=(nn.GroupNorm,))
+
+
+def _models():
+    from lab.models.musetalk import load_musetalk_unet
+    from lab.models.vae import load_vae
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 4, 8, 8, generator=g)
+    sd = load_vae("sd-vae", size="tiny").decoder_module()
+    tae = load_vae("taesd", size="tiny").decoder_module()
+    unet = load_musetalk_unet(size="tiny")
+    audio = torch.randn(2, 50, unet.unet.config.cross_attention_dim, generator=g)
+    return {"sd-vae": (sd, (z,)), "taesd": (tae, (z,)),
+            "unet": (unet.module(), (torch.randn(2, 8, 8, 8, generator=g), audio))}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return _models()
+
+
+@pytest.mark.parametrize("name", ["sd-vae", "taesd", "unet"])
+def test_quantized_models_keep_call_signature_and_shapes(models, name):
+    model, args = models[name]
+    q, rep = _quiet(quantize_module, model, calibration=args)
+    with torch.no_grad():
+        ref, out = model(*args), q(*args)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all()
+    rng = 1.0 if name != "unet" else float(ref.max() - ref.min())
+    from lab import metrics
+
+    assert metrics.psnr(out, ref, data_range=rng) > 25
+    # norms are never touched; every quantized layer is reported, every other conv/linear is skipped with a reason
+    n_norm = sum(isinstance(m, (nn.GroupNorm, nn.LayerNorm)) for m in model.modules())
+    assert n_norm == sum(isinstance(m, (nn.GroupNorm, nn.LayerNorm)) for m in q.modules())
+    n_cand = sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in model.modules())
+    assert rep.n_layers + len(rep.skipped) == n_cand
+    assert len(fp8.fp8_layers(q)) == rep.n_layers > 0
+    assert all(r.reason for r in rep.skipped)
+    # the original model is untouched (inplace=False)
+    assert not fp8.fp8_layers(model)
+
+
+def test_sd_vae_report_fields_and_default_skips(models):
+    model, args = models["sd-vae"]
+    q, rep = _quiet(quantize_module, model, calibration=args)
+    reasons = {r.name: r.reason for r in rep.skipped}
+    assert reasons["model.post_quant_conv"].startswith("first conv")
+    assert reasons["model.decoder.conv_out"].startswith("last conv")
+    assert "conv_in" in reasons["model.decoder.conv_in"]
+    assert reasons["model.encoder.conv_in"].startswith("not called")  # the decoder wrapper never runs the encoder
+    for r in rep.layers:
+        row = r.row()
+        for key in ("name", "kind", "shape", "path", "scale", "weight_rel_err", "weight_max_abs", "out_rel_err",
+                    "out_max_abs", "saturated", "in_shape", "gemm_mnk"):
+            assert key in row
+        assert r.scale > 0 and 0 < r.weight_rel_err < 0.05 and 0 < r.out_rel_err < 0.1 and r.saturated == 0
+        assert r.weight_bytes_after < r.weight_bytes_before / 3.9  # fp32 → fp8 (+ one scale)
+    orders = [r.order for r in rep.layers]
+    assert orders == sorted(orders)
+    json.dumps(_clean(rep.to_dict()))  # JSON-safe for the Result record
+    s = rep.summary()
+    assert s["quantized_layers"] == rep.n_layers and s["mode"] == "weight_only"
+
+
+def test_writeup_config_quantizes_every_decoder_conv(models):
+    """Section 4.2: all Conv2d layers of the decoder (conv_in / conv_out included), nothing else."""
+    model, args = models["sd-vae"]
+    n_dec = sum(isinstance(m, nn.Conv2d) for m in model.model.decoder.modules())
+    _, rep = _quiet(quantize_module, model, calibration=args, types=(nn.Conv2d,),
+                    skip=lambda name, m: not name.startswith("model.decoder."))
+    assert rep.n_layers == n_dec and all(r.kind.startswith("Conv2d") for r in rep.layers)
+
+
+def test_emulated_scaled_mm_mode_on_tiny_decoder_reports_paths_and_fallbacks(models):
+    model, args = models["sd-vae"]
+    q, rep = quantize_module(model, mode="scaled_mm", emulate=True, conv_impl="im2col", calibration=args,
+                             skip=("first_conv",))
+    paths = rep.paths()
+    assert paths.get("im2col", 0) > 0 and paths.get("gemm", 0) > 0
+    # conv_out (32 → 3 channels) cannot be a 16-aligned GEMM: weight-only, with the reason
+    out_row = next(r for r in rep.layers if r.name == "model.decoder.conv_out")
+    assert out_row.path == "weight_only" and "multiples of 16" in out_row.reason
+    with torch.no_grad():
+        out, ref = q(*args), model(*args)
+    from lab import metrics
+
+    assert metrics.psnr(out, ref, data_range=1.0) > 25
+
+
+def test_per_channel_static_unet_runs_with_3d_linear_inputs(models):
+    model, args = models["unet"]
+    q, rep = quantize_module(model, scheme="per_channel", activation="static", mode="scaled_mm", emulate=True,
+                             conv_impl="im2col", calibration=args)
+    assert any(r.kind == "Linear" and r.path == "gemm" for r in rep.layers)
+    assert all(r.scale_min is not None and r.scale_min <= r.scale_max for r in rep.layers)
+    with torch.no_grad():
+        assert q(*args).shape == model(*args).shape
+
+
+def test_drift_measures():
+    from lab.accel.fp8_bench import drift
+
+    ref = torch.rand(2, 3, 16, 16)
+    d = drift(ref, ref + 0.01, 1.0)
+    assert d["mae"] == pytest.approx(0.01, rel=1e-4) and d["psnr_db"] == pytest.approx(40.0, abs=1e-3)
+    assert d["cosine"] > 0.99 and d["max_abs"] == pytest.approx(0.01, rel=1e-4)
+
+
+def test_torchao_row_is_unavailable_with_a_reason_on_cpu():
+    from lab.accel.fp8_bench import quantize_torchao, torchao_status
+    from lab.errors import BackendUnavailable
+
+    ok, why = torchao_status()
+    assert isinstance(why, str) and why
+    with pytest.raises(BackendUnavailable) as e:
+        quantize_torchao(nn.Linear(32, 32))
+    assert str(e.value)
+
+
+def test_make_case_and_speed_rows_on_cpu():
+    from lab.accel.fp8_bench import make_case, speed_rows
+
+    case = make_case("taesd", size="tiny", batch=2, image=64)
+    q, _ = _quiet(quantize_module, case.model, calibration=case.calib)
+    rows = speed_rows(case, {"fp32": case.model, "fp8": q}, iters=2)
+    assert [r["variant"] for r in rows] == ["fp32", "fp8"] and all(r["status"] == "ok" for r in rows)
+    assert rows[0]["speedup"] == 1.0 and rows[0]["psnr_db"] == math.inf
+    assert rows[1]["psnr_db"] > 25
+
+
+# ----------------------------------------------------------------------------- GPU (run with -m gpu)
+
+gpu = pytest.mark.gpu
+needs_fp8 = pytest.mark.skipif(not fp8.fp8_supported()[0], reason=f"needs an FP8 GPU: {fp8.fp8_supported()[1]}")
+
+
+@gpu
+@needs_fp8
+@pytest.mark.parametrize("scheme", fp8.SCHEMES)
+@pytest.mark.parametrize("path,k", [("gemm", 1), ("im2col", 3), ("triton", 3)])
+def test_gpu_conv_paths_match_emulation(scheme, path, k):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(64, 128, k, padding=k // 2).cuda()
+    x = torch.randn(4, 64, 32, 32, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    emu = FP8Conv2d.from_float(conv, scheme=scheme, path="im2col" if k == 3 else "gemm", emulate=True)
+    layer = FP8Conv2d.from_float(conv, scheme=scheme, path=path)
+    ref = emu(x.float()).half()
+    got = layer(x)
+    assert got.dtype == torch.float16 and got.shape == ref.shape
+    assert fp8._rel_l2(got, ref) < 5e-3
+
+
+@gpu
+@needs_fp8
+@pytest.mark.parametrize("scheme", fp8.SCHEMES)
+def test_gpu_linear_scaled_mm_matches_emulation(scheme):
+    torch.manual_seed(0)
+    lin = nn.Linear(512, 256).cuda()
+    x = torch.randn(3, 77, 512, device="cuda", dtype=torch.float16)
+    emu = FP8Linear.from_float(lin, scheme=scheme, path="gemm", emulate=True)
+    got = FP8Linear.from_float(lin.half(), scheme=scheme, path="gemm")(x)
+    assert fp8._rel_l2(got, emu(x.float())) < 5e-3
+
+
+@gpu
+@needs_fp8
+def test_gpu_triton_self_test_passes():
+    ok, why = fp8.triton_conv_status("cuda")
+    assert ok, why
+
+
+@gpu
+@needs_fp8
+def test_gpu_sd_vae_decoder_fp8_compiled_matches_eager_and_fp16():
+    from lab import metrics
+    from lab.accel.fp8_bench import make_case
+
+    case = make_case("sd-vae", size="full", device="cuda", dtype=torch.float16, batch=2, image=128,
+                     channels_last=True)
+    q, rep = quantize_module(case.model, calibration=case.calib)
+    assert rep.mode == "scaled_mm" and rep.paths().get("weight_only", 0) <= 2
+    with torch.inference_mode():
+        ref = case.model(*case.inputs[0])
+        eager = q(*case.inputs[0])
+        comp = torch.compile(q)(*case.inputs[0])
+    assert metrics.psnr(eager.float(), ref.float(), data_range=1.0) > 28
+    # compiled vs eager: same math, but a 1-ulp fp16 difference upstream can flip an FP8 rounding
+    assert metrics.psnr(comp.float(), eager.float(), data_range=1.0) > 35
+
+
+@gpu
+@needs_fp8
+def test_gpu_conv_shape_microbenchmark_rows():
+    from lab.accel.fp8_bench import bench_conv_shapes, make_case
+
+    case = make_case("sd-vae", size="tiny", device="cuda", dtype=torch.float16, batch=2, image=64)
+    _, rep = quantize_module(case.model, calibration=case.calib)
+    rows = bench_conv_shapes(rep, iters=3, progress=False)
+    assert rows and all(r["fp16_ms"] > 0 and r["best_fp8_ms"] > 0 for r in rows)
+
+
+@gpu
+@needs_fp8
+def test_gpu_torchao_linear_row_or_reason():
+    from lab.accel.fp8_bench import quantize_torchao, torchao_status
+    from lab.errors import BackendUnavailable
+
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda().half()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.float16)
+    if not torchao_status()[0]:
+        with pytest.raises(BackendUnavailable):
+            quantize_torchao(model)
+        return
+    q, info = quantize_torchao(model)
+    assert info["layers"] == 2
+    assert fp8._rel_l2(q(x).float(), model(x).float()) < 0.1
+
+
+def test_conv_shape_microbenchmark_logic_on_cpu(models, monkeypatch):
+    """The GPU microbenchmark's bookkeeping, run on CPU (GEMMs emulated, Triton reported unavailable)."""
+    from lab.accel import fp8_bench
+
+    model, args = models["sd-vae"]
+    _, rep = _quiet(quantize_module, model, calibration=args)
+    shapes = fp8_bench.conv_shapes(rep)
+    assert sum(s["count"] for s in shapes) == sum(r.kind.startswith("Conv2d") for r in rep.layers)
+    monkeypatch.setattr(fp8_bench, "fp8_supported", lambda dev: (True, "pretend"))
+    monkeypatch.setattr(fp8_bench, "triton_conv_status", lambda dev: (False, "not on CPU"))
+    rows = fp8_bench.bench_conv_shapes(rep, dtype=torch.float32, device="cpu", iters=1, progress=False)
+    assert rows and len(rows) <= len(shapes)
+    for r in rows:
+        assert r["fp16_ms"] > 0 and r["fp8_gemm_only_ms"] > 0 and r["act_cast_ms"] > 0
+        assert r["speedup"] > 0 and r["M"] * r["N"] * r["K"] > 0
+        assert ("fp8_im2col_ms" in r and r["fp8_triton_ms"] is None) or "fp8_gemm_ms" in r
