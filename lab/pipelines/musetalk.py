@@ -104,17 +104,28 @@ class Engine:
     gen_fn: Any = None           # what run() calls: the eager modules or their torch.compile wrappers
     dec_fn: Any = None
     compile_s: float = 0.0
+    variants: dict = field(default_factory=dict)  # shared by reconfigure(): modules per dtype/decoder
+
+
+_COMPILED: dict[tuple[int, str], Any] = {}  # (id(module), mode) → its torch.compile wrapper
+
+
+def _compiled(module: torch.nn.Module, mode: str) -> Any:
+    key = (id(module), mode)
+    if key not in _COMPILED:
+        kw = {} if mode == "default" else {"mode": mode}
+        _COMPILED[key] = torch.compile(module, dynamic=False, **kw)
+    return _COMPILED[key]
 
 
 def _finalize(engine: Engine) -> Engine:
-    """Point gen_fn/dec_fn at eager or compiled modules per cfg.compile (compiles lazily, in warmup)."""
+    """Point gen_fn/dec_fn at eager modules or their (cached) torch.compile wrappers; compiling
+    itself happens on the first call, in warmup()."""
     mode = engine.cfg.compile
     if mode == "none":
         engine.gen_fn, engine.dec_fn = engine.generator, engine.decoder
     else:
-        kw = {} if mode == "default" else {"mode": mode}
-        engine.gen_fn = torch.compile(engine.generator, dynamic=False, **kw)
-        engine.dec_fn = torch.compile(engine.decoder, dynamic=False, **kw)
+        engine.gen_fn, engine.dec_fn = _compiled(engine.generator, mode), _compiled(engine.decoder, mode)
     return engine
 
 
@@ -550,47 +561,54 @@ def _run_async(engine: Engine, batches: list[tuple[int, int]], gpu_work, post_wo
 # ---------------------------------------------------------------- variants, waterfall, neural-only, trace
 
 def reconfigure(engine: Engine, **changes: Any) -> Engine:
-    """The same engine under another config: dtype / decoder changes copy or load modules (the
-    originals are untouched, so fp32 masters stay exact); avatar latents are re-encoded."""
+    """The same engine under another config. Modules per (dtype) and decoders per (kind, dtype) are
+    made once and shared by every engine derived from the same build, so switching back to a
+    dtype reuses the original modules (no fp16→fp32→fp16 round trip) and their compiled wrappers
+    (no recompile). Avatar latents follow the decoder and dtype."""
     import copy
 
     from lab.models.vae import load_vae
 
     cfg = Config(**{**asdict(engine.cfg), **changes}).check()
-    new = Engine(cfg, engine.device, engine.dtype, engine.whisper, engine.generator, engine.decoder, engine.vae,
-                 dict(engine.weights), engine.avatar, engine.masked_latents, engine.ref_latents, engine.frames_gpu)
     dt = DTYPES[cfg.dtype]
     if engine.device.type == "cpu" and dt == torch.float16:
         dt = torch.float32
-    relatent = False
-    if cfg.decoder != engine.cfg.decoder:
-        w = cfg.weights.get("vae", "random") if cfg.weights.get("vae", "random") == "random" else cfg.weights.get(cfg.decoder, "random")
-        new.vae = load_vae(cfg.decoder, w, size=cfg.size, device=engine.device, dtype=dt, seed=cfg.seed)
-        new.decoder = new.vae.decoder_module()
-        new.weights.pop(engine.cfg.decoder, None)
-        new.weights[cfg.decoder] = new.vae.weights
-        relatent = True
-    if dt != engine.dtype:
-        new.dtype = dt
-        new.whisper = copy.deepcopy(engine.whisper).to(dt)
-        new.generator = copy.deepcopy(engine.generator).to(dt)
-        if not relatent:
-            new.vae = copy.deepcopy(engine.vae)
-            new.vae.model.to(dt)
-            new.decoder = new.vae.decoder_module()
+    v = engine.variants
+    v.setdefault(("core", engine.dtype), (engine.whisper, engine.generator))
+    v.setdefault(("vae", engine.cfg.decoder, engine.dtype), (engine.vae, engine.decoder))
+    if engine.masked_latents is not None:
+        v.setdefault(("latents", engine.cfg.decoder, engine.dtype), (engine.masked_latents, engine.ref_latents))
+    cl = cfg.channels_last and engine.device.type == "cuda"
+    if ("core", dt) not in v:
+        w0, g0 = v[("core", engine.dtype)]
+        g = copy.deepcopy(g0).to(dt)
+        v[("core", dt)] = (copy.deepcopy(w0).to(dt), g.to(memory_format=torch.channels_last) if cl else g)
+    if ("vae", cfg.decoder, dt) not in v:
+        same_kind = [val for key, val in v.items() if key[0] == "vae" and key[1] == cfg.decoder]
+        if same_kind:
+            vae = copy.deepcopy(same_kind[0][0])
+            vae.model.to(dt)
         else:
-            new.vae.model.to(dt)
-        relatent = True
-    if cfg.channels_last and engine.device.type == "cuda":
-        new.decoder = new.decoder.to(memory_format=torch.channels_last)
-        new.generator = new.generator.to(memory_format=torch.channels_last)
-    if relatent and engine.avatar is not None:
-        prepare(new, engine.avatar.frames, engine.avatar.source_name)
-    if cfg.compile != engine.cfg.compile or relatent:
-        _finalize(new)
-    else:
-        new.gen_fn, new.dec_fn, new.compile_s = engine.gen_fn, engine.dec_fn, engine.compile_s
-    return new
+            w = cfg.weights.get(cfg.decoder, cfg.weights.get("vae", "random"))
+            vae = load_vae(cfg.decoder, w, size=cfg.size, device=engine.device, dtype=dt, seed=cfg.seed)
+        dec = vae.decoder_module()
+        v[("vae", cfg.decoder, dt)] = (vae, dec.to(memory_format=torch.channels_last) if cl else dec)
+    whisper, gen = v[("core", dt)]
+    vae, dec = v[("vae", cfg.decoder, dt)]
+    weights = {k: w for k, w in engine.weights.items() if k not in ("sd-vae", "taesd")}
+    weights[cfg.decoder] = vae.weights
+    new = Engine(cfg, engine.device, dt, whisper, gen, dec, vae, weights, engine.avatar, None, None,
+                 engine.frames_gpu, variants=v)
+    if engine.avatar is not None:
+        lat = v.get(("latents", cfg.decoder, dt))
+        if lat is None:
+            prepare(new, engine.avatar.frames, engine.avatar.source_name)
+            v[("latents", cfg.decoder, dt)] = (new.masked_latents, new.ref_latents)
+        else:
+            new.masked_latents, new.ref_latents = lat
+        if new.frames_gpu is None and _blend_on_gpu(new):
+            new.frames_gpu = torch.from_numpy(engine.avatar.frames).to(engine.device)
+    return _finalize(new)
 
 
 WATERFALL = [
