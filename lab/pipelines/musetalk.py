@@ -363,6 +363,7 @@ class RunReport:
     gpu_busy_s: float
     post_busy_s: float
     hidden_fraction: float | None  # async only: share of blend+encode time hidden behind GPU work
+    overlap_efficiency: float | None  # async only: overlapped time / the shorter of the two workers' busy times
     unet_frames: int
     duty_cycle: float
     config: dict
@@ -488,12 +489,16 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
     timer.stop()
     wall = time.perf_counter() - t0
     gen_wall = time.perf_counter() - gen0
-    hidden = None
+    hidden = overlap = None
     if cfg.mode == "async" and post_busy[0] > 0:
-        hidden = float(np.clip((gpu_busy + post_busy[0] - gen_wall) / post_busy[0], 0.0, 1.0))
+        # Two workers: if the encoder is the slower one, at most gpu/post of its time can hide
+        # behind GPU work; overlap_efficiency says how close the pipeline gets to that bound.
+        overlapped = gpu_busy + post_busy[0] - gen_wall
+        hidden = float(np.clip(overlapped / post_busy[0], 0.0, 1.0))
+        overlap = float(np.clip(overlapped / max(min(gpu_busy, post_busy[0]), 1e-9), 0.0, 1.0))
     return RunReport(n_frames=T, wall_s=wall, fps=T / wall, generation_wall_s=gen_wall, first_frame_s=first[0] or wall,
                      stages=timer.report(n_frames=T), gpu_busy_s=gpu_busy, post_busy_s=post_busy[0],
-                     hidden_fraction=hidden, unet_frames=lat.unet_frames, duty_cycle=lat.unet_frames / max(T, 1),
+                     hidden_fraction=hidden, overlap_efficiency=overlap, unet_frames=lat.unet_frames, duty_cycle=lat.unet_frames / max(T, 1),
                      config={k: v for k, v in asdict(cfg).items()}, output=str(out_path) if writer else None,
                      weights=engine.weights)
 
@@ -541,7 +546,9 @@ def _run_async(engine: Engine, batches: list[tuple[int, int]], gpu_work, post_wo
             else:
                 w0 = time.perf_counter()
                 i = free.get()  # blocks when the encoder is `depth` batches behind
-                timer.add("wait_for_encoder", time.perf_counter() - w0)
+                waited = time.perf_counter() - w0
+                timer.add("wait_for_encoder", waited)
+                g0 += waited  # waiting on the encoder is not GPU-worker work
             with timer.stage("d2h"):
                 bufs[i][: t - s].copy_(out, non_blocking=pin)
                 ev = None
@@ -661,7 +668,8 @@ def waterfall(engine: Engine, audio: np.ndarray, sr: int, n_frames: int, folder:
         rows.append({"step": label, "fps": r.fps, "wall_s": r.wall_s, "speedup": 0.0,
                      "resample_ms": 1e3 * st.get("resample", 0.0), "unet_s": st.get("unet", 0.0),
                      "vae_decode_s": st.get("vae_decode", 0.0), "blend_s": st.get("blend", 0.0),
-                     "encode_s": st.get("encode", 0.0), "hidden": r.hidden_fraction,
+                     "encode_s": st.get("encode", 0.0), "gpu_busy_s": r.gpu_busy_s, "post_busy_s": r.post_busy_s,
+                     "hidden": r.hidden_fraction, "overlap": r.overlap_efficiency,
                      "first_frame_s": r.first_frame_s, "compile_s": cur.compile_s, "note": note, "config": r.config})
     for r_ in rows:
         r_["speedup"] = r_["fps"] / rows[0]["fps"]
