@@ -1,0 +1,334 @@
+"""lab.accel.backends + lab.accel.cache: every backend matches eager, unavailable ones say why,
+the engine cache reuses good entries and rebuilds (with a warning) anything it must not trust.
+
+CPU tests use tiny configs. `compile` runs with compile_backend="eager" on CPU (dynamo capture
+and our wrapper; inductor's C++ build takes 30-80 s per graph on a 2-core CI box); the GPU tests
+exercise inductor, CUDA graphs and the CUDA ONNX path.
+"""
+import json
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+from lab.accel import backends as B
+from lab.accel import cache as C
+from lab.errors import BackendUnavailable, InputError
+from lab.metrics import cosine, max_abs
+from lab.models.musetalk import load_musetalk_unet
+from lab.models.vae import load_vae
+
+CUDA = torch.cuda.is_available()
+
+
+def tiny(kind: str, device: str = "cpu", batch: int = 2):
+    """(module, example inputs) for a tiny config of one of the lab's models."""
+    g = torch.Generator().manual_seed(0)
+    if kind == "unet":
+        m = load_musetalk_unet(size="tiny", device=device).module()
+        dim = m.unet.config.cross_attention_dim
+        ex = (torch.randn(batch, 8, 8, 8, generator=g), torch.randn(batch, 50, dim, generator=g))
+    else:
+        m = load_vae(kind, size="tiny", device=device).decoder_module()
+        ex = (torch.randn(batch, 4, 8, 8, generator=g),)
+    return m, tuple(x.to(device) for x in ex)
+
+
+def small_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.SiLU(), torch.nn.Conv2d(8, 3, 3, padding=1)).eval()
+
+
+def assert_close(y, ref, cos=0.9999, atol=1e-4):
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert cosine(y, ref) > cos
+    assert max_abs(y, ref) < atol
+
+
+# ----------------------------------------------------------------------------- backends on CPU
+
+@pytest.mark.parametrize("kind", ["taesd", "sd-vae", "unet"])
+def test_eager_and_compile_match_module(kind):
+    m, ex = tiny(kind)
+    with torch.no_grad():
+        ref = m(*ex)
+    eager = B.accelerate(m, "eager", ex, precision="fp32", name=kind)
+    assert eager.backend == "eager" and eager.artifact is None
+    assert torch.equal(eager(*ex), ref)
+    comp = B.accelerate(m, "compile", ex, precision="fp32", name=kind, compile_backend="eager")
+    assert comp.backend == "compile" and comp.build_s > 0
+    assert_close(comp(*ex), ref)
+
+
+@pytest.mark.parametrize("kind", ["taesd", "sd-vae", "unet"])
+def test_onnx_matches_module(kind):
+    m, ex = tiny(kind, batch=1)
+    with torch.no_grad():
+        ref = m(*ex)
+    r = B.accelerate(m, "onnx", ex, precision="fp32", name=kind)
+    assert r.backend == "onnx" and r.build_s > 0
+    assert_close(r(*ex), ref)
+    with pytest.raises(InputError, match="exported for input shapes"):
+        r(*(torch.cat([x, x]) for x in ex))
+
+
+def test_precision_copy_leaves_callers_module_alone():
+    m = small_net()
+    x = torch.randn(1, 4, 8, 8)
+    r = B.accelerate(m, "eager", (x,), precision="bf16")
+    assert r(x).dtype == torch.bfloat16
+    assert next(m.parameters()).dtype == torch.float32  # the caller's module was copied, not cast
+    assert any("copy" in n for n in r.notes)
+
+
+@pytest.mark.skipif(CUDA, reason="checks the CPU-only answer")
+@pytest.mark.parametrize("backend", ["cudagraph", "compile+cudagraph", "tensorrt"])
+def test_gpu_backends_unavailable_on_cpu(backend):
+    m, ex = tiny("taesd")
+    with pytest.raises(BackendUnavailable) as e:
+        B.accelerate(m, backend, ex, precision="fp32")
+    assert len(str(e.value)) > 20
+    ok, why = B.available(backend, "cpu")
+    assert not ok and why
+
+
+def test_tensorrt_stub_package_is_reported(monkeypatch):
+    """pip's placeholder 'tensorrt' (no Builder) must read as unavailable, not crash later."""
+    monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))
+    m, ex = tiny("taesd")
+    with pytest.raises(BackendUnavailable, match="stub without Builder"):
+        B.accelerate(m, "tensorrt", ex, precision="fp16")
+
+
+def test_onnx_on_cuda_module_without_cuda_provider_is_unavailable(monkeypatch):
+    import onnxruntime as ort
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    with pytest.raises(BackendUnavailable, match="CUDA execution provider"):
+        B._require_ort(torch.device("cuda"))
+
+
+def test_bad_inputs_name_the_fix():
+    m, ex = tiny("taesd")
+    with pytest.raises(InputError) as e:
+        B.accelerate(m, "tvm", ex)
+    for b in B.BACKENDS:
+        assert b in str(e.value)
+    with pytest.raises(InputError, match="precision"):
+        B.accelerate(m, "eager", ex, precision="int4")
+    with pytest.raises(InputError, match="unknown option"):
+        B.accelerate(m, "eager", ex, precision="fp32", mode="default")
+    with pytest.raises(InputError, match="max-autotune"):
+        B.accelerate(m, "compile", ex, precision="fp32", mode="max-autotune")
+
+
+def test_module_sha256_follows_weights():
+    a, b = small_net(), small_net()
+    assert B.module_sha256(a) == B.module_sha256(b)
+    with torch.no_grad():
+        b[0].weight[0, 0, 0, 0] += 1e-3
+    assert B.module_sha256(a) != B.module_sha256(b)
+
+
+# ----------------------------------------------------------------------------- engine cache
+
+def build(tmp_path, net=None):
+    net = net or small_net()
+    x = torch.randn(1, 4, 8, 8)
+    return B.accelerate(net, "onnx", (x,), precision="fp32", cache_dir=tmp_path, name="net"), net, x
+
+
+def no_cache_warnings():
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.simplefilter("error", C.CacheWarning)
+    return ctx
+
+
+def test_cache_build_then_reuse(tmp_path):
+    r1, net, x = build(tmp_path)
+    assert r1.cache_hit is False and r1.artifact.is_file()
+    assert r1.artifact.name.startswith("net_cpu_fp32_b1_") and r1.artifact.name.endswith(".ort.onnx")
+    mtime = r1.artifact.stat().st_mtime_ns
+    ctx = no_cache_warnings()
+    try:
+        r2, _, _ = build(tmp_path, net)
+    finally:
+        ctx.__exit__(None, None, None)
+    assert r2.cache_hit is True and r2.artifact == r1.artifact
+    assert r2.artifact.stat().st_mtime_ns == mtime  # not rewritten
+    assert torch.equal(r1(x), r2(x))
+    rows = C.listing(tmp_path)
+    assert {r["arch"] for r in rows} == {"any", "cpu"} and all(r["valid"] for r in rows)
+
+
+def test_cache_other_arch_rebuilds_with_warning(tmp_path, monkeypatch):
+    r1, net, x = build(tmp_path)
+    monkeypatch.setattr(C, "target_arch", lambda device: "sm_86")
+    with pytest.warns(C.CacheWarning, match=r"arch=cpu \(this run: sm_86\)"):
+        r2, _, _ = build(tmp_path, net)
+    assert r2.cache_hit is False and "_sm_86_" in r2.artifact.name
+    assert r1.artifact.is_file()  # the other GPU's entry stays for that GPU
+    assert_close(r2(x), r1(x))
+
+
+def test_cache_other_version_rebuilds_with_warning(tmp_path, monkeypatch):
+    r1, net, x = build(tmp_path)
+    real = B.backend_version
+    monkeypatch.setattr(B, "backend_version", lambda b: "onnxruntime 0.0.1" if b == "onnx" else real(b))
+    with pytest.warns(C.CacheWarning, match="backend_version"):
+        r2, _, _ = build(tmp_path, net)
+    assert r2.cache_hit is False and r2.artifact != r1.artifact
+
+
+def test_cache_truncated_file_rebuilds_with_warning(tmp_path):
+    r1, net, x = build(tmp_path)
+    data = r1.artifact.read_bytes()
+    r1.artifact.write_bytes(data[: len(data) // 2])
+    with pytest.warns(C.CacheWarning, match="truncated"):
+        r2, _, _ = build(tmp_path, net)
+    assert r2.cache_hit is False and r2.artifact == r1.artifact
+    assert r2.artifact.read_bytes() == data and C.validate(r2.artifact, C.read_sidecar(r2.artifact)["key"]) is None
+
+
+def test_cache_same_size_corruption_and_bad_deserialize(tmp_path):
+    r1, net, x = build(tmp_path)
+    data = bytearray(r1.artifact.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    r1.artifact.write_bytes(bytes(data))
+    with pytest.warns(C.CacheWarning, match="sha256"):
+        build(tmp_path, net)
+    # a file whose sidecar was rewritten to match (say, by hand) still has to deserialize
+    garbage = b"not an onnx model" * 100
+    r1.artifact.write_bytes(garbage)
+    side = C.read_sidecar(r1.artifact)
+    side["files"][r1.artifact.name] = {"bytes": len(garbage), "sha256": C.sha256_file(r1.artifact)}
+    (tmp_path / (r1.artifact.name + ".json")).write_text(json.dumps(side))
+    with pytest.warns(C.CacheWarning, match="failed to deserialize"):
+        r3, _, _ = build(tmp_path, net)
+    assert r3.cache_hit is False
+    assert_close(r3(x), net(x).detach())
+
+
+def test_gpu_artifacts_are_keyed_by_arch_tag(monkeypatch):
+    import lab.env
+
+    monkeypatch.setattr(lab.env, "arch_tag", lambda: "sm_86")
+    assert C.target_arch("cuda") == "sm_86"  # engines and CUDA-provider models: the GPU's arch
+    assert C.target_arch("cpu") == "cpu"  # CPU artifacts do not depend on which GPU is present
+    k86 = C.make_key("vae", C.target_arch("cuda"), "fp16", 16, [(16, 4, 32, 32)], "tensorrt", "tensorrt 10.0")
+    monkeypatch.setattr(lab.env, "arch_tag", lambda: "sm_90")
+    k90 = C.make_key("vae", C.target_arch("cuda"), "fp16", 16, [(16, 4, 32, 32)], "tensorrt", "tensorrt 10.0")
+    assert C.entry_name(k86, "engine").startswith("vae_sm_86_fp16_b16_")
+    assert C.entry_name(k86, "engine") != C.entry_name(k90, "engine")
+
+
+def test_cache_lookup_store_primitives(tmp_path):
+    key = C.make_key("m", "sm_90", "fp16", 4, [(4, 3)], "tensorrt", "tensorrt 10.0", graph_sha256="ab" * 32)
+    assert C.lookup(tmp_path, key, "engine") == (None, None)
+    path = C.store(tmp_path, key, "engine", b"\x01" * 100)
+    assert path.name.startswith("m_sm_90_fp16_b4_") and path.suffix == ".engine"
+    assert C.lookup(tmp_path, key, "engine", load=lambda p: p.read_bytes()) == (path, b"\x01" * 100)
+    with pytest.warns(C.CacheWarning, match="nothing"):
+        assert C.lookup(tmp_path, key, "engine", load=lambda p: None) == (None, None)
+    (tmp_path / (path.name + ".json")).unlink()  # interrupted store: artifact without sidecar
+    with pytest.warns(C.CacheWarning, match="sidecar"):
+        assert C.lookup(tmp_path, key, "engine") == (None, None)
+    assert C.lookup(None, key, "engine") == (None, None)
+
+
+def test_external_data_export_is_cached_with_its_data_file(tmp_path, monkeypatch):
+    """Graphs over the 2 GB protobuf limit go to external data; force that path on a small net."""
+    monkeypatch.setattr(B, "EXTERNAL_DATA_BYTES", 0)
+    r1, net, x = build(tmp_path)
+    exports = [r for r in C.listing(tmp_path) if r["arch"] == "any"]
+    assert len(exports) == 1
+    data_files = list(tmp_path.glob("net_any_*.onnx.data"))
+    assert len(data_files) == 1
+    assert_close(r1(x), net(x).detach())
+    data_files[0].write_bytes(data_files[0].read_bytes()[:10])
+    with pytest.warns(C.CacheWarning, match="truncated"):
+        r2, _, _ = build(tmp_path, net)
+    assert_close(r2(x), net(x).detach())
+
+
+# ----------------------------------------------------------------------------- GPU (run with -m gpu)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["taesd", "unet"])
+def test_cudagraph_matches_eager_and_rejects_new_shapes(kind):
+    m, ex = tiny(kind, "cuda")
+    with torch.no_grad():
+        ref = m(*ex)
+    r = B.accelerate(m, "cudagraph", ex, precision="fp32")
+    assert_close(r(*ex), ref)
+    other = tuple(torch.randn_like(x) for x in ex)
+    with torch.no_grad():
+        ref2 = m(*other)
+    y2 = r(*other)
+    assert_close(y2, ref2)  # inputs are copied into the staging buffers on every call
+    with pytest.raises(InputError, match="captured for input shapes"):
+        r(*(x[:1] for x in ex))
+    raw = B.accelerate(m, "cudagraph", ex, precision="fp32", clone_output=False)
+    a = raw(*ex)
+    raw(*other)
+    assert_close(a, ref2)  # the static buffer: overwritten by the next call, as documented
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("via", ["capture", "reduce-overhead"])
+def test_compile_cudagraph_matches_eager_fp16(via):
+    m, ex = tiny("taesd", "cuda")
+    with torch.no_grad():
+        ref = m.half()(*(x.half() for x in ex)).float()
+    comp = B.accelerate(m, "compile", ex, precision="fp16")
+    assert comp.build_s > 0
+    assert cosine(comp(*ex).float(), ref) > 0.999
+    kw = {"compiled": comp} if via == "capture" else {"via": via}
+    r = B.accelerate(m, "compile+cudagraph", ex, precision="fp16", **kw)
+    y = r(*ex)
+    assert y.dtype == torch.float16 and cosine(y.float(), ref) > 0.999
+    r(*(torch.randn_like(x) for x in ex))
+    assert cosine(y.float(), ref) > 0.999  # a returned output is a copy: the next replay does not touch it
+
+
+@pytest.mark.gpu
+def test_onnx_and_tensorrt_on_cuda_run_or_say_why(tmp_path):
+    m, ex = tiny("taesd", "cuda", batch=1)
+    with torch.no_grad():
+        ref = m.half()(*(x.half() for x in ex)).float()
+    for backend in ("onnx", "tensorrt"):
+        try:
+            r = B.accelerate(m, backend, ex, precision="fp16", cache_dir=tmp_path, name="taesd")
+        except BackendUnavailable as e:
+            assert str(e)
+            continue
+        assert cosine(r(*ex).float(), ref) > 0.999
+        assert r.artifact is not None and r.artifact.is_file()
+
+
+# ----------------------------------------------------------------------------- the notebook's experiment
+
+def test_run_matrix_rows_and_failures_do_not_stop_the_run(monkeypatch):
+    from lab.accel import backends_bench as BB
+
+    def broken(c, **kw):
+        raise RuntimeError("inductor exploded")
+
+    monkeypatch.setitem(B._BUILDERS, "compile", broken)
+    with pytest.warns(RuntimeWarning, match="inductor exploded"):
+        out = BB.run_matrix(["taesd"], [1], ["compile", "compile+cudagraph", "onnx", "tensorrt"], "fp32",
+                            torch.device("cpu"), size="tiny", iters=2, warmup=1, progress=False,
+                            skip={"taesd": {"onnx": "not today"}})
+    rows = {r["backend"]: r for r in out["rows"]}
+    assert list(rows) == ["eager", "compile", "compile+cudagraph", "onnx", "tensorrt"]  # eager is always first
+    assert rows["eager"]["status"] == "ok" and rows["eager"]["speedup"] == 1.0 and rows["eager"]["fps"] > 0
+    assert rows["compile"]["status"] == "failed" and "inductor exploded" in rows["compile"]["reason"]
+    assert rows["compile+cudagraph"]["status"] == "skipped" and "compile failed" in rows["compile+cudagraph"]["reason"]
+    assert rows["onnx"] == {**rows["onnx"], "status": "skipped", "reason": "not today"}
+    assert rows["tensorrt"]["status"] == "unavailable" and rows["tensorrt"]["reason"]
+    best = BB.best_per_model(out["rows"])
+    assert best[("taesd", 1)]["backend"] == "eager"
+    assert out["models"]["taesd"]["clamped_pct"] >= 0 and out["weights"]["taesd"].startswith("random")
