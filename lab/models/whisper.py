@@ -217,26 +217,17 @@ def musetalk_audio_features(encoder: torch.nn.Module, audio_16k: np.ndarray | to
     return out.flatten(1, 2)
 
 
-@lru_cache(maxsize=8)
-def _sinusoids(max_len: int, d_model: int) -> torch.Tensor:
-    pos = torch.arange(max_len, dtype=torch.float32)[:, None]
-    div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
-    pe = torch.zeros(max_len, d_model)
-    pe[:, 0::2] = torch.sin(pos * div)
-    pe[:, 1::2] = torch.cos(pos * div[: d_model // 2])
-    return pe
-
-
 def audio_positional_encoding(x: torch.Tensor, max_len: int = 5000) -> torch.Tensor:
     """x + the Transformer sinusoidal encoding over the token axis (dim -2), as MuseTalk adds
-    to its (T, 50, 384) audio prompt before the UNet's cross-attention.
+    to its (T, 50, 384) audio prompt before the UNet's cross-attention (the generator applies it:
+    `lab.models.musetalk.positional_encoding`; this is the checked entry point for callers).
 
     Even channels get sin(pos / 10000^(2i/d)), odd channels cos; d = x.shape[-1].
     """
+    from lab.models.musetalk import positional_encoding
+
     if x.ndim < 2:
         raise InputError(f"expected (..., tokens, d_model), got shape {tuple(x.shape)}")
-    n, d = x.shape[-2], x.shape[-1]
-    if n > max_len:
-        raise InputError(f"{n} tokens exceed the positional encoding's max_len {max_len}")
-    pe = _sinusoids(max_len, d)[:n].to(x.device, x.dtype)
-    return x + pe
+    if x.shape[-2] > max_len:
+        raise InputError(f"{x.shape[-2]} tokens exceed the positional encoding's max_len {max_len}")
+    return positional_encoding(x.reshape(-1, *x.shape[-2:])).reshape(x.shape)
