@@ -6,10 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import matplotlib
-
-matplotlib.use("Agg") if not matplotlib.get_backend().lower().startswith(("module://matplotlib_inline", "widget", "ipympl", "nbagg")) else None
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt  # headless: matplotlib falls back to Agg by itself
 
 
 def title_suffix(weights: str | None = None, machine: str | None = None) -> str:
