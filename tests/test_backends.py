@@ -6,7 +6,10 @@ and our wrapper; inductor's C++ build takes 30-80 s per graph on a 2-core CI box
 exercise inductor, CUDA graphs and the CUDA ONNX path.
 """
 import json
+import math
+import signal
 import sys
+import time
 import types
 import warnings
 
@@ -332,3 +335,166 @@ def test_run_matrix_rows_and_failures_do_not_stop_the_run(monkeypatch):
     best = BB.best_per_model(out["rows"])
     assert best[("taesd", 1)]["backend"] == "eager"
     assert out["models"]["taesd"]["clamped_pct"] >= 0 and out["weights"]["taesd"].startswith("random")
+
+
+# ----------------------------------------------------------------------------- the time budget (notebooks 03 and 04)
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_budget_allows_what_fits_and_says_why_not():
+    from lab.accel.backends_bench import Budget
+
+    clock = FakeClock()
+    b = Budget(100, reserve_s=10, clock=clock, verbose=False)
+    assert b.left() == 90 and b.allows(90) and not b.allows(91)
+    clock.t += 60
+    assert b.left() == pytest.approx(30) and b.allows(30) and not b.allows(31)
+    why = b.check("compile unet", 150)
+    assert "compile unet needs ~150 s" in why and "30 s left" in why and "time_budget_s=100" in why
+    assert "raise time_budget_s" in why
+    assert b.check("eager", 5) == ""
+    assert [(s["step"], s["status"], s["reason"]) for s in b.table()] == [("compile unet", "skipped", why)]
+    clock.t += 1000  # past the end: nothing fits, and `left` never goes below zero in messages
+    assert not b.allows(0) and "0 s left" in b.why_not("x", 1)
+    unlimited = Budget(None, clock=clock, verbose=False)
+    assert unlimited.allows(1e9) and unlimited.left() == math.inf and unlimited.check("anything", 1e9) == ""
+    assert unlimited.summary()["time_budget_s"] is None
+
+
+def test_budget_parameter_values():
+    from lab.accel.backends_bench import DEFAULT_TIME_BUDGET_S, budget_seconds
+
+    assert budget_seconds("auto") == DEFAULT_TIME_BUDGET_S == 420
+    assert budget_seconds("auto", quick=True) is None  # CI smoke runs: no limit unless asked
+    assert budget_seconds(None) is None and budget_seconds(1, quick=True) == 1.0 and budget_seconds(300.5) == 300.5
+    for bad in ("soon", 0, -5, True, [420]):
+        with pytest.raises(InputError, match="time_budget_s"):
+            budget_seconds(bad)
+
+
+def test_budget_run_ok_skipped_failed_and_strict(capsys):
+    from lab.accel.backends_bench import Budget
+
+    b = Budget(60)
+    r = b.run("add", 1, lambda x, y: x + y, 2, 3)
+    assert r.ok and r.value == 5 and r.status == "ok"
+    r = b.run("too big", 1e6, lambda: pytest.fail("must not run"))
+    assert r.status == "skipped" and r.value is None and "too big needs" in r.reason
+
+    def boom():
+        raise ValueError("bad shape\nmore")
+
+    with pytest.warns(RuntimeWarning, match="boom failed: ValueError: bad shape"):
+        r = b.run("boom", 1, boom)
+    assert r.status == "failed" and r.reason == "ValueError: bad shape"
+    with pytest.raises(ValueError):
+        Budget(60, strict=True, verbose=False).run("boom", 1, boom)
+    assert [s["status"] for s in b.table()] == ["ok", "skipped", "failed"]
+    b.section("next part")
+    out = capsys.readouterr().out
+    assert "start add" in out and "skip too big" in out and "== next part" in out and "s of the 60 s budget left" in out
+    assert out.splitlines()[0].startswith("[") and " s] " in out.splitlines()[0]  # seconds since the start
+    assert b.summary()["steps_ok"] == 1 and b.summary()["steps_skipped"] == 1 and b.summary()["steps_failed"] == 1
+
+
+def spin(limit_s: float = 20.0) -> str:
+    """Busy Python work that only the budget's deadline stops (gives up after `limit_s`)."""
+    t0 = time.perf_counter()
+    x = 0
+    while time.perf_counter() - t0 < limit_s:
+        x += 1
+    return "not stopped"
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="the hard deadline uses SIGALRM")
+def test_budget_deadline_aborts_a_step_that_overruns_and_restores_the_handler():
+    from lab.accel.backends_bench import Budget, BudgetExceeded
+
+    before = signal.getsignal(signal.SIGALRM)
+    b = Budget(0.5, verbose=False)
+    t0 = time.perf_counter()
+    r = b.run("cold compile", 0, spin)  # estimated at 0 s, runs "forever"
+    assert r.status == "aborted" and time.perf_counter() - t0 < 5
+    assert "cold compile stopped after" in r.reason and "time_budget_s=0" in r.reason
+    assert signal.getsignal(signal.SIGALRM) is before
+    assert issubclass(BudgetExceeded, BaseException) and not issubclass(BudgetExceeded, Exception)
+    assert b.run("after the end", 0, lambda: 1).status == "skipped"  # nothing starts once time is up
+
+
+def test_plan_puts_the_headline_rows_first():
+    from lab.accel.backends_bench import plan_tasks
+
+    tasks = plan_tasks(["sd-vae", "unet"], [1, 16], list(B.BACKENDS), nchw_rows=True)
+    assert tasks[:6] == [("sd-vae", 16, "eager"), ("sd-vae", 16, "compile"), ("sd-vae", 16, "compile+cudagraph"),
+                         ("unet", 16, "eager"), ("unet", 16, "compile"), ("unet", 16, "compile+cudagraph")]
+    assert tasks[6:12] == [("sd-vae", 1, "eager"), ("sd-vae", 1, "compile"), ("sd-vae", 1, "compile+cudagraph"),
+                           ("unet", 1, "eager"), ("unet", 1, "compile"), ("unet", 1, "compile+cudagraph")]
+    assert tasks[12:15] == [("sd-vae", 16, "cudagraph"), ("sd-vae", 16, "onnx"), ("sd-vae", 16, "tensorrt")]
+    assert tasks[-4:] == [("sd-vae", 16, "eager (NCHW)"), ("unet", 16, "eager (NCHW)"),
+                          ("sd-vae", 1, "eager (NCHW)"), ("unet", 1, "eager (NCHW)")]
+    assert len(tasks) == len(set(tasks)) == 2 * 2 * len(B.BACKENDS) + 4
+
+
+def test_run_matrix_with_no_time_left_returns_every_row_with_its_reason():
+    from lab.accel.backends_bench import Budget, plan_tasks, run_matrix
+
+    backends = ["eager", "compile", "compile+cudagraph", "onnx", "tensorrt"]
+    out = run_matrix(["taesd", "unet"], [1, 2], backends, "fp32", torch.device("cpu"), size="tiny", progress=False,
+                     budget=Budget(1e-3, verbose=False))
+    got = [(r["model"], r["batch"], r["backend"]) for r in out["rows"]]
+    assert got == plan_tasks(["taesd", "unet"], [1, 2], backends)  # nothing loaded, nothing lost
+    for r in out["rows"]:
+        if r["backend"] == "tensorrt":
+            assert r["status"] == "unavailable" and "TensorRT" in r["reason"]  # the real reason wins over the budget's
+        else:
+            assert r["status"] in ("skipped", "unavailable") and "time budget" in r["reason"], r
+    assert out["models"] == {} and out["build_spent_s"] == 0
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="the hard deadline uses SIGALRM")
+def test_run_matrix_skips_rows_that_do_not_fit_and_aborts_one_that_overruns(monkeypatch):
+    from lab.accel.backends_bench import Budget, run_matrix
+
+    tiny("taesd")  # imports done before the clock starts
+    est = {"load": 0, "eager": 0, "compile": 0, "onnx": 1e6}
+    monkeypatch.setitem(B._BUILDERS, "compile", lambda c, **kw: spin())
+    parts = []
+    out = run_matrix(["taesd"], [1, 2], ["eager", "compile", "onnx"], "fp32", torch.device("cpu"), size="tiny",
+                     iters=2, warmup=1, progress=False, budget=Budget(2.0, verbose=False), estimates=est,
+                     checkpoint=lambda part: parts.append(len(part["rows"])))
+    rows = {(r["batch"], r["backend"]): r for r in out["rows"]}
+    assert list(rows) == [(2, "eager"), (2, "compile"), (1, "eager"), (1, "compile"), (2, "onnx"), (1, "onnx")]
+    assert rows[(2, "eager")]["status"] == "ok" and rows[(2, "eager")]["fps"] > 0
+    assert rows[(2, "compile")]["status"] == "aborted" and "stopped after" in rows[(2, "compile")]["reason"]
+    for k in [(1, "eager"), (1, "compile"), (2, "onnx"), (1, "onnx")]:  # after the deadline nothing starts
+        assert rows[k]["status"] == "skipped" and "time budget" in rows[k]["reason"], k
+    assert parts == [2, 4]  # a checkpoint after each (model, batch) group of headline rows
+
+
+def test_cache_demo_is_skipped_when_it_does_not_fit(tmp_path):
+    from lab.accel.backends_bench import Budget, cache_demo
+
+    demo = cache_demo(tmp_path / "c", size="tiny", budget=Budget(1, verbose=False), est_s=30)
+    assert demo["rows"] == [] and demo["listing"] == [] and "cache demo" in demo["skipped"]
+    assert not (tmp_path / "c").exists()
+
+
+def test_notebook_04_with_a_tiny_budget_still_saves_every_row_with_a_reason(tmp_path):
+    from lab.results import Result
+    from lab.runner import find_notebook, run_notebook
+
+    entry = run_notebook(find_notebook("04"), tmp_path, {"quick": True, "device": "cpu", "time_budget_s": 1})
+    assert entry.status == "ok", entry.error
+    res = Result.load(tmp_path / "results.json")
+    rows = res.tables["backends"]
+    assert rows and all(r["status"] in ("skipped", "unavailable") and r["reason"] for r in rows)
+    assert any("time budget" in r["reason"] for r in rows)
+    steps = {s["step"]: s for s in res.tables["time_budget"]}
+    assert steps["§ save"]["status"] == "section" and any(s["status"] == "skipped" for s in steps.values())
+    assert res.params["time_budget_s"] == 1 and "time budget" in res.headline

@@ -456,6 +456,90 @@ def test_make_case_and_speed_rows_on_cpu():
     assert rows[1]["psnr_db"] > 25
 
 
+# ----------------------------------------------------------------------------- the time budget (notebook 03)
+
+def test_compiled_pair_is_skipped_whole_when_it_does_not_fit():
+    from lab.accel.backends_bench import Budget
+    from lab.accel.fp8_bench import make_case, speed_rows
+
+    case = make_case("taesd", size="tiny", batch=2, image=64)
+    q, _ = _quiet(quantize_module, case.model, calibration=case.calib)
+    est = {("fp32", False): 0, ("fp8", False): 0, ("fp32", True): 1e6, ("fp8", True): 0}
+    rows = speed_rows(case, {"fp32": case.model, "fp8": q}, [False, True], iters=2, budget=Budget(600, verbose=False),
+                      est_s=est)
+    st = {(r["variant"], r["compiled"]): r["status"] for r in rows}
+    assert st[("fp32", False)] == st[("fp8", False)] == "ok"
+    for v in ("fp32", "fp8"):  # the baseline alone would fit nothing useful: neither compiles
+        assert st[(v, True)].startswith("skipped: time budget") and "compiled pair" in st[(v, True)]
+    assert all("first_call_s" not in r for r in rows if r["compiled"])
+
+
+def test_run_model_stops_where_the_budget_ends_and_lists_the_rows_it_skipped():
+    from lab.accel.backends_bench import Budget
+    from lab.accel.fp8_bench import run_model
+
+    common = dict(size="tiny", batch=2, image=64, baseline="fp32", compiled=True, iters=2, progress=False)
+    out = run_model("taesd", Budget(1e-3, verbose=False), **common)
+    assert out["case"] is None and out["stopped"].startswith("load skipped: time budget")
+    assert len(out["speed"]) == 4 and all(r["status"].startswith("skipped: taesd not measured") for r in out["speed"])
+    out = run_model("taesd", Budget(600, verbose=False), estimates={"load": 0, "quantize": 1e6}, **common)
+    assert out["case"] is not None and out["report"] is None and out["stopped"].startswith("quantize skipped")
+    zero = {"load": 0, "quantize": 0, "drift": 0, "flops": 0, "eager": 0, "compile": 1e6, "compile FP8": 0}
+    out = run_model("taesd", Budget(600, verbose=False), estimates=zero, **common)
+    assert out["stopped"] == "" and out["drift"]["psnr_db"] > 25 and out["report"].n_layers > 0
+    st = {(r["variant"], r["compiled"]): r["status"] for r in out["speed"]}
+    assert st[("fp32", False)] == st[("FP8 (ours)", False)] == "ok"
+    assert st[("fp32", True)].startswith("skipped: time budget") and st[("FP8 (ours)", True)].startswith("skipped")
+
+
+def test_drift_variants_torchao_and_microbench_skip_with_reasons(models, monkeypatch):
+    from lab.accel import fp8_bench
+    from lab.accel.backends_bench import Budget
+
+    case = fp8_bench.make_case("sd-vae", size="tiny", batch=2, image=64)
+    none_left = Budget(1e-3, verbose=False)
+    rows = fp8_bench.drift_variants(case, case.model(*case.inputs[0]).float(), {"scheme": "per_tensor"}, none_left)
+    assert len(rows) == 3 and all(r["status"].startswith("skipped: time budget") for r in rows)
+    assert rows[0]["variant"].startswith("write-up")
+    ao = fp8_bench.torchao_rows(case, None, budget=none_left)
+    assert ao[0]["status"].startswith("skipped: time budget") and ao[0]["variant"] == "torchao FP8"
+    model, args = models["sd-vae"]
+    _, rep = _quiet(quantize_module, model, calibration=args)
+    monkeypatch.setattr(fp8_bench, "fp8_supported", lambda dev: (True, "pretend"))
+    monkeypatch.setattr(fp8_bench, "triton_conv_status", lambda dev: (False, "not on CPU"))
+    shapes = fp8_bench.bench_conv_shapes(rep, dtype=torch.float32, device="cpu", iters=1, progress=False,
+                                         budget=none_left)
+    assert shapes and all(r["status"].startswith("skipped: time budget") and r["label"] for r in shapes)
+
+
+def test_fill_speedups_compares_rows_from_separate_calls():
+    from lab.accel.fp8_bench import fill_speedups
+
+    rows = [{"model": "unet", "variant": "fp16", "compiled": False, "fps": 100.0},
+            {"model": "unet", "variant": "fp16", "compiled": True, "fps": 200.0},
+            {"model": "unet", "variant": "torchao FP8 (9 Linear)", "compiled": False, "fps": 150.0},
+            {"model": "unet", "variant": "torchao FP8 (9 Linear)", "compiled": True, "fps": 100.0},
+            {"model": "unet", "variant": "torchao FP8", "compiled": False, "status": "skipped: time budget"}]
+    fill_speedups(rows, "fp16")
+    assert [r.get("speedup") for r in rows] == [1.0, 1.0, 1.5, 0.5, None]
+
+
+def test_notebook_03_with_a_tiny_budget_still_saves_skipped_rows_with_reasons(tmp_path):
+    from lab.results import Result
+    from lab.runner import find_notebook, run_notebook
+
+    entry = run_notebook(find_notebook("03"), tmp_path, {"quick": True, "device": "cpu", "time_budget_s": 1})
+    assert entry.status == "ok", entry.error
+    res = Result.load(tmp_path / "results.json")
+    speed = res.tables["speed"]
+    assert {r["model"] for r in speed} == {"sd-vae", "unet", "taesd"}
+    assert all(r["status"].startswith("skipped") and "time budget" in r["status"] for r in speed)
+    assert all("time budget" in r["status"] for r in res.tables["quantize_summary"])
+    assert [s["step"] for s in res.tables["time_budget"] if s["status"] == "skipped"][:3] == \
+        ["load sd-vae", "load unet", "load taesd"]  # the headline model first
+    assert res.params["time_budget_s"] == 1 and "time budget" in res.headline
+
+
 # ----------------------------------------------------------------------------- GPU (run with -m gpu)
 
 gpu = pytest.mark.gpu

@@ -1,20 +1,32 @@
-"""The backends × models × batch experiment of notebook 04, and its engine-cache demo.
+"""The backends × models × batch experiment of notebook 04, its engine-cache demo, and the time
+budget both benchmark notebooks (03, 04) run under.
 
-`run_matrix` loads each model, computes an fp32 eager reference (TF32 off), casts to the run
-precision, then for every batch size builds each backend with `lab.accel.backends.accelerate`,
-times it with `lab.timing.bench` and measures its output against eager at the same precision and
-against the fp32 reference. A backend that cannot run here becomes a row with the reason; one that
-fails unexpectedly becomes a row with the error, and the others still run. `cache_demo` walks the
-engine cache through build → reuse → another GPU → a truncated file → another runtime version.
+`run_matrix` measures rows in a fixed priority order (`plan_tasks`): every model's eager,
+`compile` and `compile+cudagraph` rows at the largest batch first (the headline), then the smaller
+batches, then the other backends, then the 'eager (NCHW)' layout rows. Each model is loaded when
+its first row comes (fp32 eager reference with TF32 off, then cast to the run precision) and
+freed after its last. Each row builds a backend with `lab.accel.backends.accelerate`, times it with
+`lab.timing.bench` and measures its output against eager at the same precision and against the
+fp32 reference. A backend that cannot run here becomes a row with the reason; one that fails
+unexpectedly becomes a row with the error; one that does not fit the time budget a skipped row with
+that reason; the others still run. `cache_demo` walks the engine cache through build → reuse →
+another GPU → a truncated file → another runtime version.
+
+`Budget` is the notebooks' whole-run wall-clock budget (`time_budget_s`): each expensive step is
+checked against what is left *before* it starts (an estimate from `GPU_ESTIMATES_S`), guarded by a
+hard deadline while it runs, logged, and skipped with a reason when it would not fit, so the
+notebook always reaches its save cell.
 """
 from __future__ import annotations
 
 import gc
+import math
 import time
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 from unittest import mock
 
 import torch
@@ -27,6 +39,28 @@ from lab.timing import bench, count_flops
 
 MODELS = ("sd-vae", "taesd", "unet")
 HEAVY = ("compile", "compile+cudagraph", "onnx", "tensorrt")  # builds that count against build_budget_s
+
+# Seconds each step is assumed to take on one H200 (16 cores) with cold inductor / Triton caches:
+# what `Budget` compares with the time left before starting it. Measured on the H200 where noted,
+# deliberately high elsewhere: skipping a row that would have fit costs one row, starting one that
+# does not fit costs the rest of the run (the guard then stops it at the deadline). A step's actual
+# seconds are in the results' `time_budget` table: tune these from there.
+GPU_ESTIMATES_S: dict[str, Any] = {
+    # random init (on the CPU: ~20 s for the 860M-param UNet; notebook 01 loaded all its models in
+    # 21.5 s) + move + fp32 reference with TF32 off (cuDNN benchmark runs its search) + FLOP count
+    "load": {"sd-vae": 15, "taesd": 8, "unet": 45, "*": 45},
+    "eager": {"*": 5},                     # 3 warm-up + 30 timed runs: < 2 s at batch 16 (SD-VAE: 57 ms/batch)
+    "eager (NCHW)": {"*": 5},
+    # inductor, cold: notebook 02 compiled the SD-VAE decoder in 16 s and TAESD in 14 s (after
+    # notebook 01 had warmed some caches); the UNet (~1000 kernels) has not been timed alone
+    "compile": {"sd-vae": 45, "taesd": 30, "unet": 150, "*": 150},
+    "cudagraph": {"unet": 15, "*": 10},    # 3 warm-up calls + capture + bench
+    "compile+cudagraph": {"unet": 15, "*": 10},  # reusing the compile row's graph (else + "compile")
+    "onnx": {"sd-vae": 120, "taesd": 60, "unet": 400, "*": 400},  # dynamo export + ORT session (CUDA provider)
+    "tensorrt": {"sd-vae": 400, "taesd": 150, "unet": 1200, "*": 1200},  # export + engine build (one C++ call)
+    # TAESD: 1 export + 4 builds + 2 reuses; ONNX Runtime on the CPU took 10 s on a 2-core box
+    "cache_demo": {"onnx": 45, "tensorrt": 300, "*": 300},
+}
 
 
 def load_model(kind: str, weights: str = "random", size: str = "full", device: torch.device | str = "cpu",
@@ -91,42 +125,351 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+# ----------------------------------------------------------------------------- time budget
+
+DEFAULT_TIME_BUDGET_S = 420.0  # a whole notebook on the GPU host: fits one ≤ 10 min device command with margin
+RESERVE_S = 20.0  # kept back from the budget for what follows the last measured step (tables, figures, save)
+
+
+class BudgetExceeded(BaseException):
+    """Raised inside a guarded step when the notebook's time budget runs out.
+
+    A BaseException, like KeyboardInterrupt: library code that catches `Exception` (dynamo, inductor,
+    our own per-row handlers) must not swallow it; `Budget.run` and the bench engines catch it and
+    record the step as aborted."""
+
+
+def budget_seconds(time_budget_s: Any, quick: bool = False) -> float | None:
+    """The notebooks' `time_budget_s` parameter → seconds (None = no limit).
+
+    "auto": DEFAULT_TIME_BUDGET_S for a full run, no limit with quick=True (CI smoke runs); None: no
+    limit; a number: exactly that, quick or not (a tiny one is how the tests exercise the skips)."""
+    if time_budget_s is None:
+        return None
+    if isinstance(time_budget_s, str):
+        if time_budget_s != "auto":
+            raise InputError(f"time_budget_s must be 'auto', None or seconds > 0, got {time_budget_s!r}")
+        return None if quick else DEFAULT_TIME_BUDGET_S
+    if isinstance(time_budget_s, bool) or not isinstance(time_budget_s, (int, float)) or not time_budget_s > 0:
+        raise InputError(f"time_budget_s must be 'auto', None or seconds > 0, got {time_budget_s!r}")
+    return float(time_budget_s)
+
+
+def estimate(table: dict[str, Any], step: str, model: str = "*", default: float = 0.0) -> float:
+    """Seconds a step is assumed to take: table[step] is a number or {model: seconds, "*": fallback}."""
+    v = table.get(step, default)
+    if isinstance(v, dict):
+        v = v.get(model, v.get("*", default))
+    return float(v)
+
+
+@dataclass
+class StepResult:
+    value: Any
+    status: str  # "ok" | "skipped" | "aborted" | "failed"
+    reason: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class Budget:
+    """A wall-clock budget for a whole notebook, measured from its first cell.
+
+        budget = Budget(420, reserve_s=20)             # None: no limit (checks always pass)
+        if budget.allows(est_s): ...                    # will a step of ~est_s still fit?
+        r = budget.run("compile sd-vae", 45, fn)        # checked, guarded, logged; r.value / r.status / r.reason
+        with budget.guard("a step"): ...                # the hard deadline alone
+
+    Two mechanisms keep a run inside the budget. *Before* a step: its estimate must fit in what is
+    left (budget − elapsed − `reserve_s`), else it is skipped with a reason saying so. *During* a
+    step (`guard`, used by `run`): on the main thread of a POSIX process (a Jupyter kernel's cells
+    run there) a SIGALRM at the deadline raises BudgetExceeded inside the step, so one step that
+    runs far past its estimate (a cold compile) is aborted instead of eating the save cell's time.
+    It fires between Python bytecodes: a single long C++ call (a TensorRT engine build) finishes
+    first. Elsewhere only the checks before steps apply.
+
+    Every step is logged (`table()`): estimate, start, seconds, status, reason; `section()` and
+    each step print a line with the seconds since the start, so a killed run's executed notebook
+    shows how far it got. `strict=True` (quick/CI runs) re-raises a step's own errors instead of
+    recording them as failed rows, so tests still see bugs.
+    """
+
+    def __init__(self, total_s: float | None = None, reserve_s: float = 0.0, start: float | None = None,
+                 strict: bool = False, verbose: bool = True, clock: Callable[[], float] = time.perf_counter):
+        if total_s is not None and not total_s > 0:
+            raise InputError(f"a time budget must be > 0 seconds (or None for no limit), got {total_s!r}")
+        self.total_s = total_s
+        self.reserve_s = float(reserve_s)
+        self.clock = clock
+        self.start = clock() if start is None else start
+        self.strict = strict
+        self.verbose = verbose
+        self.steps: list[dict[str, Any]] = []
+        self._depth = 0
+        self._armed = False
+
+    # -- where we stand
+    @property
+    def limited(self) -> bool:
+        return self.total_s is not None
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def left(self) -> float:
+        """Seconds left for steps (the reserve excluded); +inf without a limit."""
+        if self.total_s is None:
+            return math.inf
+        return self.total_s - self.reserve_s - self.elapsed()
+
+    def deadline(self) -> float:
+        """The clock value at which guarded steps are stopped (+inf without a limit)."""
+        return math.inf if self.total_s is None else self.start + self.total_s - self.reserve_s
+
+    def allows(self, est_s: float) -> bool:
+        """Whether a step estimated at `est_s` seconds still fits (always, without a limit)."""
+        return self.total_s is None or self.left() >= max(0.0, est_s)
+
+    def why_not(self, step: str, est_s: float) -> str:
+        """The reason recorded for a step the budget does not allow."""
+        return (f"time budget: {step} needs ~{est_s:.0f} s, {max(0.0, self.left()):.0f} s left of "
+                f"time_budget_s={self.total_s:.0f} (at {self.elapsed():.0f} s; raise time_budget_s to run it)")
+
+    def check(self, step: str, est_s: float) -> str:
+        """'' if the step fits; else the reason, and the step is logged as skipped."""
+        if self.allows(est_s):
+            return ""
+        return self.skip(step, self.why_not(step, est_s), est_s)
+
+    # -- logging
+    def say(self, msg: str) -> None:
+        if self.verbose:
+            print(f"[{self.elapsed():7.1f} s] {msg}", flush=True)
+
+    def section(self, name: str) -> None:
+        """A progress line at the start of a notebook section (with the budget left)."""
+        self.steps.append({"step": f"§ {name}", "est_s": None, "start_s": round(self.elapsed(), 2), "seconds": None,
+                           "status": "section", "reason": ""})
+        tail = f" · {max(0.0, self.left()):.0f} s of the {self.total_s:.0f} s budget left" if self.limited else ""
+        self.say(f"== {name}{tail}")
+
+    def skip(self, step: str, reason: str, est_s: float | None = None) -> str:
+        """Log a step that is not run (budget or otherwise); returns the reason."""
+        self.steps.append({"step": step, "est_s": est_s, "start_s": round(self.elapsed(), 2), "seconds": 0.0,
+                           "status": "skipped", "reason": reason})
+        self.say(f"skip {step}: {reason}")
+        return reason
+
+    def log(self, step: str, est_s: float | None, t0: float, status: str, reason: str = "") -> None:
+        self.steps.append({"step": step, "est_s": est_s, "start_s": round(t0 - self.start, 2),
+                           "seconds": round(self.clock() - t0, 2), "status": status, "reason": reason})
+
+    def table(self) -> list[dict[str, Any]]:
+        """Every step and section: estimate, start (s since the start), seconds, status, reason."""
+        return [dict(s) for s in self.steps]
+
+    def summary(self) -> dict[str, Any]:
+        steps = [s for s in self.steps if s["status"] != "section"]
+        return {"time_budget_s": self.total_s, "reserve_s": self.reserve_s, "elapsed_s": round(self.elapsed(), 1),
+                "steps_ok": sum(s["status"] == "ok" for s in steps),
+                "steps_skipped": sum(s["status"] == "skipped" for s in steps),
+                "steps_aborted": sum(s["status"] == "aborted" for s in steps),
+                "steps_failed": sum(s["status"] == "failed" for s in steps)}
+
+    # -- the hard deadline
+    def aborted_reason(self, step: str, seconds: float) -> str:
+        return (f"time budget: {step} stopped after {seconds:.0f} s, at the deadline of time_budget_s="
+                f"{self.total_s:.0f} (less {self.reserve_s:.0f} s kept for saving); raise time_budget_s to finish it")
+
+    @contextmanager
+    def guard(self, step: str) -> Iterator[None]:
+        """Raise BudgetExceeded inside the block when the deadline passes (see the class doc).
+        Nested guards share the outermost one's timer (the deadline is the same)."""
+        import signal
+        import threading
+
+        usable = (self.total_s is not None and self._depth == 0 and hasattr(signal, "setitimer")
+                  and threading.current_thread() is threading.main_thread())
+        if self.total_s is not None and self.left() <= 0:
+            raise BudgetExceeded(self.aborted_reason(step, 0.0))
+        if not usable:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        t0 = self.clock()
+
+        def on_alarm(signum: int, frame: Any) -> None:
+            if self._armed:
+                self._armed = False
+                raise BudgetExceeded(self.aborted_reason(step, self.clock() - t0))
+
+        old = signal.signal(signal.SIGALRM, on_alarm)
+        self._armed = True
+        self._depth += 1
+        try:
+            signal.setitimer(signal.ITIMER_REAL, max(1e-3, self.deadline() - self.clock()))
+            yield
+        finally:
+            self._armed = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+            self._depth -= 1
+
+    def run(self, step: str, est_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> StepResult:
+        """Run `fn(*args, **kwargs)` if ~est_s seconds still fit, under `guard`, and log it.
+
+        Returns a StepResult: ok (value), skipped (did not fit), aborted (the deadline hit it) or
+        failed (it raised; re-raised instead when `strict`)."""
+        why = self.check(step, est_s)
+        if why:
+            return StepResult(None, "skipped", why)
+        self.say(f"start {step}" + (f" (estimate ~{est_s:.0f} s)" if est_s else ""))
+        t0 = self.clock()
+        try:
+            with self.guard(step):
+                value = fn(*args, **kwargs)
+        except BudgetExceeded as e:
+            self.log(step, est_s, t0, "aborted", str(e))
+            self.say(f"ABORTED {step}: {e}")
+            return StepResult(None, "aborted", str(e), self.clock() - t0)
+        except Exception as e:
+            if self.strict:
+                raise
+            msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+            self.log(step, est_s, t0, "failed", msg)
+            self.say(f"FAILED {step}: {msg}")
+            warnings.warn(f"{step} failed: {msg}", RuntimeWarning, stacklevel=2)
+            return StepResult(None, "failed", msg, self.clock() - t0)
+        self.log(step, est_s, t0, "ok")
+        self.say(f"done {step} in {self.clock() - t0:.1f} s")
+        return StepResult(value, "ok", "", self.clock() - t0)
+
+
+def save_partial(res: Any, folder: str | Path, budget: Budget | None = None) -> Path:
+    """Write the Result so far to `results.partial.json` (overwritten each time): what a run killed
+    from outside (a hung C++ call the guard cannot interrupt) leaves behind. The final save cell
+    writes `results.json` as usual."""
+    from lab.results import atomic_write_text
+
+    if not res.provenance:
+        from lab.env import provenance
+
+        res.provenance = provenance()
+    if budget is not None:
+        res.tables["time_budget"] = budget.table()
+    return atomic_write_text(Path(folder) / "results.partial.json", res.to_json(), overwrite=True)
+
+
+# ----------------------------------------------------------------------------- the matrix
+
+def plan_tasks(models: Sequence[str], batches: Sequence[int], backends: Sequence[str],
+               nchw_rows: bool = False) -> list[tuple[str, int, str]]:
+    """(model, batch, backend) in the order `run_matrix` measures them, most wanted first:
+
+    1. per batch, largest first, per model in the given order: eager, compile, compile+cudagraph
+       (the headline: what compiling buys at the batch a pipeline runs);
+    2. the other backends (cudagraph over eager, onnx, tensorrt), largest batch first;
+    3. with `nchw_rows`, 'eager (NCHW)' (what channels-last alone buys), largest batch first.
+    """
+    bs = sorted(dict.fromkeys(batches), reverse=True)
+    head = [b for b in ("compile", "compile+cudagraph") if b in backends]
+    rest = [b for b in backends if b not in ("eager", "compile", "compile+cudagraph")]
+    tasks = [(m, b, x) for b in bs for m in models for x in ["eager", *head]]
+    tasks += [(m, b, x) for b in bs for m in models for x in rest]
+    if nchw_rows:
+        tasks += [(m, b, "eager (NCHW)") for b in bs for m in models]
+    return tasks
+
+
+def _unavailable(backend: str, device: torch.device, opts: dict[str, Any]) -> str:
+    """The reason an expensive backend cannot run here, found without exporting or building anything
+    (the same checks `accelerate` makes first), or ''."""
+    try:
+        if backend == "onnx":
+            B._require_ort(device, opts.get("providers"))
+        elif backend == "tensorrt":
+            B._require_tensorrt(device)
+        elif backend in ("cudagraph", "compile+cudagraph"):
+            B._require_cuda(device, "CUDA graphs")
+    except BackendUnavailable as e:
+        return str(e)
+    return ""
+
+
+@dataclass
+class _Model:
+    module: torch.nn.Module
+    info: dict[str, Any]
+    inputs: dict[int, list[tuple[torch.Tensor, ...]]]  # run layout (channels-last on the GPU)
+    nchw: dict[int, list[tuple[torch.Tensor, ...]]]  # contiguous NCHW, for the 'eager (NCHW)' rows
+    ref32: dict[int, torch.Tensor]
+    data_range: float
+
+
 def run_matrix(models: Sequence[str], batches: Sequence[int], backends: Sequence[str], precision: str,
                device: torch.device, weights: str | dict[str, str] = "random", size: str = "full", seed: int = 0,
                latent: int | None = None, cache_dir: str | Path | None = None, channels_last: bool = True,
                compile_backend: str = "inductor", build_budget_s: float | None = None, iters: int = 30,
                warmup: int = 3, ceiling_tflops: float | None = None, onnx_opts: dict[str, Any] | None = None,
-               skip: dict[str, dict[str, str]] | None = None, progress: bool = True) -> dict[str, Any]:
+               skip: dict[str, dict[str, str]] | None = None, progress: bool = True, budget: Budget | None = None,
+               estimates: dict[str, Any] | None = None,
+               checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every (model, batch, backend): FPS, speed-up over eager, build time, exactness. Returns
-    {"rows", "models" (info per model), "samples" (eager/backends outputs for a figure), "weights"}.
+    {"rows", "models" (info per model), "samples" (eager/backends outputs for a figure), "weights",
+    "build_spent_s"}. Rows come in `plan_tasks` order (headline first).
 
     channels_last (GPU): applied to the model and 4-D inputs before *every* row including eager, so
-    speed-ups isolate the backend; an extra 'eager (NCHW)' row shows what the layout alone buys.
+    speed-ups isolate the backend; 'eager (NCHW)' rows (measured last) show what the layout alone buys.
     onnx_opts: extra accelerate() options for the onnx backend (e.g. {"dynamo": False}).
     skip: {model: {backend: reason}}: rows not to build, recorded as skipped with the reason.
     build_budget_s: once compile/ONNX/TensorRT builds have taken this long in total, the remaining
-    ones are skipped with that reason (keeps a cold run bounded).
+    ones are skipped with that reason.
+    budget: the notebook's whole-run `Budget` (above build_budget_s): a model load or a row whose
+    estimate (`estimates`, default GPU_ESTIMATES_S) does not fit in what is left is skipped with the
+    reason; one that overruns the deadline is aborted ('aborted' row) and the run goes on to return.
+    checkpoint: called with the partial result after each (model, batch) group of headline rows.
     """
-    from tqdm.auto import tqdm
-
     bad = [b for b in backends if b not in B.BACKENDS]
     if bad:
         raise InputError(f"unknown backend(s) {bad}; valid: {', '.join(B.BACKENDS)}")
-    backends = ["eager"] + [b for b in backends if b != "eager"]  # the baseline first: speed-ups and exactness use it
+    budget = budget if budget is not None else Budget(None, strict=True, verbose=progress)
+    est_table = {**GPU_ESTIMATES_S, **(estimates or {})}
     dtype = B.PRECISIONS[precision]
     latent = latent or (32 if size == "full" else 8)
     cl = channels_last and device.type == "cuda"
+    tasks = plan_tasks(models, batches, backends, nchw_rows=cl)
+    last_of_model = {m: i for i, (m, _, _) in enumerate(tasks)}
+    head_end: dict[tuple[str, int], int] = {}  # index of the last compile-family row of a (model, batch)
+    for i, (m, b, x) in enumerate(tasks):
+        if x in ("eager", "compile", "compile+cudagraph"):
+            head_end[(m, b)] = i
     rows: list[dict[str, Any]] = []
     infos: dict[str, dict[str, Any]] = {}
     sources: dict[str, str] = {}
     samples: dict[str, dict[str, torch.Tensor]] = {}
+    loaded: dict[str, _Model] = {}
+    not_loaded: dict[str, str] = {}
+    eager_out: dict[tuple[str, int], torch.Tensor] = {}
+    base_s: dict[tuple[str, int], float] = {}
+    compiled: dict[tuple[str, int], B.Accelerated] = {}
+    compile_failed: dict[tuple[str, int], str] = {}
     spent = 0.0
-    bar = tqdm(total=len(models) * len(batches) * len(backends), desc="backends", unit="build", disable=not progress)
-    for kind in models:
+    unavailable = {b: _unavailable(b, device, onnx_opts or {}) for b in ("onnx", "tensorrt", "cudagraph",
+                                                                        "compile+cudagraph") if b in backends}
+
+    def result() -> dict[str, Any]:
+        return {"rows": rows, "models": infos, "samples": samples, "weights": sources, "build_spent_s": spent}
+
+    def load(kind: str) -> _Model:
         w = weights.get(kind, "random") if isinstance(weights, dict) else weights
         t_load = time.perf_counter()
         module, sources[kind], info = load_model(kind, w, size, device, seed)
-        info["load_s"] = round(time.perf_counter() - t_load, 2)
         inputs = {b: make_inputs(kind, b, latent, info, device, seed=seed) for b in batches}
         with torch.no_grad(), exact_fp32():
             ref32 = {b: module(*inputs[b][0]).float() for b in batches}
@@ -143,89 +486,139 @@ def run_matrix(models: Sequence[str], batches: Sequence[int], backends: Sequence
             info["gflop_per_item"] = round(count_flops(module, *inputs[min(batches)][0]) / min(batches) / 1e9, 3)
         except Exception:  # FLOP counting is a nicety; never let it stop the run
             info["gflop_per_item"] = None
-        eager_out: dict[int, torch.Tensor] = {}
-        if cl:  # the plain layout first, for the 'what channels_last buys' row
-            for b in batches:
-                r = B.accelerate(module, "eager", inputs[b][0], precision=precision)
-                t = bench(r, inputs=inputs[b], warmup=warmup, iters=iters, device=device)
-                rows.append(_row(kind, b, "eager (NCHW)", "ok", t=t, info=info,
-                                 ceiling=ceiling_tflops, notes="cudnn.benchmark as set; contiguous NCHW"))
+        nchw = inputs
+        if cl:
             module = module.to(memory_format=torch.channels_last)
             inputs = {b: [_to_channels_last(s) for s in sets] for b, sets in inputs.items()}
-        for b in batches:
-            ex = inputs[b][0]
-            compiled: B.Accelerated | None = None
-            compile_failed = ""
-            base_s = None
-            for backend in backends:
-                bar.set_postfix_str(f"{kind} b{b} {backend}")
-                why = (skip or {}).get(kind, {}).get(backend)
-                if backend == "compile+cudagraph" and compile_failed:
-                    why = f"compile failed at this shape ({compile_failed}); not compiling it again"
-                if why and backend != "eager":
-                    rows.append(_row(kind, b, backend, "skipped", reason=why))
-                    bar.update()
-                    continue
-                if backend in HEAVY and build_budget_s is not None and spent >= build_budget_s \
-                        and not (backend == "compile+cudagraph" and compiled is not None):
-                    rows.append(_row(kind, b, backend, "skipped", reason=f"build budget spent ({spent:.0f} s of "
-                                     f"{build_budget_s:.0f} s); raise build_budget_s to run it"))
-                    bar.update()
-                    continue
-                runner = None
-                try:
-                    opts: dict[str, Any] = {}
-                    if backend == "compile":
-                        opts["compile_backend"] = compile_backend
-                    if backend == "compile+cudagraph" and compiled is not None:
-                        opts["compiled"] = compiled
-                    if backend == "onnx":
-                        opts.update(onnx_opts or {})
-                    if backend in ("onnx", "tensorrt"):
-                        with warnings.catch_warnings():
-                            warnings.simplefilter("ignore", C.CacheWarning)  # the cache demo shows these
-                            runner = B.accelerate(module, backend, ex, precision=precision, cache_dir=cache_dir,
-                                                  name=f"{kind}-{size}", **opts)
-                    else:
-                        runner = B.accelerate(module, backend, ex, precision=precision, name=kind, **opts)
-                    if backend in HEAVY and not runner.cache_hit:
-                        spent += runner.build_s
-                    t = bench(runner, inputs=inputs[b], warmup=warmup, iters=iters, device=device)
-                    y = runner(*ex)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    if backend == "eager":
-                        eager_out[b], base_s = y.detach().clone(), t.median_s
-                    q_eager = quality(y, eager_out[b], data_range) if b in eager_out else None
-                    q_32 = quality(y, ref32[b], data_range)
-                    rows.append(_row(kind, b, backend, "ok", t=t, runner=runner, q_eager=q_eager, q_32=q_32,
-                                     base_s=base_s, info=info, ceiling=ceiling_tflops))
-                    if b == min(batches):
-                        samples.setdefault(kind, {})[backend] = y[:1].detach().float().cpu()
-                    if backend == "compile":
-                        compiled = runner
-                        runner = None  # kept for compile+cudagraph
-                except BackendUnavailable as e:
-                    rows.append(_row(kind, b, backend, "unavailable", reason=str(e)))
-                except Exception as e:  # noqa: BLE001 - one backend failing must not stop the others
-                    msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
-                    warnings.warn(f"{kind} b{b} {backend} failed: {msg}", RuntimeWarning, stacklevel=2)
-                    rows.append(_row(kind, b, backend, "failed", reason=msg))
-                    if backend == "compile":
-                        compile_failed = msg[:120]
-                finally:
-                    del runner
-                    bar.update()
-            samples.setdefault(kind, {})["fp32 reference"] = ref32[min(batches)][:1].cpu()
-            compiled = None
-            eager_out.pop(b, None)
-            torch._dynamo.reset()  # compiled graphs of this shape are done with; keeps recompile limits away
-            _free(device)
+        info["load_s"] = round(time.perf_counter() - t_load, 2)
         infos[kind] = info
-        del module, inputs, ref32
-        _free(device)
-    bar.close()
-    return {"rows": rows, "models": infos, "samples": samples, "weights": sources, "build_spent_s": spent}
+        samples.setdefault(kind, {})["fp32 reference"] = ref32[min(batches)][:1].cpu()
+        return _Model(module, info, inputs, nchw, ref32, data_range)
+
+    for i, (kind, b, backend) in enumerate(tasks):
+        key = (kind, b)
+        label = f"{kind} b{b} {backend}"
+        try:
+            if kind not in loaded and kind not in not_loaded:
+                r = budget.run(f"load {kind} (+ fp32 reference)", estimate(est_table, "load", kind), load, kind)
+                if r.ok:
+                    loaded[kind] = r.value
+                else:
+                    not_loaded[kind] = f"model not loaded ({r.status}: {r.reason})"
+            why = (skip or {}).get(kind, {}).get(backend, "")
+            status = "skipped"
+            if not why and backend == "compile+cudagraph" and key in compile_failed:
+                why = f"compile failed or did not run at this shape ({compile_failed[key]}); not compiling it again"
+            if not why and backend in unavailable and unavailable[backend]:
+                why, status = unavailable[backend], "unavailable"
+            why = why or not_loaded.get(kind, "")
+            if not why and backend != "eager" and key not in eager_out:
+                e_row = next((r for r in rows if (r["model"], r["batch"], r["backend"]) == (kind, b, "eager")), {})
+                why = (f"no eager baseline at this shape (eager {e_row.get('status', 'not run')}: "
+                       f"{e_row.get('reason', '')[:160]})")
+            reuse = backend == "compile+cudagraph" and key in compiled
+            if not why and backend in HEAVY and build_budget_s is not None and spent >= build_budget_s and not reuse:
+                why = (f"build budget spent ({spent:.0f} s of {build_budget_s:.0f} s); raise build_budget_s "
+                       f"to run it")
+            est = estimate(est_table, backend, kind)
+            if backend == "compile+cudagraph" and not reuse:
+                est += estimate(est_table, "compile", kind)
+            if not why:
+                why = budget.check(label, est)
+            if why:
+                rows.append(_row(kind, b, backend, status, reason=why))
+                if backend == "compile":
+                    compile_failed[key] = why[:120]
+                continue
+            m = loaded[kind]
+            budget.say(f"start {label} (estimate ~{est:.0f} s)")
+            t_row = time.perf_counter()
+            runner = None
+            try:
+                with budget.guard(label):
+                    if backend == "eager (NCHW)":
+                        m.module.to(memory_format=torch.contiguous_format)
+                        try:
+                            runner = B.accelerate(m.module, "eager", m.nchw[b][0], precision=precision)
+                            t = bench(runner, inputs=m.nchw[b], warmup=warmup, iters=iters, device=device)
+                        finally:
+                            m.module.to(memory_format=torch.channels_last)
+                        rows.append(_row(kind, b, backend, "ok", t=t, info=m.info, ceiling=ceiling_tflops,
+                                         notes="cudnn.benchmark as set; contiguous NCHW"))
+                    else:
+                        runner = _build(m.module, backend, m.inputs[b][0], precision, kind, size, cache_dir,
+                                        compile_backend, compiled.get(key), onnx_opts)
+                        if backend in HEAVY and not runner.cache_hit:
+                            spent += runner.build_s
+                        ex = m.inputs[b][0]
+                        t = bench(runner, inputs=m.inputs[b], warmup=warmup, iters=iters, device=device)
+                        y = runner(*ex)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        if backend == "eager":
+                            eager_out[key], base_s[key] = y.detach().clone(), t.median_s
+                        q_eager = quality(y, eager_out[key], m.data_range)
+                        q_32 = quality(y, m.ref32[b], m.data_range)
+                        rows.append(_row(kind, b, backend, "ok", t=t, runner=runner, q_eager=q_eager, q_32=q_32,
+                                         base_s=base_s[key], info=m.info, ceiling=ceiling_tflops))
+                        if b == min(batches):
+                            samples.setdefault(kind, {})[backend] = y[:1].detach().float().cpu()
+                        if backend == "compile":
+                            compiled[key] = runner
+                budget.log(label, est, t_row, "ok")
+                budget.say(f"done {label} in {time.perf_counter() - t_row:.1f} s")
+            except BudgetExceeded as e:
+                budget.log(label, est, t_row, "aborted", str(e))
+                budget.say(f"ABORTED {label}: {e}")
+                rows.append(_row(kind, b, backend, "aborted", reason=str(e)))
+                if backend == "compile":
+                    compile_failed[key] = "aborted at the time budget's deadline"
+            except BackendUnavailable as e:
+                budget.log(label, est, t_row, "unavailable", str(e))
+                rows.append(_row(kind, b, backend, "unavailable", reason=str(e)))
+            except Exception as e:  # noqa: BLE001 - one backend failing must not stop the others
+                msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                budget.log(label, est, t_row, "failed", msg)
+                budget.say(f"FAILED {label}: {msg}")
+                warnings.warn(f"{label} failed: {msg}", RuntimeWarning, stacklevel=2)
+                rows.append(_row(kind, b, backend, "failed", reason=msg))
+                if backend == "compile":
+                    compile_failed[key] = msg[:120]
+            finally:
+                del runner
+        finally:
+            if head_end.get(key) == i:  # this shape's compiled graphs are done with
+                had_compiled = compiled.pop(key, None) is not None
+                if had_compiled:
+                    torch._dynamo.reset()  # keeps recompile limits away and frees the graphs
+                _free(device)
+                if checkpoint is not None:
+                    checkpoint(result())
+            if last_of_model.get(kind) == i and kind in loaded:
+                del loaded[kind]
+                _free(device)
+    for k in [k for k in eager_out]:
+        del eager_out[k]
+    _free(device)
+    return result()
+
+
+def _build(module: torch.nn.Module, backend: str, ex: tuple, precision: str, kind: str, size: str,
+           cache_dir: str | Path | None, compile_backend: str, compiled: B.Accelerated | None,
+           onnx_opts: dict[str, Any] | None) -> B.Accelerated:
+    opts: dict[str, Any] = {}
+    if backend == "compile":
+        opts["compile_backend"] = compile_backend
+    if backend == "compile+cudagraph" and compiled is not None:
+        opts["compiled"] = compiled
+    if backend == "onnx":
+        opts.update(onnx_opts or {})
+    if backend in ("onnx", "tensorrt"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", C.CacheWarning)  # the cache demo shows these
+            return B.accelerate(module, backend, ex, precision=precision, cache_dir=cache_dir,
+                                name=f"{kind}-{size}", **opts)
+    return B.accelerate(module, backend, ex, precision=precision, name=kind, **opts)
 
 
 def _row(kind: str, batch: int, backend: str, status: str, t=None, runner: B.Accelerated | None = None,
@@ -292,22 +685,58 @@ def best_per_model(rows: Sequence[dict[str, Any]], min_psnr_db: float = 40.0) ->
 
 def cache_demo(cache_dir: str | Path, kind: str = "taesd", size: str = "full", batch: int = 1, backend: str = "onnx",
                precision: str = "fp32", device: torch.device | str = "cpu", seed: int = 0,
-               weights: str = "random") -> dict[str, Any]:
+               weights: str = "random", budget: Budget | None = None, est_s: float | None = None) -> dict[str, Any]:
     """Build → reuse → another GPU (simulated) → truncated file → another runtime version.
 
     Each step calls `accelerate` exactly as a user would; only `target_arch` / `backend_version`
     are patched to pretend the folder moved to another GPU or the runtime was upgraded. Rows:
     step, what happened (built / reused), seconds until ready, warnings raised, file, largest
-    output difference from step 1.
+    output difference from step 1. With a `budget`, the demo runs only if `est_s` (default: its
+    GPU_ESTIMATES_S entry) fits, else {"rows": [], "skipped": reason}; one stopped at the deadline
+    returns the steps done so far and "aborted": reason; one that raises (unless the budget is
+    strict) "failed": the error.
     """
     device = torch.device(device)
+    out: dict[str, Any] = {"rows": [], "listing": [], "arch": C.target_arch(device), "skipped": "", "aborted": "",
+                           "failed": ""}
+    budget = budget if budget is not None else Budget(None, strict=True, verbose=False)
+    est = est_s if est_s is not None else estimate(GPU_ESTIMATES_S, "cache_demo", backend)
+    step_name = f"cache demo ({backend}, {kind} on {device})"
+    out["skipped"] = budget.check(step_name, est)
+    if out["skipped"]:
+        return out
+    budget.say(f"start {step_name} (estimate ~{est:.0f} s)")
+    t0 = time.perf_counter()
+    try:
+        with budget.guard(step_name):
+            _cache_demo(out, cache_dir, kind, size, batch, backend, precision, device, seed, weights)
+    except BudgetExceeded as e:
+        out["aborted"] = str(e)
+        budget.log(step_name, est, t0, "aborted", str(e))
+        budget.say(f"ABORTED {step_name}: {e}")
+        out["listing"] = C.listing(cache_dir) if Path(cache_dir).is_dir() else []
+        return out
+    except Exception as e:
+        if budget.strict:
+            raise
+        out["failed"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+        budget.log(step_name, est, t0, "failed", out["failed"])
+        budget.say(f"FAILED {step_name}: {out['failed']}")
+        return out
+    budget.log(step_name, est, t0, "ok")
+    budget.say(f"done {step_name} in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def _cache_demo(out: dict[str, Any], cache_dir: str | Path, kind: str, size: str, batch: int, backend: str,
+                precision: str, device: torch.device, seed: int, weights: str) -> None:
     module, _, info = load_model(kind, weights, size, device, seed)
     x = make_inputs(kind, batch, 32 if size == "full" else 8, info, device, n_sets=1, seed=seed)[0]
     real_arch = C.target_arch(device)
     other_arch = "sm_120" if real_arch != "sm_120" else "sm_90"
     real_version = B.backend_version
     first: list[torch.Tensor] = []
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = out["rows"]  # filled in place: an aborted demo keeps its finished steps
 
     def step(name: str, patch: Any = None) -> B.Accelerated:
         with warnings.catch_warnings(record=True) as caught:
@@ -337,7 +766,7 @@ def cache_demo(cache_dir: str | Path, kind: str = "taesd", size: str = "full", b
     step(f"5 other {backend} version (simulated)",
          mock.patch.object(B, "backend_version", lambda b: f"{real_version(b)}-next" if b == backend else real_version(b)))
     step("6 reuse again")
-    return {"rows": rows, "listing": C.listing(cache_dir), "arch": real_arch}
+    out["listing"] = C.listing(cache_dir)
 
 
 @contextmanager

@@ -5,24 +5,54 @@ The engine (`lab.accel.fp8`) quantizes; this module only measures, following the
 warm-up + synchronize + median (`lab.timing.bench`), inputs rotated between runs, never zeros, a
 speed-up is a ratio against the fp16 model in the same process and the same compile mode, and
 every speed row carries its quality figures against the fp16 eager output.
+
+Notebook 03 runs under a whole-notebook time budget (`lab.accel.backends_bench.Budget`): each
+step here (load, quantize, drift, eager and compiled timing, each microbenchmark shape, torchao)
+is checked against what is left before it starts, using `GPU_ESTIMATES_S`, and guarded by the
+deadline while it runs; a step that does not fit becomes a row saying so.
 """
 from __future__ import annotations
 
 import copy
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from lab.accel.backends_bench import Budget, BudgetExceeded, estimate
 from lab.accel.fp8 import (FP8Conv2d, FP8Report, _is_pointwise, _model_device, _quant_act, fp8_mm,
-                           fp8_supported, im2col_nhwc, triton_conv_status, tune_triton)
+                           fp8_supported, im2col_nhwc, quantize_module, triton_conv_status, tune_triton)
 from lab.errors import BackendUnavailable, InputError
 
 MODELS = ("sd-vae", "taesd", "unet")
 L2_BYTES = 60 * 2**20  # a little above the H100/H200 L2 (50 MB)
+
+# Seconds each step of notebook 03 is assumed to take on one H200 (16 cores), cold inductor / Triton
+# caches, batch 16 at 256²: what the time budget compares with the time left before starting it.
+# High on purpose (see lab.accel.backends_bench.GPU_ESTIMATES_S); the results' `time_budget` table
+# has every step's actual seconds next to its estimate.
+GPU_ESTIMATES_S: dict[str, Any] = {
+    "triton self-test": 15,                              # one Triton JIT compile + a tiny conv
+    "load": {"sd-vae": 15, "taesd": 8, "unet": 45},     # random init on the CPU (UNet ~20 s) + move
+    # 2 calibration passes with a hook per layer (280 on the UNet) + Triton tile tuning: up to 4
+    # tiles per distinct conv shape, each tile a ~1-2 s Triton compile the first time
+    "quantize": {"sd-vae": 30, "taesd": 15, "unet": 60},
+    "drift": {"*": 5},                                   # one eager forward each of fp16 and FP8
+    "flops": {"*": 5},                                   # FlopCounterMode forward
+    "eager": {"sd-vae": 5, "taesd": 3, "unet": 8},      # per variant: first call + 2 warm-up + iters
+    # torch.compile (default mode) first call per variant, cold; notebook 02 measured 16 s for the
+    # fp16 SD-VAE decoder; FP8 graphs hold ~2× the kernels (casts, custom op) and the UNet ~10×
+    "compile": {"sd-vae": 45, "taesd": 30, "unet": 150},
+    "compile FP8": {"sd-vae": 90, "taesd": 60, "unet": 240},
+    "drift variant": {"*": 15},                          # an extra SD-VAE quantization (tiles cached)
+    "microbench shape": 5,                               # per distinct conv shape
+    "torchao": {"*": 25},                                # deepcopy + quantize_ + eager timing
+    "compile torchao": {"unet": 200, "*": 90},
+}
 
 
 # ----------------------------------------------------------------------------- model cases
@@ -149,7 +179,8 @@ def _sync(device: torch.device) -> None:
 
 def speed_rows(case: Case, variants: dict[str, nn.Module], compiled: Sequence[bool] = (False,), iters: int = 20,
                ref: torch.Tensor | None = None, baseline: str | None = None, flops: int | None = None,
-               compile_deadline: float | None = None) -> list[dict[str, Any]]:
+               compile_deadline: float | None = None, budget: Budget | None = None,
+               est_s: dict[tuple[str, bool], float] | None = None) -> list[dict[str, Any]]:
     """Time every variant eager and/or under torch.compile (default mode) on the case's rotated inputs.
 
     Each row: ms per batch, FPS, speed-up vs `baseline` (first variant by default) in the same
@@ -159,44 +190,249 @@ def speed_rows(case: Case, variants: dict[str, nn.Module], compiled: Sequence[bo
     `compile_deadline` (a `time.perf_counter()` value): if it has passed when the compiled rows
     start, none of them run (rows say so), and variants after the first two (baseline and the one
     it is compared with) are skipped once it passes: compiling is the slow part of a cold run, and
-    a compiled baseline without its compiled partner would be useless."""
+    a compiled baseline without its compiled partner would be useless.
+    `budget` + `est_s` ((variant, compiled) → seconds): a row whose estimate does not fit is
+    skipped with the reason; the compiled baseline starts only if it *and* its partner fit; a row
+    still running at the deadline is aborted ('aborted: …' status)."""
     from lab.timing import bench
 
+    budget = budget if budget is not None else Budget(None, verbose=False)
+    est_s = est_s or {}
     device = case.inputs[0][0].device
     baseline = baseline or next(iter(variants))
     with torch.inference_mode():
         if ref is None:
             ref = variants[baseline](*case.inputs[0]).float()
+    labels = list(variants)
     rows: list[dict[str, Any]] = []
     for comp in compiled:
+        mode = "compiled" if comp else "eager"
         late = comp and compile_deadline is not None and time.perf_counter() > compile_deadline
+        pair = [labels[0]] + labels[1:2]
+        pair_est = sum(est_s.get((lb, comp), 0.0) for lb in pair)
+        pair_why = ""
+        if comp and not late and len(pair) == 2:
+            pair_why = budget.check(f"{case.name} compiled pair ({' + '.join(pair)})", pair_est)
+        base_ok = True
         for i, (label, model) in enumerate(variants.items()):
             row: dict[str, Any] = {"model": case.name, "variant": label, "compiled": comp, "batch": case.batch}
+            step = f"{case.name} {label} {mode}"
+            why = ""
             if late or (comp and i >= 2 and compile_deadline is not None and time.perf_counter() > compile_deadline):
-                row["status"] = "skipped: compile budget spent"
+                why = "compile budget spent (compile_budget_s)"
+            elif comp and i < 2 and pair_why:
+                why = pair_why
+            elif comp and i > 0 and not base_ok:
+                why = f"the compiled {labels[0]} row did not run: no same-mode baseline to compare with"
+            else:
+                why = budget.check(step, est_s.get((label, comp), 0.0))
+            if why:
+                row["status"] = f"skipped: {why}"
                 rows.append(row)
+                base_ok = base_ok and i > 0
                 continue
+            t0 = time.perf_counter()
+            e_s = est_s.get((label, comp))
+            budget.say(f"start {step}" + (f" (estimate ~{e_s:.0f} s)" if e_s else ""))
             try:
-                fn = torch.compile(model) if comp else model
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    out = fn(*case.inputs[0])
-                _sync(device)
-                row["first_call_s"] = time.perf_counter() - t0
-                r = bench(fn, inputs=case.inputs, iters=iters, device=device, warmup=2)
+                with budget.guard(step):
+                    fn = torch.compile(model) if comp else model
+                    with torch.inference_mode():
+                        out = fn(*case.inputs[0])
+                    _sync(device)
+                    row["first_call_s"] = time.perf_counter() - t0
+                    r = bench(fn, inputs=case.inputs, iters=iters, device=device, warmup=2)
                 row["ms_per_batch"] = 1e3 * r.median_s
                 row["fps"] = case.batch / r.median_s
                 if flops:
                     row["TFLOPs"] = flops / r.median_s / 1e12
                 row.update(drift(ref, out.float(), case.data_range))
                 row["status"] = "ok"
+                budget.log(step, e_s, t0, "ok")
+                budget.say(f"done {step} in {time.perf_counter() - t0:.1f} s")
+            except BudgetExceeded as e:
+                row["status"] = f"aborted: {e}"
+                budget.log(step, e_s, t0, "aborted", str(e))
+                budget.say(f"ABORTED {step}: {e}")
             except Exception as e:  # report and go on: the other rows still mean something
                 row["status"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                budget.log(step, e_s, t0, "failed", row["status"])
+            if i == 0:
+                base_ok = row["status"] == "ok"
             rows.append(row)
         base = next((r for r in rows if r["variant"] == baseline and r["compiled"] == comp and "fps" in r), None)
         for r in rows:
             if r["compiled"] == comp and "fps" in r and base is not None:
                 r["speedup"] = r["fps"] / base["fps"]
+    return rows
+
+
+def fill_speedups(rows: list[dict[str, Any]], baseline: str) -> None:
+    """Speed-up of every timed row over the `baseline` variant's row of the same model and compile
+    mode, for rows measured in separate `speed_rows` calls (torchao's, added at the end)."""
+    base = {(r["model"], r["compiled"]): r["fps"] for r in rows if r.get("variant") == baseline and "fps" in r}
+    for r in rows:
+        k = (r.get("model"), r.get("compiled"))
+        if "fps" in r and k in base:
+            r["speedup"] = r["fps"] / base[k]
+
+
+def find_row(rows: Iterable[dict[str, Any]], **kw: Any) -> dict[str, Any] | None:
+    """The first timed row (one with 'fps') matching every key=value given, or None."""
+    return next((r for r in rows if all(r.get(k) == v for k, v in kw.items()) and "fps" in r), None)
+
+
+def est(step: str, model: str = "*") -> float:
+    """GPU_ESTIMATES_S[step] for `model` (seconds)."""
+    return estimate(GPU_ESTIMATES_S, step, model)
+
+
+# ----------------------------------------------------------------------------- one model, in budget order
+
+def model_estimates(name: str, baseline: str, estimates: dict[str, Any] | None = None) -> dict[tuple[str, bool], float]:
+    """(variant, compiled) → seconds for `speed_rows`, from GPU_ESTIMATES_S (or `estimates`)."""
+    e = {**GPU_ESTIMATES_S, **(estimates or {})}
+    return {(baseline, False): estimate(e, "eager", name), ("FP8 (ours)", False): estimate(e, "eager", name),
+            (baseline, True): estimate(e, "compile", name), ("FP8 (ours)", True): estimate(e, "compile FP8", name)}
+
+
+def run_model(name: str, budget: Budget | None = None, weights: str = "random", size: str = "full",
+              device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, batch: int = 16,
+              image: int = 256, seed: int = 0, channels_last: bool = False, quant: dict[str, Any] | None = None,
+              compiled: bool = False, compile_deadline: float | None = None, iters: int = 20,
+              baseline: str = "fp16", estimates: dict[str, Any] | None = None,
+              progress: bool = True) -> dict[str, Any]:
+    """One model of notebook 03, most important first: load → quantize (calibrated) → drift of the FP8
+    output against the baseline → eager throughput (baseline, FP8) → compiled throughput (the pair).
+
+    Each step goes through `budget` (estimates: GPU_ESTIMATES_S, overridable); a step that is
+    skipped, aborted or fails ends the model there, with the reason in out["stopped"]. Returns
+    {"name", "case", "qmodel", "report", "notices", "ref", "out", "drift" (row), "speed" (rows),
+    "flops", "stopped" ('' when every step ran), "seconds" (load, quantize)}.
+    """
+    budget = budget if budget is not None else Budget(None, strict=True, verbose=False)
+    e = {**GPU_ESTIMATES_S, **(estimates or {})}
+    quant = dict(quant or {})
+    res: dict[str, Any] = {"name": name, "case": None, "qmodel": None, "report": None, "notices": [], "ref": None,
+                           "out": None, "drift": None, "speed": [], "flops": None, "stopped": "", "seconds": {}}
+
+    def stop(step: str, r: Any) -> dict[str, Any]:
+        res["stopped"] = f"{step} {r.status}: {r.reason}"
+        res["speed"] = [{"model": name, "variant": v, "compiled": c, "batch": batch,
+                         "status": f"skipped: {name} not measured ({res['stopped']})"}
+                        for c in [False] + ([True] if compiled else []) for v in (baseline, "FP8 (ours)")]
+        return res
+
+    r = budget.run(f"load {name}", estimate(e, "load", name), make_case, name, weights=weights, size=size,
+                   device=device, dtype=dtype, batch=batch, image=image, seed=seed, channels_last=channels_last)
+    res["seconds"]["load"] = r.seconds
+    if not r.ok:
+        return stop("load", r)
+    case = res["case"] = r.value
+
+    def quantize() -> tuple[nn.Module, FP8Report, list[str]]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            q, rep = quantize_module(case.model, calibration=case.calib, progress=progress, **quant)
+        return q, rep, sorted({str(w.message) for w in caught if "FP8" in str(w.message)})
+
+    r = budget.run(f"quantize {name}", estimate(e, "quantize", name), quantize)
+    res["seconds"]["quantize"] = r.seconds
+    if not r.ok:
+        return stop("quantize", r)
+    res["qmodel"], res["report"], res["notices"] = r.value
+    q, rep = res["qmodel"], res["report"]
+
+    def outputs() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            return case.model(*case.inputs[0]).float(), q(*case.inputs[0]).float()
+
+    r = budget.run(f"drift {name}", estimate(e, "drift", name), outputs)
+    if not r.ok:
+        return stop("drift", r)
+    res["ref"], res["out"] = r.value
+    res["drift"] = {"model": name, "variant": f"ours: FP8 {rep.scheme}, {rep.mode}", "FP8 layers": rep.n_layers,
+                    **drift(res["ref"], res["out"], case.data_range)}
+    from lab.timing import count_flops
+
+    r = budget.run(f"FLOP count {name}", estimate(e, "flops", name), count_flops, case.model, *case.inputs[0])
+    res["flops"] = r.value if r.ok else None
+    res["speed"] = speed_rows(case, {baseline: case.model, "FP8 (ours)": q}, [False] + ([True] if compiled else []),
+                              iters=iters, ref=res["ref"], baseline=baseline, flops=res["flops"],
+                              compile_deadline=compile_deadline, budget=budget,
+                              est_s=model_estimates(name, baseline, estimates))
+    return res
+
+
+def writeup_variants(scheme: str) -> dict[str, dict[str, Any]]:
+    """The SD-VAE drift rows beside ours: the write-up's exact configuration (every decoder Conv2d,
+    conv_in/conv_out included, per-tensor: their "35 layers"), the other weight scheme, weight-only."""
+    other = "per_channel" if scheme == "per_tensor" else "per_tensor"
+    return {"write-up: every decoder Conv2d, per-tensor": dict(scheme="per_tensor", types=(nn.Conv2d,),
+                                                                skip=_not_decoder),
+            f"FP8 {other}": dict(scheme=other),
+            "weight-only FP8 (activations not cast)": dict(mode="weight_only")}
+
+
+def _not_decoder(name: str, module: nn.Module) -> bool:
+    return not name.startswith("model.decoder.")
+
+
+def drift_variants(case: Case, ref: torch.Tensor, quant: dict[str, Any], budget: Budget | None = None,
+                   estimates: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Drift rows of `writeup_variants` (each a fresh calibrated quantization) against `ref`; a
+    variant the budget does not allow is a row with its status."""
+    budget = budget if budget is not None else Budget(None, strict=True, verbose=False)
+    est = estimate({**GPU_ESTIMATES_S, **(estimates or {})}, "drift variant", case.name)
+    rows = []
+    for label, kw in writeup_variants(quant.get("scheme", "per_tensor")).items():
+        def one(kw: dict[str, Any] = kw) -> tuple[int, dict[str, float]]:
+            args = {**quant, "calibration": case.calib, **kw}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                q2, r2 = quantize_module(case.model, **args)
+            with torch.inference_mode():
+                o2 = q2(*case.inputs[0]).float()
+            return r2.n_layers, drift(ref, o2, case.data_range)
+
+        r = budget.run(f"drift {case.name}: {label}", est, one)
+        row: dict[str, Any] = {"model": case.name, "variant": label}
+        if r.ok:
+            row.update({"FP8 layers": r.value[0], **r.value[1], "status": "ok"})
+        else:
+            row["status"] = f"{r.status}: {r.reason}"
+        rows.append(row)
+    return rows
+
+
+def torchao_rows(case: Case, ref: torch.Tensor, scheme: str = "per_tensor", compiled: bool = False,
+                 iters: int = 20, flops: int | None = None, budget: Budget | None = None,
+                 estimates: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """torchao's float8 (Linear layers) on the case's model: eager, and compiled when `compiled`
+    (pass True only when the compiled baseline row exists). Rows like `speed_rows`' (speed-ups: run
+    `fill_speedups` on the combined rows); unavailable / skipped rows carry the reason."""
+    budget = budget if budget is not None else Budget(None, strict=True, verbose=False)
+    e = {**GPU_ESTIMATES_S, **(estimates or {})}
+    head = {"model": case.name, "variant": "torchao FP8", "compiled": False, "batch": case.batch}
+    why = budget.check(f"torchao {case.name}", estimate(e, "torchao", case.name))
+    if why:
+        return [{**head, "status": f"skipped: {why}"}]
+    step, t0 = f"torchao quantize {case.name}", time.perf_counter()
+    try:
+        with budget.guard(step):  # a deepcopy of the model + quantize_
+            ao_model, ao_info = quantize_torchao(case.model, scheme)
+    except BudgetExceeded as err:
+        budget.log(step, None, t0, "aborted", str(err))
+        return [{**head, "status": f"aborted: {err}"}]
+    except BackendUnavailable as err:
+        return [{**head, "status": f"unavailable: {err}"}]
+    label = f"torchao FP8 ({ao_info['layers']} Linear)"
+    est = {(label, False): estimate(e, "eager", case.name), (label, True): estimate(e, "compile torchao", case.name)}
+    rows = speed_rows(case, {label: ao_model}, [False] + ([True] if compiled else []), iters=iters, ref=ref,
+                      flops=flops, budget=budget, est_s=est)
+    for r in rows:
+        r.pop("speedup", None)  # against itself; fill_speedups sets the real one
+    del ao_model
     return rows
 
 
@@ -218,15 +454,21 @@ def conv_shapes(report: FP8Report) -> list[dict[str, Any]]:
 
 def bench_conv_shapes(report: FP8Report, dtype: torch.dtype = torch.float16, device: str | torch.device = "cuda",
                       iters: int = 20, impls: Iterable[str] = ("im2col", "triton"), seed: int = 0,
-                      progress: bool = True) -> list[dict[str, Any]]:
+                      progress: bool = True, budget: Budget | None = None,
+                      est_per_shape: float | None = None) -> list[dict[str, Any]]:
     """GPU microbenchmark, one row per distinct conv shape of a quantized model (random weights of
     that shape): fp16 F.conv2d (channels-last, cuDNN) vs each FP8 path with its activation cast,
     the FP8 GEMM alone on a pre-built im2col matrix (what a bare "GEMM ms" figure measures), and
     the activation cast alone. Eager timings: under torch.compile the cast fuses into the previous
-    op's kernel, so `fp8_*_ms − act_cast_ms` is closer to what a compiled model pays."""
+    op's kernel, so `fp8_*_ms − act_cast_ms` is closer to what a compiled model pays.
+    With a `budget`, each shape must fit `est_per_shape` seconds (default GPU_ESTIMATES_S) or it
+    and the rest become rows with status 'skipped: …' (measured rows have status 'ok')."""
     from tqdm.auto import tqdm
 
     from lab.timing import bench
+
+    budget = budget if budget is not None else Budget(None, verbose=False)
+    est = est_per_shape if est_per_shape is not None else estimate(GPU_ESTIMATES_S, "microbench shape")
 
     dev = torch.device(device)
     ok, why = fp8_supported(dev)
@@ -235,61 +477,83 @@ def bench_conv_shapes(report: FP8Report, dtype: torch.dtype = torch.float16, dev
     t_ok, t_why = triton_conv_status(dev)
     g = torch.Generator(device="cpu").manual_seed(seed)
     rows = []
+    stop = ""
     for shp in tqdm(conv_shapes(report), desc="conv shapes", disable=not progress):
         o, i, kh, kw = shp["weight"]
         if (i * kh * kw) % 16 or o % 16:  # no FP8 GEMM for this layer (it stays weight-only)
             continue
-        conv32 = nn.Conv2d(i, o, (kh, kw), stride=shp["stride"], padding=shp["padding"])
-        with torch.no_grad():
-            conv32.weight.copy_(torch.randn(conv32.weight.shape, generator=g) / math.sqrt(i * kh * kw))
-            conv32.bias.copy_(torch.randn(o, generator=g) * 0.01)
-        conv32 = conv32.to(dev)
-        conv16 = copy.deepcopy(conv32).to(dtype=dtype, memory_format=torch.channels_last)
-        # enough distinct inputs that rotating them defeats the L2 cache (H100/H200: 50 MB)
-        n_in = max(2, min(8, math.ceil(2 * L2_BYTES / (math.prod(shp["in_shape"]) * 2))))
-        xs = [torch.randn(shp["in_shape"], generator=g).to(dev, dtype).contiguous(memory_format=torch.channels_last)
-              for _ in range(n_in)]
-        m, n, k = shp["gemm_mnk"]
-        flops = 2 * m * n * k
         h = shp["in_shape"][2]
         stride = "" if tuple(shp["stride"]) == (1, 1) else f" s{shp['stride'][0]}"
-        row: dict[str, Any] = {"label": f"{h}² {kh}×{kw}{stride} {i}→{o}",
-                               "shape": f"{tuple(shp['in_shape'])} {shp['kind']} {i}→{o}", "count": shp["count"],
-                               "M": m, "N": n, "K": k}
-        with torch.no_grad():
-            t16 = bench(conv16, inputs=[(x,) for x in xs], iters=iters, device=dev).median_s
-            row["fp16_ms"] = 1e3 * t16
-            row["fp16_TFLOPs"] = flops / t16 / 1e12
-            pointwise = _is_pointwise(conv32)
-            best = math.inf
-            for impl in (["gemm"] if pointwise else list(impls)):
-                if impl == "triton" and not t_ok:
-                    row["fp8_triton_ms"] = None
-                    row["note"] = f"triton: {t_why}"
-                    continue
-                try:
-                    layer = FP8Conv2d.from_float(conv32, path=impl)
-                    if impl == "triton":
-                        tune_triton(layer, xs[0])
-                    t = bench(layer, inputs=[(x,) for x in xs], iters=iters, device=dev).median_s
-                except Exception as e:  # one path that cannot run this shape is a note, not a crash
-                    row[f"fp8_{impl}_ms"] = None
-                    row["note"] = f"{impl}: {type(e).__name__}: {str(e)[:120]}"
-                    continue
-                row[f"fp8_{impl}_ms"] = 1e3 * t
-                best = min(best, t)
-            # the GEMM alone (operands already FP8 and gathered) and the activation cast alone
-            layer = FP8Conv2d.from_float(conv32, path="gemm" if pointwise else "im2col")
-            (ph, pw), (sh, sw) = layer.padding, layer.stride
-            xq, s = _quant_act(xs[0], None)
-            a = im2col_nhwc(xq.permute(0, 2, 3, 1), kh, kw, sh, sw, ph, pw)
-            w2 = layer._weight_fp8().t()
-            tg = bench(lambda: fp8_mm(a, w2, s, layer.w_scale, dtype), iters=iters, device=dev).median_s
-            tq = bench(lambda: _quant_act(xs[0], None), iters=iters, device=dev).median_s
-        row["fp8_gemm_only_ms"] = 1e3 * tg
-        row["fp8_gemm_TFLOPs"] = flops / tg / 1e12
-        row["act_cast_ms"] = 1e3 * tq
-        row["best_fp8_ms"] = 1e3 * best if best < math.inf else None
-        row["speedup"] = t16 / best if best < math.inf else None
-        rows.append(row)
+        head = {"label": f"{h}² {kh}×{kw}{stride} {i}→{o}", "shape": f"{tuple(shp['in_shape'])} {shp['kind']} {i}→{o}",
+                "count": shp["count"]}
+        step = f"microbench {head['label']}"
+        stop = stop or budget.check(step, est)
+        if stop:
+            rows.append({**head, "status": f"skipped: {stop}"})
+            continue
+        t0 = time.perf_counter()
+        try:
+            with budget.guard(step):
+                rows.append(_bench_shape(shp, head, dtype, dev, iters, impls, t_ok, t_why, g, bench))
+            budget.log(step, est, t0, "ok")
+        except BudgetExceeded as e:
+            budget.log(step, est, t0, "aborted", str(e))
+            stop = str(e)
+            rows.append({**head, "status": f"aborted: {e}"})
     return rows
+
+
+def _bench_shape(shp: dict[str, Any], head: dict[str, Any], dtype: torch.dtype, dev: torch.device, iters: int,
+                 impls: Iterable[str], t_ok: bool, t_why: str, g: torch.Generator, bench: Any) -> dict[str, Any]:
+    """One row of `bench_conv_shapes`."""
+    o, i, kh, kw = shp["weight"]
+    conv32 = nn.Conv2d(i, o, (kh, kw), stride=shp["stride"], padding=shp["padding"])
+    with torch.no_grad():
+        conv32.weight.copy_(torch.randn(conv32.weight.shape, generator=g) / math.sqrt(i * kh * kw))
+        conv32.bias.copy_(torch.randn(o, generator=g) * 0.01)
+    conv32 = conv32.to(dev)
+    conv16 = copy.deepcopy(conv32).to(dtype=dtype, memory_format=torch.channels_last)
+    # enough distinct inputs that rotating them defeats the L2 cache (H100/H200: 50 MB)
+    n_in = max(2, min(8, math.ceil(2 * L2_BYTES / (math.prod(shp["in_shape"]) * 2))))
+    xs = [torch.randn(shp["in_shape"], generator=g).to(dev, dtype).contiguous(memory_format=torch.channels_last)
+          for _ in range(n_in)]
+    m, n, k = shp["gemm_mnk"]
+    flops = 2 * m * n * k
+    row: dict[str, Any] = {**head, "M": m, "N": n, "K": k}
+    with torch.no_grad():
+        t16 = bench(conv16, inputs=[(x,) for x in xs], iters=iters, device=dev).median_s
+        row["fp16_ms"] = 1e3 * t16
+        row["fp16_TFLOPs"] = flops / t16 / 1e12
+        pointwise = _is_pointwise(conv32)
+        best = math.inf
+        for impl in (["gemm"] if pointwise else list(impls)):
+            if impl == "triton" and not t_ok:
+                row["fp8_triton_ms"] = None
+                row["note"] = f"triton: {t_why}"
+                continue
+            try:
+                layer = FP8Conv2d.from_float(conv32, path=impl)
+                if impl == "triton":
+                    tune_triton(layer, xs[0])
+                t = bench(layer, inputs=[(x,) for x in xs], iters=iters, device=dev).median_s
+            except Exception as e:  # one path that cannot run this shape is a note, not a crash
+                row[f"fp8_{impl}_ms"] = None
+                row["note"] = f"{impl}: {type(e).__name__}: {str(e)[:120]}"
+                continue
+            row[f"fp8_{impl}_ms"] = 1e3 * t
+            best = min(best, t)
+        # the GEMM alone (operands already FP8 and gathered) and the activation cast alone
+        layer = FP8Conv2d.from_float(conv32, path="gemm" if pointwise else "im2col")
+        (ph, pw), (sh, sw) = layer.padding, layer.stride
+        xq, s = _quant_act(xs[0], None)
+        a = im2col_nhwc(xq.permute(0, 2, 3, 1), kh, kw, sh, sw, ph, pw)
+        w2 = layer._weight_fp8().t()
+        tg = bench(lambda: fp8_mm(a, w2, s, layer.w_scale, dtype), iters=iters, device=dev).median_s
+        tq = bench(lambda: _quant_act(xs[0], None), iters=iters, device=dev).median_s
+    row["fp8_gemm_only_ms"] = 1e3 * tg
+    row["fp8_gemm_TFLOPs"] = flops / tg / 1e12
+    row["act_cast_ms"] = 1e3 * tq
+    row["best_fp8_ms"] = 1e3 * best if best < math.inf else None
+    row["speedup"] = t16 / best if best < math.inf else None
+    row["status"] = "ok"
+    return row
