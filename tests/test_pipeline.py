@@ -187,3 +187,18 @@ def test_neural_bench_and_trace(engine, speech, tmp_path):
     import json
 
     assert json.loads(gzip.decompress(p.read_bytes()))["traceEvents"]
+
+
+def test_load_avatar_image_and_video(tmp_path):
+    import imageio.v3 as iio
+
+    from lab.video import FFmpegWriter
+
+    iio.imwrite(tmp_path / "a.png", np.full((51, 33, 3), 90, np.uint8))
+    fr = mt.load_avatar(tmp_path / "a.png")
+    assert fr.shape == (1, 50, 32, 3)  # cropped to even sizes for yuv420p
+    with FFmpegWriter(tmp_path / "v.mp4", 25, (32, 48)) as w:
+        w.write(np.full((5, 48, 32, 3), 120, np.uint8))
+    assert mt.load_avatar(tmp_path / "v.mp4").shape == (5, 48, 32, 3)
+    with pytest.raises(InputError, match="nope.png"):
+        mt.load_avatar(tmp_path / "nope.png")

@@ -181,6 +181,20 @@ def avatar_loop(n: int, frame_size: tuple[int, int], photo: np.ndarray | None = 
     return out
 
 
+VIDEO_SUFFIXES = (".mp4", ".mov", ".avi", ".mkv", ".webm")
+
+
+def load_avatar(path: str | Path, max_frames: int | None = 250) -> np.ndarray:
+    """A user's avatar: an image (one frame) or a video → (N, H, W, 3) uint8, cropped to even
+    width and height (yuv420p needs them). Set Config.frame_size to its (width, height)."""
+    from lab.data import load_image, load_video
+
+    p = Path(path)
+    frames = load_video(p, max_frames=max_frames)[0] if p.suffix.lower() in VIDEO_SUFFIXES else load_image(p)[None]
+    h, w = frames.shape[1:3]
+    return np.ascontiguousarray(frames[:, : h - h % 2, : w - w % 2])
+
+
 def pingpong(i: np.ndarray | int, n: int) -> np.ndarray:
     """Frame index into an n-frame avatar played forward then backward (period 2n)."""
     i = np.asarray(i) % (2 * n)
