@@ -202,3 +202,42 @@ def test_load_avatar_image_and_video(tmp_path):
     assert mt.load_avatar(tmp_path / "v.mp4").shape == (5, 48, 32, 3)
     with pytest.raises(InputError, match="nope.png"):
         mt.load_avatar(tmp_path / "nope.png")
+
+
+def test_gpu_blend_path_matches_cpu_blend(engine, speech, monkeypatch):
+    """blend='gpu' (torch, batched, run here on CPU tensors) and the numpy blend give the same frames."""
+    a, sr = speech
+
+    class Collect:
+        def __init__(self):
+            self.frames = []
+
+        def write(self, f):
+            self.frames.append(np.asarray(f))
+
+        def close(self):
+            pass
+
+        def abort(self):
+            pass
+
+    got = {}
+    for blend in ("cpu", "gpu"):
+        w = Collect()
+        monkeypatch.setattr(mt, "_open_writer", lambda *args, _w=w: _w)
+        mt.run(mt.reconfigure(engine, blend=blend, pipe_format="rgb24"), a, sr, "unused.mp4", n_frames=8)
+        got[blend] = np.concatenate(w.frames)
+    assert got["cpu"].shape == got["gpu"].shape == (8, FS[1], FS[0], 3)
+    assert np.abs(got["cpu"].astype(int) - got["gpu"].astype(int)).max() <= 1
+
+
+def test_gpu_blend_yuv_pipe_writes_the_video(engine, speech, tmp_path):
+    a, sr = speech
+    out = tmp_path / "yuv.mp4"
+    r = mt.run(mt.reconfigure(engine, blend="gpu", pipe_format="yuv420p", mode="async"), a, sr, out)
+    info = read_video_info(out)
+    assert info.n_frames == r.n_frames == 18 and info.has_audio
+    assert "yuv420p" in {s["stage"] for s in r.stages}
+    with pytest.raises(InputError, match="needs blend='gpu'"):
+        mt.run(mt.reconfigure(engine, blend="cpu", pipe_format="yuv420p"), a, sr, tmp_path / "x.mp4")
+    assert not (tmp_path / "x.mp4").exists()

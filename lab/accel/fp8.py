@@ -654,10 +654,23 @@ def _as_args(calibration: Any) -> tuple | None:
                      f"{type(calibration).__name__}")
 
 
+def _run_hooked(model: nn.Module, args: tuple, pre: dict[nn.Module, Any] | None = None,
+                post: dict[nn.Module, Any] | None = None) -> None:
+    """One no-grad forward of `model(*args)` with forward (pre-)hooks on the given modules,
+    removed afterwards even if the forward raises."""
+    hooks = [m.register_forward_pre_hook(fn) for m, fn in (pre or {}).items()]
+    hooks += [m.register_forward_hook(fn) for m, fn in (post or {}).items()]
+    try:
+        with torch.no_grad():
+            model(*args)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def _record(model: nn.Module, names: dict[nn.Module, str], args: tuple) -> dict[str, dict]:
     """Calibration pass 1: which candidate layers run, in what order, on what input (shape, amax)."""
     seen: dict[str, dict] = {}
-    hooks = []
 
     def pre(mod: nn.Module, inp: tuple) -> None:
         name = names[mod]
@@ -669,14 +682,7 @@ def _record(model: nn.Module, names: dict[nn.Module, str], args: tuple) -> dict[
             seen[name]["amax"] = max(seen[name]["amax"], amax)
             seen[name]["calls"] += 1
 
-    for mod in names:
-        hooks.append(mod.register_forward_pre_hook(pre))
-    try:
-        with torch.no_grad():
-            model(*args)
-    finally:
-        for h in hooks:
-            h.remove()
+    _run_hooked(model, args, pre={mod: pre for mod in names})
     return seen
 
 
@@ -896,7 +902,6 @@ def _measure(model: nn.Module, cands: dict[nn.Module, str], built: dict[str, _FP
     """Calibration pass 2: run the float model; at each quantized layer run its FP8 twin on the same
     input and compare outputs. Triton layers are first tuned, checked against the im2col path (same
     FP8 operands, so they must agree), and with `choose` timed against it: the faster one stays."""
-    hooks = []
     done: set[str] = set()
 
     def post(mod: nn.Module, inp: tuple, out: torch.Tensor) -> None:
@@ -938,35 +943,21 @@ def _measure(model: nn.Module, cands: dict[nn.Module, str], built: dict[str, _FP
         if q.activation == "static":
             rep.saturated += int(((x.float() / q.a_scale.float()).abs() > SAT_LIMIT).sum())
 
-    for mod, name in cands.items():
-        if name in built:
-            hooks.append(mod.register_forward_hook(post))
-    try:
-        with torch.no_grad():
-            model(*args)
-    finally:
-        for h in hooks:
-            h.remove()
+    _run_hooked(model, args, post={mod: post for mod, name in cands.items() if name in built})
 
 
 def count_saturated(model: nn.Module, *args: Any) -> dict[str, int]:
     """Run `model(*args)` and count, per FP8 layer, input elements beyond ±448 after scaling (only
     static activation scales can saturate; dynamic ones fit every input by construction)."""
     out: dict[str, int] = {}
-    hooks = []
-    for name, m in model.named_modules():
-        if isinstance(m, _FP8Layer):
-            def pre(mod, inp, name=name):
-                x = inp[0]
-                s = mod.a_scale.float() if mod.activation == "static" else activation_scale(x)
-                out[name] = out.get(name, 0) + int(((x.float() / s).abs() > SAT_LIMIT).sum())
-            hooks.append(m.register_forward_pre_hook(pre))
-    try:
-        with torch.no_grad():
-            model(*args)
-    finally:
-        for h in hooks:
-            h.remove()
+    names = {m: n for n, m in fp8_layers(model).items()}
+
+    def pre(mod: nn.Module, inp: tuple) -> None:
+        x = inp[0]
+        s = mod.a_scale.float() if mod.activation == "static" else activation_scale(x)
+        out[names[mod]] = out.get(names[mod], 0) + int(((x.float() / s).abs() > SAT_LIMIT).sum())
+
+    _run_hooked(model, args, pre={m: pre for m in names})
     return out
 
 

@@ -101,6 +101,7 @@ class Engine:
     masked_latents: torch.Tensor | None = None
     ref_latents: torch.Tensor | None = None
     frames_gpu: torch.Tensor | None = None
+    mask_gpu: torch.Tensor | None = None   # the feathered mask, on the device once (not per batch)
     gen_fn: Any = None           # what run() calls: the eager modules or their torch.compile wrappers
     dec_fn: Any = None
     compile_s: float = 0.0
@@ -224,6 +225,7 @@ def prepare(engine: Engine, frames: np.ndarray | None = None, source_name: str =
     av.latents = engine.ref_latents.float().cpu().numpy()
     if _blend_on_gpu(engine):
         engine.frames_gpu = torch.from_numpy(av.frames).to(engine.device)
+        engine.mask_gpu = torch.from_numpy(av.masks[0]).to(engine.device)
     return engine
 
 
@@ -453,9 +455,9 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
             from lab.video import blend_torch
 
             with tm.stage("blend"):
-                j = torch.as_tensor(pingpong(np.arange(s, t), len(engine.frames_gpu)), device=engine.device)
-                faces = blend_torch(engine.frames_gpu[j], faces, torch.from_numpy(engine.avatar.masks[0]).to(engine.device),
-                                    engine.avatar.boxes[pingpong(np.arange(s, t), len(engine.frames_gpu))])
+                j = pingpong(np.arange(s, t), len(engine.frames_gpu))
+                faces = blend_torch(engine.frames_gpu[torch.as_tensor(j, device=engine.device)], faces,
+                                    engine.mask_gpu, engine.avatar.boxes[j])
             if yuv:
                 from lab.video import rgb_to_yuv420p
 
@@ -619,7 +621,7 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
     weights = {k: w for k, w in engine.weights.items() if k not in ("sd-vae", "taesd")}
     weights[cfg.decoder] = vae.weights
     new = Engine(cfg, engine.device, dt, whisper, gen, dec, vae, weights, engine.avatar, None, None,
-                 engine.frames_gpu, variants=v)
+                 engine.frames_gpu, engine.mask_gpu, variants=v)
     if engine.avatar is not None:
         lat = v.get(("latents", cfg.decoder, dt))
         if lat is None:
@@ -629,6 +631,7 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
             new.masked_latents, new.ref_latents = lat
         if new.frames_gpu is None and _blend_on_gpu(new):
             new.frames_gpu = torch.from_numpy(engine.avatar.frames).to(engine.device)
+            new.mask_gpu = torch.from_numpy(engine.avatar.masks[0]).to(engine.device)
     return _finalize(new)
 
 
