@@ -44,10 +44,17 @@ VARIANTS: dict[str, str] = {
     "compile": "torch.compile default mode (Inductor fuses GroupNorm/SiLU/adds), channels_last + cudnn.benchmark",
     "compile_cudagraphs": "torch.compile mode='reduce-overhead' (Inductor + CUDA graphs)",
     "compile_autotune": "torch.compile mode='max-autotune-no-cudagraphs' (autotunes GEMM/conv templates; minutes)",
+    # the same function with fewer FLOPs: nearest-2x + 3x3 conv folded into a stride-2 4x4 transposed
+    # conv (lab.accel.subpixel); exact up to summation order, PSNR vs fp32 shown on the row
+    "subpixel": "cudnn_benchmark + upsample convs folded into stride-2 transposed convs (2.25x fewer FLOPs there)",
+    "compile_subpixel": "compile_cudagraphs on the subpixel-folded decoder (one conv_transpose2d per upsampler)",
+    "compile_subpixel_phases": "compile_cudagraphs on the subpixel-folded decoder (four 2x2 phase convs as one conv)",
 }
-COMPILED = ("compile", "compile_cudagraphs", "compile_autotune")
+COMPILED = ("compile", "compile_cudagraphs", "compile_autotune", "compile_subpixel", "compile_subpixel_phases")
 _COMPILE_MODE = {"compile": "default", "compile_cudagraphs": "reduce-overhead",
-                 "compile_autotune": "max-autotune-no-cudagraphs"}
+                 "compile_autotune": "max-autotune-no-cudagraphs", "compile_subpixel": "reduce-overhead",
+                 "compile_subpixel_phases": "reduce-overhead"}
+_SUBPIXEL = {"subpixel": "transpose", "compile_subpixel": "transpose", "compile_subpixel_phases": "phases"}
 
 # UNet-space latents (SD-VAE latents × 0.18215) have roughly unit standard deviation: that is how
 # Stable Diffusion chose the factor. Benchmark latents therefore use N(0, 1), never zeros.
@@ -163,16 +170,42 @@ def ceiling_tflops(dtype: str, device: torch.device | str, quick: bool = False) 
 _FLOPS: dict[tuple, int] = {}
 
 
-def flops_per_frame(vae: VAE, hw: int) -> int:
+def flops_per_frame(vae: VAE, hw: int, subpixel: str | None = None) -> int:
     """Decoder FLOPs for one (4, hw, hw) latent (torch.utils.flop_counter: convs + matmuls), cached.
 
     FLOPs do not depend on dtype, and the decoder is convolutional, so a batch of B costs B × this.
+    `subpixel` ("transpose" | "phases"): count the folded decoder instead, so a folded row's % of
+    ceiling is the work it really did, not credit for FLOPs it skipped.
     """
-    key = (vae.kind, vae.weights, id(vae.model), hw)
+    key = (vae.kind, vae.weights, id(vae.model), hw, subpixel)
     if key not in _FLOPS:
         z = torch.randn(1, 4, hw, hw, device=vae.device, dtype=vae.dtype)
-        _FLOPS[key] = count_flops(vae.decoder_module(), z)
+        vae_ = vae if subpixel is None else _folded(vae, subpixel)[0]
+        _FLOPS[key] = count_flops(vae_.decoder_module(), z)
     return _FLOPS[key]
+
+
+def _folded(vae: VAE, impl: str) -> tuple[VAE, list[dict]]:
+    """A copy of `vae` with its decoder's upsample convs folded (lab.accel.subpixel), + the report."""
+    from lab.accel.subpixel import rewrite_upsamplers
+
+    with quiet_diffusers():
+        model = copy.deepcopy(vae.model)
+    report = rewrite_upsamplers(model, impl=impl)
+    return VAE(vae.kind, model, vae.scaling_factor, vae.weights), report
+
+
+def subpixel_skip_reason(vae: VAE) -> str | None:
+    """Why the subpixel variants cannot apply to this decoder (no eligible upsampler), or None."""
+    from lab.accel.subpixel import eligible
+    from diffusers.models.upsampling import Upsample2D
+
+    found = [eligible(m) for m in vae.model.modules() if isinstance(m, Upsample2D)]
+    if not found:
+        return f"{vae.kind} has no diffusers Upsample2D (nearest-2x + 3x3 conv) to fold"
+    if not any(ok for ok, _ in found):
+        return f"no eligible upsampler in {vae.kind}: {found[0][1]}"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,7 +242,8 @@ def skip_reason(variant: str, device: torch.device | str, quick: bool, compile: 
     dev = torch.device(device)
     if variant not in VARIANTS:
         raise InputError(f"unknown variant {variant!r}; expected one of {list(VARIANTS)}")
-    if variant in ("cudnn_benchmark", "cuda_graph", "compile_cudagraphs") and dev.type != "cuda":
+    if variant in ("cudnn_benchmark", "cuda_graph", "compile_cudagraphs", "compile_subpixel",
+                   "compile_subpixel_phases") and dev.type != "cuda":
         return "needs a CUDA GPU (cuDNN / CUDA graphs); this run is on CPU"
     if variant in COMPILED:
         if not compile:
@@ -226,17 +260,19 @@ def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor) -> 
     """A callable latents → images in [0, 1] for one variant, built on a private copy of the model
     (so channels_last / dtype changes never leak into other variants). First call already done
     for compiled variants (that is where compilation happens)."""
+    if variant in _SUBPIXEL:  # fold in the model's own precision, then cast (fold sums in fp32)
+        vae = _folded(vae, _SUBPIXEL[variant])[0]
     with quiet_diffusers():
         model = copy.deepcopy(vae.model).to(dtype=DTYPES[dtype])
         if variant != "eager":
             model = model.to(memory_format=torch.channels_last)
     dec = VAE(vae.kind, model, vae.scaling_factor, vae.weights).decoder_module().eval()
-    if variant in ("eager", "channels_last", "cudnn_benchmark"):
+    if variant in ("eager", "channels_last", "cudnn_benchmark", "subpixel"):
         return dec
     if variant == "cuda_graph":
         return _cuda_graphed(dec, example)
     compiled = torch.compile(dec, mode=_COMPILE_MODE[variant], dynamic=False)
-    if variant == "compile_cudagraphs":
+    if _COMPILE_MODE[variant] == "reduce-overhead":
         def run(z: torch.Tensor) -> torch.Tensor:
             # tell CUDA-graph trees each call is a new step, so the previous output's memory is reused
             torch.compiler.cudagraph_mark_step_begin()
@@ -314,6 +350,8 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
         reason = skip_reason(variant, dev, quick, compile)
         if reason is None and dtype != "fp32" and not cuda and variant != "eager":
             reason = "half precision on CPU is only measured eager (no fast CPU kernels to tune)"
+        if reason is None and variant in _SUBPIXEL:
+            reason = subpixel_skip_reason(vae)
         if reason is None and variant in COMPILED and compile_budget_s is not None and compile_spent > compile_budget_s:
             reason = f"compile budget of {compile_budget_s:.0f} s spent ({compile_spent:.0f} s); raise compile_budget_s"
         if reason:
@@ -326,7 +364,7 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
         if (kind, batch) not in refs:  # frames decode independently (GroupNorm is per sample): score a few
             z0 = random_latents(batch, latent_hw, 1, seed=seed + batch, device=dev)[0]
             refs[kind, batch] = _reference(vae, z0[:QUALITY_FRAMES])
-        fpf = flops_per_frame(vae, latent_hw)
+        fpf = flops_per_frame(vae, latent_hw, _SUBPIXEL.get(variant))
         ceil, ceil_label = ceiling_tflops(dtype, dev, quick)
         t0 = time.perf_counter()
         fn = None
@@ -671,6 +709,12 @@ def headline(rows: Sequence[dict], batch: int, dtype: str) -> dict[str, Any]:
             if r["pct_of_ceiling"] is not None:
                 h[f"{kind} best % of {r['ceiling']} ceiling"] = round(r["pct_of_ceiling"], 1)
             h[f"{kind} best PSNR vs fp32 (dB)"] = round(r["psnr_vs_fp32"], 1)
+            if r["variant"] in _SUBPIXEL:  # also the best that kept the original layer structure
+                plain = [x for x in ok_rows(rows, decoder=kind, batch=batch, dtype=dtype) if x["variant"] not in _SUBPIXEL]
+                if plain:
+                    p = max(plain, key=lambda x: x["fps"])
+                    h[f"{kind} best FPS without folding b{batch} {dtype}"] = round(p["fps"], 1)
+                    h[f"{kind} best variant without folding"] = p["variant"]
     for label, variant in (("eager vs eager", "eager"), ("best vs best", None)):
         ratio = speed_ratio(rows, batch, dtype, variant)
         if ratio is not None:

@@ -61,6 +61,22 @@ def test_bench_rows_on_tiny_configs(vaes):
     assert all("quick" in r["reason"] for r in compiled)
 
 
+def test_subpixel_variant_is_the_same_function_with_fewer_flops(vaes):
+    rows = D.bench_decoders(vaes, [2], ["fp32"], ["eager", "subpixel", "compile_subpixel"], latent_hw=4,
+                            device="cpu", quick=True, iters=2, warmup=1, n_sets=2, progress=False)
+    by = {(r["decoder"], r["variant"]): r for r in rows}
+    sd, folded = by["sd-vae", "eager"], by["sd-vae", "subpixel"]
+    assert folded["status"] == "ok", folded["reason"]
+    # reassociated sums only: far above fp16's ~70 dB, not bit-identical
+    assert folded["psnr_vs_fp32"] > 100 and folded["max_abs_vs_fp32"] < 1e-5
+    assert folded["gflops_per_frame"] < sd["gflops_per_frame"]  # its % of ceiling counts the work it did
+    assert by["taesd", "subpixel"]["status"] == "skipped" and "Upsample2D" in by["taesd", "subpixel"]["reason"]
+    assert "CUDA" in by["sd-vae", "compile_subpixel"]["reason"]
+    h = D.headline([dict(sd, batch=16, dtype="fp16", fps=100.0), dict(folded, batch=16, dtype="fp16", fps=150.0)],
+                   16, "fp16")
+    assert h["sd-vae best variant"] == "subpixel" and h["sd-vae best FPS without folding b16 fp16"] == 100.0
+
+
 def test_compile_off_and_budget_give_reasons(vaes):
     assert "compile=False" in D.skip_reason("compile", "cpu", quick=False, compile=False)
     assert D.skip_reason("eager", "cpu", quick=True) is None
