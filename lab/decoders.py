@@ -49,12 +49,23 @@ VARIANTS: dict[str, str] = {
     "subpixel": "cudnn_benchmark + upsample convs folded into stride-2 transposed convs (2.25x fewer FLOPs there)",
     "compile_subpixel": "compile_cudagraphs on the subpixel-folded decoder (one conv_transpose2d per upsampler)",
     "compile_subpixel_phases": "compile_cudagraphs on the subpixel-folded decoder (four 2x2 phase convs as one conv)",
+    "compile_subpixel_frozen": "compile_subpixel + Inductor freezing (weights as constants) + 1x1 convs as matmuls "
+                               "(fusable epilogues: the shortcut conv and the residual add in one kernel)",
+    "compile_subpixel_autotune": "compile_subpixel with mode='max-autotune' (Triton conv/GEMM templates vs cuDNN "
+                                 "per shape, + CUDA graphs; minutes of compile)",
 }
-COMPILED = ("compile", "compile_cudagraphs", "compile_autotune", "compile_subpixel", "compile_subpixel_phases")
+COMPILED = ("compile", "compile_cudagraphs", "compile_autotune", "compile_subpixel", "compile_subpixel_phases",
+            "compile_subpixel_frozen", "compile_subpixel_autotune")
 _COMPILE_MODE = {"compile": "default", "compile_cudagraphs": "reduce-overhead",
                  "compile_autotune": "max-autotune-no-cudagraphs", "compile_subpixel": "reduce-overhead",
-                 "compile_subpixel_phases": "reduce-overhead"}
-_SUBPIXEL = {"subpixel": "transpose", "compile_subpixel": "transpose", "compile_subpixel_phases": "phases"}
+                 "compile_subpixel_phases": "reduce-overhead", "compile_subpixel_frozen": "reduce-overhead",
+                 "compile_subpixel_autotune": "max-autotune"}
+_SUBPIXEL = {"subpixel": "transpose", "compile_subpixel": "transpose", "compile_subpixel_phases": "phases",
+             "compile_subpixel_frozen": "transpose", "compile_subpixel_autotune": "transpose"}
+# Inductor options per variant (patched only while that variant compiles)
+_INDUCTOR = {"compile_subpixel_frozen": {"freezing": True, "conv_1x1_as_mm": True}}
+_GRAPHED = ("cuda_graph", "compile_cudagraphs", "compile_subpixel", "compile_subpixel_phases",
+            "compile_subpixel_frozen", "compile_subpixel_autotune")
 
 # UNet-space latents (SD-VAE latents × 0.18215) have roughly unit standard deviation: that is how
 # Stable Diffusion chose the factor. Benchmark latents therefore use N(0, 1), never zeros.
@@ -242,8 +253,7 @@ def skip_reason(variant: str, device: torch.device | str, quick: bool, compile: 
     dev = torch.device(device)
     if variant not in VARIANTS:
         raise InputError(f"unknown variant {variant!r}; expected one of {list(VARIANTS)}")
-    if variant in ("cudnn_benchmark", "cuda_graph", "compile_cudagraphs", "compile_subpixel",
-                   "compile_subpixel_phases") and dev.type != "cuda":
+    if (variant == "cudnn_benchmark" or variant in _GRAPHED) and dev.type != "cuda":
         return "needs a CUDA GPU (cuDNN / CUDA graphs); this run is on CPU"
     if variant in COMPILED:
         if not compile:
@@ -271,17 +281,19 @@ def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor) -> 
         return dec
     if variant == "cuda_graph":
         return _cuda_graphed(dec, example)
+    import torch._inductor.config as inductor_config
+
     compiled = torch.compile(dec, mode=_COMPILE_MODE[variant], dynamic=False)
-    if _COMPILE_MODE[variant] == "reduce-overhead":
+    if _COMPILE_MODE[variant] in ("reduce-overhead", "max-autotune"):  # both capture CUDA graphs
         def run(z: torch.Tensor) -> torch.Tensor:
             # tell CUDA-graph trees each call is a new step, so the previous output's memory is reused
             torch.compiler.cudagraph_mark_step_begin()
             return compiled(z)
-
+    else:
+        run = compiled
+    with inductor_config.patch(_INDUCTOR.get(variant, {})):  # compilation happens in this first call
         run(example)
-        return run
-    compiled(example)
-    return compiled
+    return run
 
 
 # ----------------------------------------------------------------------------------------------

@@ -328,6 +328,8 @@ def test_run_matrix_rows_and_failures_do_not_stop_the_run(monkeypatch):
     rows = {r["backend"]: r for r in out["rows"]}
     assert list(rows) == ["eager", "compile", "compile+cudagraph", "onnx", "tensorrt"]  # eager is always first
     assert rows["eager"]["status"] == "ok" and rows["eager"]["speedup"] == 1.0 and rows["eager"]["fps"] > 0
+    assert rows["eager"]["baseline"] == "eager" and rows["eager"]["speedup_vs_eager_cl"] == 1.0
+    assert "speedup" not in rows["onnx"] or rows["onnx"]["speedup"] is None
     assert rows["compile"]["status"] == "failed" and "inductor exploded" in rows["compile"]["reason"]
     assert rows["compile+cudagraph"]["status"] == "skipped" and "compile failed" in rows["compile+cudagraph"]["reason"]
     assert rows["onnx"] == {**rows["onnx"], "status": "skipped", "reason": "not today"}
@@ -335,6 +337,82 @@ def test_run_matrix_rows_and_failures_do_not_stop_the_run(monkeypatch):
     best = BB.best_per_model(out["rows"])
     assert best[("taesd", 1)]["backend"] == "eager"
     assert out["models"]["taesd"]["clamped_pct"] >= 0 and out["weights"]["taesd"].startswith("random")
+
+
+def _srow(model, batch, backend, fps, status="ok", **kw):
+    return {"model": model, "batch": batch, "backend": backend, "status": status, "fps": fps,
+            "ms_per_batch": 1e3 * batch / fps if fps else None, **kw}
+
+
+def test_fill_speedups_uses_the_faster_eager_layout_as_the_baseline():
+    from lab.accel.backends_bench import best_per_model, fill_speedups, speedup_text
+
+    rows = [  # the H200's UNet and SD-VAE at batch 16: channels-last eager slower than NCHW eager
+        _srow("unet", 16, "eager", 295.9, psnr_vs_eager=float("inf")),
+        _srow("unet", 16, "compile+cudagraph", 1863.0, psnr_vs_eager=74.2, speedup_vs_nchw=3.16),
+        _srow("unet", 16, "onnx", None, status="unavailable", reason="no CUDA provider"),
+        _srow("unet", 16, "eager (NCHW)", 589.0),
+        _srow("sd-vae", 16, "eager", 277.8, psnr_vs_eager="inf"),  # "inf": as a loaded results.json holds it
+        _srow("sd-vae", 16, "compile+cudagraph", 660.8, psnr_vs_eager=66.8),
+        _srow("sd-vae", 16, "eager (NCHW)", 308.8),
+        _srow("taesd", 16, "eager", 400.0),  # channels-last eager the faster layout
+        _srow("taesd", 16, "compile", 800.0, psnr_vs_eager=90.0),
+        _srow("taesd", 16, "eager (NCHW)", 320.0),
+        _srow("taesd", 1, "eager", 100.0),  # no NCHW row (CPU, or a run cut short): eager alone
+        _srow("taesd", 1, "compile", 150.0, psnr_vs_eager=90.0),
+        _srow("unet", 1, "eager", None, status="skipped", reason="time budget"),  # no eager baseline at all
+        _srow("unet", 1, "cudagraph", 50.0, psnr_vs_eager=80.0),
+    ]
+    untouched = {id(r): dict(r) for r in rows if r["status"] != "ok"}
+    assert fill_speedups(rows) is rows
+    by = {(r["model"], r["batch"], r["backend"]): r for r in rows}
+
+    cg = by[("unet", 16, "compile+cudagraph")]
+    assert cg["baseline"] == "eager (NCHW)" and cg["speedup"] == pytest.approx(1863.0 / 589.0)  # 3.16×, not 6.30×
+    assert cg["speedup_vs_eager_cl"] == pytest.approx(1863.0 / 295.9) and "speedup_vs_nchw" not in cg
+    assert by[("unet", 16, "eager")]["speedup"] == pytest.approx(295.9 / 589.0)
+    assert by[("unet", 16, "eager")]["speedup_vs_eager_cl"] == 1.0
+    assert by[("unet", 16, "eager (NCHW)")]["speedup"] == 1.0
+    assert by[("unet", 16, "eager (NCHW)")]["speedup_vs_eager_cl"] == pytest.approx(589.0 / 295.9)
+    assert by[("sd-vae", 16, "compile+cudagraph")]["speedup"] == pytest.approx(660.8 / 308.8)
+    tc = by[("taesd", 16, "compile")]
+    assert tc["baseline"] == "eager" and tc["speedup"] == tc["speedup_vs_eager_cl"] == pytest.approx(2.0)
+    assert by[("taesd", 16, "eager (NCHW)")]["speedup"] == pytest.approx(0.8)
+    t1 = by[("taesd", 1, "compile")]
+    assert t1["baseline"] == "eager" and t1["speedup"] == t1["speedup_vs_eager_cl"] == pytest.approx(1.5)
+    u1 = by[("unet", 1, "cudagraph")]
+    assert u1["speedup"] is None and u1["baseline"] is None and u1["speedup_vs_eager_cl"] is None
+    for r in rows:  # rows that did not run are left exactly as they were
+        if r["status"] != "ok":
+            assert r == untouched[id(r)]
+    snapshot = [dict(r) for r in rows]
+    assert fill_speedups(rows) == snapshot  # idempotent (run_matrix calls it on every checkpoint)
+
+    # only NCHW eager measured: it is the baseline, and there is no channels-last speed-up
+    only = fill_speedups([_srow("m", 2, "eager (NCHW)", 10.0), _srow("m", 2, "compile", 30.0)])
+    assert only[1]["baseline"] == "eager (NCHW)" and only[1]["speedup"] == 3.0
+    assert only[1]["speedup_vs_eager_cl"] is None
+    assert fill_speedups([]) == []
+
+    best = best_per_model(rows)
+    assert best[("unet", 16)] is cg and best[("sd-vae", 16)]["backend"] == "compile+cudagraph"
+    assert speedup_text(cg, rows) == "3.16× over eager (NCHW) (1863.0 FPS; 6.30× over channels-last eager)"
+    assert speedup_text(best[("sd-vae", 16)], rows) == (
+        "2.14× over eager (NCHW) (660.8 FPS; 2.38× over channels-last eager)")
+    assert speedup_text(tc, rows) == "2.00× over channels-last eager, the faster eager layout (800.0 FPS)"
+    assert speedup_text(t1, rows) == "1.50× over eager (150.0 FPS)"
+    assert "no eager baseline" in speedup_text(u1, rows)
+
+
+def test_best_per_model_picks_nchw_eager_when_nothing_beats_it():
+    from lab.accel.backends_bench import best_per_model, fill_speedups
+
+    rows = fill_speedups([_srow("unet", 16, "eager", 300.0, psnr_vs_eager=float("inf")),
+                          _srow("unet", 16, "compile", 500.0, psnr_vs_eager=70.0),
+                          _srow("unet", 16, "cudagraph", 900.0, psnr_vs_eager=20.0),  # fast but wrong: never best
+                          _srow("unet", 16, "eager (NCHW)", 600.0)])
+    b = best_per_model(rows)[("unet", 16)]
+    assert b["backend"] == "eager (NCHW)" and b["speedup"] == 1.0 and b["baseline"] == "eager (NCHW)"
 
 
 # ----------------------------------------------------------------------------- the time budget (notebooks 03 and 04)
@@ -467,14 +545,14 @@ def test_run_matrix_skips_rows_that_do_not_fit_and_aborts_one_that_overruns(monk
     parts = []
     out = run_matrix(["taesd"], [1, 2], ["eager", "compile", "onnx"], "fp32", torch.device("cpu"), size="tiny",
                      iters=2, warmup=1, progress=False, budget=Budget(2.0, verbose=False), estimates=est,
-                     checkpoint=lambda part: parts.append(len(part["rows"])))
+                     checkpoint=lambda part: parts.append((len(part["rows"]), part["rows"][0]["speedup"])))
     rows = {(r["batch"], r["backend"]): r for r in out["rows"]}
     assert list(rows) == [(2, "eager"), (2, "compile"), (1, "eager"), (1, "compile"), (2, "onnx"), (1, "onnx")]
     assert rows[(2, "eager")]["status"] == "ok" and rows[(2, "eager")]["fps"] > 0
     assert rows[(2, "compile")]["status"] == "aborted" and "stopped after" in rows[(2, "compile")]["reason"]
     for k in [(1, "eager"), (1, "compile"), (2, "onnx"), (1, "onnx")]:  # after the deadline nothing starts
         assert rows[k]["status"] == "skipped" and "time budget" in rows[k]["reason"], k
-    assert parts == [2, 4]  # a checkpoint after each (model, batch) group of headline rows
+    assert parts == [(2, 1.0), (4, 1.0)]  # a checkpoint after each (model, batch) group, speed-ups filled
 
 
 def test_cache_demo_is_skipped_when_it_does_not_fit(tmp_path):

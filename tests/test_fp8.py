@@ -227,15 +227,45 @@ def test_triton_conv_kernel_matches_reference_in_interpreter(k, stride, pad, per
     torch.testing.assert_close(out.view(bsz, ho, wo, n).permute(0, 3, 1, 2), ref, rtol=1e-5, atol=1e-4)
 
 
+def _representable(shape: tuple, seed: int, c: float = 2.0 ** -6) -> torch.Tensor:
+    """x = q·c with q on the e4m3 grid, max |q| = 448 and c a power of two: the dynamic scale is then
+    exactly c and x/scale exactly q, so the cast is exact whichever way it rounds. Needed because
+    Triton's CPU interpreter rounds fp32 → e4m3 wrongly when rounding carries into the exponent
+    (1.98 → 1.0, not 2.0); the GPU's cvt instruction is exact, and the GPU tests use random inputs."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(shape, generator=g) * 60).clamp(-448, 448).to(E4M3).float()
+    q.view(-1)[0] = 448.0
+    return q * c
+
+
 @needs_triton
-def test_triton_path_of_fp8_conv_matches_im2col_path():
+@pytest.mark.parametrize("fuse", [True, False])
+def test_triton_path_of_fp8_conv_matches_im2col_path(fuse):
     torch.manual_seed(1)
     conv = nn.Conv2d(32, 32, 3, padding=1)
-    x = torch.randn(1, 32, 5, 4)
+    x = _representable((1, 32, 5, 4), seed=1)
     a = FP8Conv2d.from_float(conv, path="im2col", emulate=True)(x)
     layer = FP8Conv2d.from_float(conv, path="triton")
-    layer.config = (16, 16, 32, 4, 1)
+    layer.config, layer.fuse_act = (16, 16, 32, 4, 1), fuse
     torch.testing.assert_close(layer(x), a, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_kernel_casts_fp16_input_like_the_separate_cast(dtype):
+    x = _representable((2, 6, 5, 64), seed=3).to(dtype)  # NHWC
+    w = (torch.randn(32, 9 * 64, generator=torch.Generator().manual_seed(4)) * 0.1).to(E4M3)
+    a_s = torch.tensor([2.0 ** -6])
+    xq, _ = fp8.quantize(x, a_s)
+    kw = dict(config=(16, 16, 32, 4, 1), interpret=True)
+    pre = fp8_triton.launch(xq.contiguous(), w, torch.tensor(0.02), a_s, None, 3, 3, 1, 1, 1, 1, torch.float32, **kw)
+    fused = fp8_triton.launch(x.contiguous(), w, torch.tensor(0.02), a_s, None, 3, 3, 1, 1, 1, 1, torch.float32, **kw)
+    torch.testing.assert_close(fused, pre, rtol=0, atol=0)
+    # beyond ±448 after scaling: clamped like `quantize` (a plain cast would give NaN)
+    big = fp8_triton.launch((x * 4).contiguous(), w, torch.tensor(0.02), a_s, None, 3, 3, 1, 1, 1, 1, torch.float32, **kw)
+    assert torch.isfinite(big).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        fp8_triton.launch(x.permute(0, 2, 1, 3), w, torch.tensor(0.02), a_s, None, 3, 3, 1, 1, 1, 1, torch.float32, **kw)
 
 
 @needs_triton
@@ -260,9 +290,11 @@ def _ptxas_available() -> bool:
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="needs triton with its bundled ptxas")
-def test_triton_kernel_compiles_for_sm90_with_fp8_tensor_cores():
+@pytest.mark.parametrize("x_type", ["fp8e4nv", "fp16"])
+def test_triton_kernel_compiles_for_sm90_with_fp8_tensor_cores(x_type):
     """Ahead-of-time compile for an H100/H200 without a GPU: catches code-generation errors and
-    checks the kernel really issues FP8 wgmma with pipelined async copies."""
+    checks the kernel really issues FP8 wgmma with pipelined async copies — also when it casts an
+    fp16 input itself (QUANT_IN)."""
     import inspect
 
     import triton
@@ -270,8 +302,9 @@ def test_triton_kernel_compiles_for_sm90_with_fp8_tensor_cores():
     from triton.compiler import ASTSource
 
     names = list(inspect.signature(fp8_triton._conv_body).parameters)
-    consts = dict(PER_CHANNEL=True, HAS_BIAS=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
-    ptrs = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "out_ptr": "*fp16", "bias_ptr": "*fp16", "ws_ptr": "*fp32",
+    consts = dict(PER_CHANNEL=True, HAS_BIAS=True, QUANT_IN=x_type != "fp8e4nv", BLOCK_M=128, BLOCK_N=128,
+                  BLOCK_K=64, GROUP_M=8)
+    ptrs = {"x_ptr": "*" + x_type, "w_ptr": "*fp8e4nv", "out_ptr": "*fp16", "bias_ptr": "*fp16", "ws_ptr": "*fp32",
             "as_ptr": "*fp32"}
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     aligned = list(ptrs) + ["M", "C", "N", "H", "W", "HO", "WO"]  # what a launch specializes on
@@ -282,6 +315,8 @@ def test_triton_kernel_compiles_for_sm90_with_fp8_tensor_cores():
     ptx = kern.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "e4m3" in ptx
     assert "cp.async" in ptx
+    if x_type == "fp16":
+        assert "cvt.rn.satfinite.e4m3x2" in ptx  # the in-register cast
 
 
 # ----------------------------------------------------------------------------- quantize_module

@@ -416,6 +416,8 @@ class FP8Conv2d(_FP8Layer):
                 ok, why = fp8_triton.supports(conv.in_channels, conv.out_channels, conv.groups, conv.dilation)
                 if not ok:
                     raise InputError(f"conv cannot take path 'triton': {why}")
+        # Triton path: cast the activation inside the conv kernel (False: a separate cast pass first)
+        self.fuse_act = True
         # (O, kh·kw·I): 2-D so `.to(memory_format=channels_last)` on the model leaves it alone
         w = gemm_weight(conv.weight.detach())
         self._init_common(w, scheme, path, activation, act_amax, conv.bias, emulate)
@@ -444,15 +446,21 @@ class FP8Conv2d(_FP8Layer):
         (sh, sw), (ph, pw) = self.stride, self.padding
         ho, wo = fp8_triton.out_hw(h, wd, kh, kw, sh, sw, ph, pw)
         w2 = self._weight_fp8()
-        xq, s = self._act(x)
         if self.path in ("gemm", "im2col"):
             # cast first, then pad + gather the 1-byte values (a 1×1 conv is a view when x is channels-last)
+            xq, s = self._act(x)
             a = im2col_nhwc(xq.permute(0, 2, 3, 1), kh, kw, sh, sw, ph, pw)
             out = self._mm(a, w2, s, x.dtype)
         else:  # triton implicit GEMM: padding is a masked load inside the kernel
             cfg = self.config or fp8_triton.default_config(self.in_channels, self.out_channels)
-            out = fp8_triton.conv2d_nhwc(nhwc_contiguous(xq.permute(0, 2, 3, 1)), w2, self.w_scale, s.reshape(1),
-                                         self._bias(x.dtype), kh, kw, sh, sw, ph, pw, x.dtype, *cfg)
+            if self.fuse_act:  # the kernel casts x itself: no FP8 copy of the activation is written
+                s = self.a_scale.float() if self.activation == "static" else activation_scale(x)
+                xin = nhwc_contiguous(x.permute(0, 2, 3, 1))
+            else:
+                xq, s = self._act(x)
+                xin = nhwc_contiguous(xq.permute(0, 2, 3, 1))
+            out = fp8_triton.conv2d_nhwc(xin, w2, self.w_scale, s.reshape(1), self._bias(x.dtype),
+                                         kh, kw, sh, sw, ph, pw, x.dtype, *cfg)
         return out.reshape(bsz, ho, wo, self.out_channels).permute(0, 3, 1, 2)
 
     def extra_repr(self) -> str:

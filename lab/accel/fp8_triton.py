@@ -9,7 +9,8 @@ loop, the way cuDNN's implicit GEMM does for fp16. Notebook 03's per-shape micro
 both against cuDNN fp16, and `quantize_module(conv_impl="auto")` keeps the faster one per layer.
 
 Layout contract (the same as the im2col path in `lab.accel.fp8`, so one weight buffer serves both):
-  x      (B, H, W, C) float8_e4m3fn, contiguous (NHWC)
+  x      (B, H, W, C) contiguous (NHWC): float8_e4m3fn, or fp16/bf16/fp32 quantized in the kernel
+         (the activation cast fused into the conv's loads: no separate pass over the activation)
   w      (N, KH*KW*C) float8_e4m3fn, row-major, K ordered (ky, kx, c): the column-major (K, N)
          mat2 that `_scaled_mm` takes, read as (N, K) rows
   out    (B*HO*WO, N) in the compute dtype = NHWC output
@@ -77,7 +78,7 @@ def candidate_configs(c_in: int, c_out: int) -> list[tuple[int, int, int, int, i
 
 def _conv_body(x_ptr, w_ptr, out_ptr, bias_ptr, ws_ptr, as_ptr,
                M, H, W, HO, WO, C, N, KH, KW, SH, SW, PH, PW,
-               PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+               PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT_IN: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                GROUP_M: tl.constexpr):
     # Shapes are runtime arguments, only tile sizes are compile-time: one compiled kernel per
@@ -108,6 +109,8 @@ def _conv_body(x_ptr, w_ptr, out_ptr, bias_ptr, ws_ptr, as_ptr,
     # host), which lets the loads below vectorize to 16-byte transactions
     w_rows = tl.multiple_of(offs_n.to(tl.int64) * KTOT, 16)
 
+    a_scale = tl.load(as_ptr)
+    inv_a = 1.0 / a_scale
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     # one flat loop over K = (tap, channel block) so the pipeliner overlaps loads across taps
     for k0 in range(0, KTOT, BLOCK_K):
@@ -120,10 +123,11 @@ def _conv_body(x_ptr, w_ptr, out_ptr, bias_ptr, ws_ptr, as_ptr,
         ok = m_ok & (iy >= 0) & (iy < H) & (ix >= 0) & (ix < W)  # zero padding = masked load
         base = tl.multiple_of(((b * H + iy) * W + ix).to(tl.int64) * C + c0, 16)
         a = tl.load(x_ptr + base[:, None] + rk[None, :], mask=ok[:, None], other=0.0)
+        if QUANT_IN:  # fp16/bf16 input: the activation cast happens here, in registers, not as a pass over memory
+            a = tl.clamp(a.to(tl.float32) * inv_a, -448.0, 448.0).to(w_ptr.dtype.element_ty)
         wt = tl.load(w_ptr + w_rows[None, :] + (k0 + rk)[:, None], mask=n_ok[None, :], other=0.0)
         acc = tl.dot(a, wt, acc)
 
-    a_scale = tl.load(as_ptr)
     if PER_CHANNEL:
         w_scale = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
         acc = acc * (w_scale * a_scale)[None, :]
@@ -172,7 +176,16 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a_scale: tor
            bias: torch.Tensor | None, kh: int, kw: int, sh: int, sw: int, ph: int, pw: int,
            out_dtype: torch.dtype, config: tuple[int, int, int, int, int] | None = None,
            interpret: bool = False) -> torch.Tensor:
-    """Run the conv: x (B,H,W,C) fp8 NHWC, w (N, KH*KW*C) fp8 → (B*HO*WO, N) in `out_dtype`."""
+    """Run the conv: x (B,H,W,C) NHWC, w (N, KH*KW*C) fp8 → (B*HO*WO, N) in `out_dtype`.
+
+    x in FP8: already quantized with `a_scale`. x in fp16/bf16/fp32: quantized inside the kernel
+    (x / a_scale, clamped to ±448, cast to e4m3 in registers), which saves the separate cast's full
+    read + write of the activation; the numbers are those of the pre-cast path up to the rounding
+    of x·(1/a_scale) vs x/a_scale."""
+    if not x.is_contiguous():
+        raise ValueError("x must be a contiguous NHWC tensor")
+    if x.dtype not in (w.dtype, torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be {w.dtype} or fp16/bf16/fp32, got {x.dtype}")
     bsz, h, wd, c = x.shape
     n = w.shape[0]
     if w.shape[1] != kh * kw * c:
@@ -190,7 +203,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a_scale: tor
     _kernel(interpret)[grid](
         x, w, out, bias if bias is not None else w_scale, w_scale, a_scale,
         m, h, wd, ho, wo, c, n, kh, kw, sh, sw, ph, pw,
-        PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
+        PER_CHANNEL=per_channel, HAS_BIAS=bias is not None, QUANT_IN=x.dtype != w.dtype,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
         num_warps=warps, num_stages=stages)
     return out
