@@ -630,9 +630,14 @@ def test_gpu_sd_vae_decoder_fp8_compiled_matches_eager_and_fp16():
         ref = case.model(*case.inputs[0])
         eager = q(*case.inputs[0])
         comp = torch.compile(q)(*case.inputs[0])
-    assert metrics.psnr(eager.float(), ref.float(), data_range=1.0) > 28
-    # compiled vs eager: same math, but a 1-ulp fp16 difference upstream can flip an FP8 rounding
-    assert metrics.psnr(comp.float(), eager.float(), data_range=1.0) > 35
+    p_eager = metrics.psnr(eager.float(), ref.float(), data_range=1.0)
+    p_comp = metrics.psnr(comp.float(), ref.float(), data_range=1.0)
+    assert p_eager > 28
+    # Compiled vs eager is NOT close to bit-exact: a 1-ulp fp16 difference upstream moves a dynamic
+    # amax, which shifts that layer's whole FP8 grid, so the two runs draw independent FP8 noise
+    # (H200: compiled vs eager 32.5 dB, each ≈ 32.3 dB vs fp16). What must hold is that compiling
+    # costs no accuracy: both sit at the same distance from the fp16 reference.
+    assert abs(p_comp - p_eager) < 1.5, (p_comp, p_eager)
 
 
 @gpu
