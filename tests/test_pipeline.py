@@ -241,3 +241,24 @@ def test_gpu_blend_yuv_pipe_writes_the_video(engine, speech, tmp_path):
     with pytest.raises(InputError, match="needs blend='gpu'"):
         mt.run(mt.reconfigure(engine, blend="cpu", pipe_format="yuv420p"), a, sr, tmp_path / "x.mp4")
     assert not (tmp_path / "x.mp4").exists()
+
+
+def test_subpixel_decoder_renders_the_same_frames(engine, speech):
+    """subpixel=True folds SD-VAE's upsample convs: same function, so the same faces (fp32, CPU)."""
+    from lab.accel.subpixel import SubpixelUpsampleConv
+
+    a, sr = speech
+    folded_engine = mt.reconfigure(engine, writer="null", subpixel=True)
+    assert any(isinstance(m, SubpixelUpsampleConv) for m in folded_engine.decoder.modules())
+    assert not any(isinstance(m, SubpixelUpsampleConv) for m in engine.decoder.modules())  # original untouched
+    z = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(folded_engine.dec_fn(z), engine.dec_fn(z), rtol=1e-4, atol=1e-5)
+    r = mt.run(folded_engine, a, sr, None)
+    assert r.n_frames == 18
+    # TAESD has no Upsample2D: the flag is ignored there
+    taesd = mt.reconfigure(engine, decoder="taesd", subpixel=True)
+    assert not any(isinstance(m, SubpixelUpsampleConv) for m in taesd.decoder.modules())
+    with pytest.raises(InputError, match="cannot be unfolded"):
+        fresh = mt.build_engine(mt.Config(size="tiny", frame_size=FS, crop=64, dtype="fp32", subpixel=True))
+        mt.reconfigure(fresh, subpixel=False)
