@@ -238,3 +238,28 @@ def speed_quality(rows: Sequence[dict], x: str = "speedup", y: str = "psnr_vs_ea
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def mixed_precision(curve_rows: Sequence[dict], sens_rows: Sequence[dict], verified: dict | None = None,
+                    title: str = ""):
+    """Left: each layer alone in FP8, output PSNR (execution order). Right: the planned share of GEMM
+    FLOPs left in FP8 against the PSNR target (prediction from the single-layer numbers), with
+    the verified plan as a point."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.4))
+    a.bar(range(len(sens_rows)), [r["psnr_db"] for r in sens_rows], color="#4c72b0", width=0.85)
+    a.set_xlabel("layer (execution order)", fontsize=8)
+    a.set_ylabel("output PSNR, this layer alone in FP8 (dB)", fontsize=8)
+    a.tick_params(labelsize=7)
+    b.plot([c["predicted_db"] for c in curve_rows], [100 * c["fp8_flops_share"] for c in curve_rows], "o-",
+           label="plan (predicted PSNR)")
+    if verified:
+        b.plot([verified["psnr_db"]], [100 * verified["fp8_flops_share"]], "r*", ms=12,
+               label=f"verified: {verified['psnr_db']:.1f} dB")
+    b.set_xlabel("output PSNR vs baseline (dB)", fontsize=8)
+    b.set_ylabel("GEMM FLOPs left in FP8 (%)", fontsize=8)
+    b.tick_params(labelsize=7)
+    b.legend(fontsize=7)
+    b.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -42,6 +42,8 @@ GPU_ESTIMATES_S: dict[str, Any] = {
     # tiles per distinct conv shape, each tile a ~1-2 s Triton compile the first time
     "quantize": {"sd-vae": 30, "taesd": 15, "unet": 60},
     "drift": {"*": 5},                                   # one eager forward each of fp16 and FP8
+    # one calibrated single-layer quantization + forward per FP8 layer (37 in the SD-VAE decoder)
+    "sensitivity": {"sd-vae": 120, "taesd": 60, "unet": 900},
     "flops": {"*": 5},                                   # FlopCounterMode forward
     "eager": {"sd-vae": 5, "taesd": 3, "unet": 8},      # per variant: first call + 2 warm-up + iters
     # torch.compile (default mode) first call per variant, cold; notebook 02 measured 16 s for the
