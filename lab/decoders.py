@@ -191,19 +191,19 @@ def flops_per_frame(vae: VAE, hw: int, subpixel: str | None = None) -> int:
     key = (vae.kind, vae.weights, id(vae.model), hw, subpixel)
     if key not in _FLOPS:
         z = torch.randn(1, 4, hw, hw, device=vae.device, dtype=vae.dtype)
-        vae_ = vae if subpixel is None else _folded(vae, subpixel)[0]
+        vae_ = vae if subpixel is None else _folded(vae, subpixel)
         _FLOPS[key] = count_flops(vae_.decoder_module(), z)
     return _FLOPS[key]
 
 
-def _folded(vae: VAE, impl: str) -> tuple[VAE, list[dict]]:
-    """A copy of `vae` with its decoder's upsample convs folded (lab.accel.subpixel), + the report."""
+def _folded(vae: VAE, impl: str) -> VAE:
+    """A copy of `vae` with its decoder's upsample convs folded (lab.accel.subpixel)."""
     from lab.accel.subpixel import rewrite_upsamplers
 
     with quiet_diffusers():
         model = copy.deepcopy(vae.model)
-    report = rewrite_upsamplers(model, impl=impl)
-    return VAE(vae.kind, model, vae.scaling_factor, vae.weights), report
+    rewrite_upsamplers(model, impl=impl)
+    return VAE(vae.kind, model, vae.scaling_factor, vae.weights)
 
 
 def subpixel_skip_reason(vae: VAE) -> str | None:
@@ -270,12 +270,12 @@ def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor) -> 
     """A callable latents → images in [0, 1] for one variant, built on a private copy of the model
     (so channels_last / dtype changes never leak into other variants). First call already done
     for compiled variants (that is where compilation happens)."""
-    if variant in _SUBPIXEL:  # fold in the model's own precision, then cast (fold sums in fp32)
-        vae = _folded(vae, _SUBPIXEL[variant])[0]
+    # one private copy; folded (subpixel variants) in the model's own precision, then cast
+    model = _folded(vae, _SUBPIXEL[variant]).model if variant in _SUBPIXEL else None
     with quiet_diffusers():
-        model = copy.deepcopy(vae.model).to(dtype=DTYPES[dtype])
-        if variant != "eager":
-            model = model.to(memory_format=torch.channels_last)
+        model = (model if model is not None else copy.deepcopy(vae.model)).to(dtype=DTYPES[dtype])
+    if variant != "eager":
+        model = model.to(memory_format=torch.channels_last)
     dec = VAE(vae.kind, model, vae.scaling_factor, vae.weights).decoder_module().eval()
     if variant in ("eager", "channels_last", "cudnn_benchmark", "subpixel"):
         return dec

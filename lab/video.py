@@ -232,7 +232,20 @@ def _check_audio(audio: tuple[np.ndarray, int] | None, path: Path) -> tuple[np.n
     return a, int(sr)
 
 
-class _WriterBase:
+class _CloseOrAbort:
+    """`with writer:` closes (finalizes the file) on success and aborts (leaves no file) on error."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class _WriterBase(_CloseOrAbort):
     """Shared bookkeeping: size check, temp name, frame counting, context-manager semantics."""
 
     def __init__(self, path: str | Path, fps: float, size: tuple[int, int], audio: tuple[np.ndarray, int] | None,
@@ -267,15 +280,6 @@ class _WriterBase:
             raise InputError(f"{self.path}: frames of shape {a.shape} and dtype {a.dtype}; expected RGB uint8 "
                              f"({h}, {w}, 3) or a batch (N, {h}, {w}, 3)")
         return np.ascontiguousarray(a)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
     def __del__(self):
         # never finalize from the garbage collector: an unclosed writer was not a clean finish
@@ -495,7 +499,7 @@ class PyAVWriter(_WriterBase):
 _STOP = object()
 
 
-class AsyncWriter:
+class AsyncWriter(_CloseOrAbort):
     """Encode in a background thread: `write` enqueues (blocks when `maxsize` frames wait,
     bounding memory), `close` drains, closes the wrapped writer and re-raises any error the
     thread hit. Tensors are moved to the host in the thread, so the producer never waits on a
@@ -554,15 +558,6 @@ class AsyncWriter:
             self.queue.put(_STOP)
             self.thread.join()
         self.writer.abort()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 # ---------------------------------------------------------------- reading back

@@ -18,14 +18,7 @@ FIELDS = {"decoder", "batch", "dtype", "variant", "status", "reason", "fps", "ms
           "max_abs_vs_fp32", "setup_s", "peak_mem_gib", "iters"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny decoders: a second intra-op thread only adds sync cost, and on a busy 2-core runner
-    oversubscribed OpenMP threads make each op ~10× slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

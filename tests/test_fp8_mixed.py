@@ -42,23 +42,22 @@ def test_plan_drops_the_noisiest_flop_first_and_meets_the_target():
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def tiny(one_thread):
     case = FB.make_case("sd-vae", size="tiny", device="cpu", dtype=torch.float32, batch=2, image=64)
     quant = dict(mode="scaled_mm", emulate=True, conv_impl="im2col")
     with torch.inference_mode():
         ref = case.model(*case.inputs[0]).float()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, rep = quantize_module(case.model, calibration=case.calib, **quant)
-    yield case, quant, ref, rep
-    torch.set_num_threads(n)
+        q, rep = quantize_module(case.model, calibration=case.calib, **quant)
+    return case, quant, ref, rep, q
 
 
 def test_sensitivity_predicts_the_measured_psnr(tiny):
-    case, quant, ref, rep = tiny
-    rows = M.layer_sensitivity(case, quant, ref, rep, progress=False)
+    case, quant, ref, rep, q = tiny
+    rows = M.layer_sensitivity(case, ref, rep, q, progress=False)
+    with torch.inference_mode():  # every float layer put back: the float output is bit-identical again
+        torch.testing.assert_close(case.model(*case.inputs[0]).float(), ref, rtol=0, atol=0)
     assert [r["layer"] for r in rows] == [r.name for r in rep.layers]
     assert all(r["fp8_layers"] == 1 and r["psnr_db"] > 40 for r in rows)  # one layer alone costs little
     assert sum(r["flops_share"] for r in rows) == pytest.approx(1.0)
@@ -72,6 +71,8 @@ def test_sensitivity_predicts_the_measured_psnr(tiny):
 
 
 def test_sensitivity_of_an_empty_report_is_an_input_error(tiny):
-    case, quant, ref, _ = tiny
+    case, _, ref, rep, q = tiny
     with pytest.raises(InputError, match="no FP8 layers"):
-        M.layer_sensitivity(case, quant, ref, FP8Report("per_tensor", "dynamic", "auto", "scaled_mm", "-", "cpu", ""))
+        M.layer_sensitivity(case, ref, FP8Report("per_tensor", "dynamic", "auto", "scaled_mm", "-", "cpu", ""), q)
+    with pytest.raises(InputError, match="no FP8 layer"):
+        M.layer_sensitivity(case, ref, rep, case.model)  # the float model instead of the quantized one

@@ -18,13 +18,7 @@ FPS = 25
 N = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny kernels on a shared CI box: OpenMP threads spin against other jobs (30× slower under load)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -39,25 +39,38 @@ def _psnr(case: Any, model: torch.nn.Module, ref: torch.Tensor) -> float:
     return drift(ref, out, case.data_range)["psnr_db"]
 
 
-def layer_sensitivity(case: Any, quant: dict[str, Any], ref: torch.Tensor, report: Any,
+def layer_sensitivity(case: Any, ref: torch.Tensor, report: Any, qmodel: torch.nn.Module,
                       progress: bool = True) -> list[dict[str, Any]]:
-    """One row per layer FP8 in `report` (a full quantization's FP8Report): the output PSNR against
-    `ref` (the baseline model's output on case.inputs[0]) with only that layer in FP8, and the
-    layer's share of the quantized layers' GEMM FLOPs."""
+    """One row per FP8 layer of `report` / `qmodel` (one full `quantize_module` of case.model): the
+    output PSNR against `ref` (the baseline model's output on case.inputs[0]) with only that layer
+    in FP8, and the layer's share of the quantized layers' GEMM FLOPs.
+
+    Each FP8 layer of `qmodel` is swapped into case.model in turn and put back afterwards: the
+    same quantized layer (scales, path, Triton tile) the full quantization uses, without
+    re-quantizing and re-calibrating the model once per layer."""
     from tqdm.auto import tqdm
+
+    from lab.accel.fp8 import _set_module, fp8_layers
 
     layers = list(report.layers)
     if not layers:
         raise InputError("the report has no FP8 layers: nothing to rank")
+    built = fp8_layers(qmodel)
+    missing = [r.name for r in layers if r.name not in built]
+    if missing:
+        raise InputError(f"qmodel has no FP8 layer {missing[0]!r}: pass the model quantized with this report")
     flops = {r.name: (2 * math.prod(r.gemm_mnk) if r.gemm_mnk else 0) for r in layers}
     total = sum(flops.values()) or 1
     rows = []
     for r in tqdm(layers, desc="FP8 sensitivity", disable=not progress, leave=False):
-        q, rep = _quantized(case, quant, lambda name, m, keep=r.name: name != keep)
+        original = case.model.get_submodule(r.name)
+        _set_module(case.model, r.name, built[r.name])
+        try:
+            psnr, n_fp8 = _psnr(case, case.model, ref), len(fp8_layers(case.model))
+        finally:
+            _set_module(case.model, r.name, original)
         rows.append({"layer": r.name, "kind": r.kind, "order": r.order, "gflops": flops[r.name] / 1e9,
-                     "flops_share": flops[r.name] / total, "psnr_db": _psnr(case, q, ref),
-                     "fp8_layers": rep.n_layers})
-        del q
+                     "flops_share": flops[r.name] / total, "psnr_db": psnr, "fp8_layers": n_fp8})
     return rows
 
 
@@ -147,8 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ref = case.model(*case.inputs[0]).float()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, rep = quantize_module(case.model, calibration=case.calib, **quant)
-    rows = layer_sensitivity(case, quant, ref, rep)
+        qmodel, rep = quantize_module(case.model, calibration=case.calib, **quant)
+    rows = layer_sensitivity(case, ref, rep, qmodel)
     everything = verify(case, quant, ref, [r["layer"] for r in rows])
     p = plan(rows, a.target)
     got = verify(case, quant, ref, p["fp8"])
