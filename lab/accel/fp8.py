@@ -309,7 +309,7 @@ class _FP8Layer(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.weight_dtype = w.dtype
         self.rowwise_dtype: torch.dtype | None = None  # set by `_probe` on a GPU (per-channel GEMMs)
-        self.config: tuple[int, int, int, int, int] | None = None  # Triton tile, set by tuning
+        self.config: tuple[int, ...] | None = None  # Triton tile (+ TMA flag), set by tuning
 
     def _weight_fp8(self) -> torch.Tensor:
         return self.qweight.view(E4M3)
@@ -462,8 +462,11 @@ class FP8Conv2d(_FP8Layer):
             else:
                 xq, s = self._act(x)
                 xin = nhwc_contiguous(xq.permute(0, 2, 3, 1))
+            tma = fp8_triton.is_tma(cfg) and not self.fuse_act
+            if tma:  # the TMA kernel reads a zero-padded input; compiled, the pad fuses into the cast
+                xin = fp8_triton.pad_nhwc(xin, ph, pw)
             out = fp8_triton.conv2d_nhwc(xin, w2, self.w_scale, s.reshape(1), self._bias(x.dtype),
-                                         kh, kw, sh, sw, ph, pw, x.dtype, *cfg)
+                                         kh, kw, sh, sw, ph, pw, x.dtype, *cfg[:5], int(tma))
         return out.reshape(bsz, ho, wo, self.out_channels).permute(0, 3, 1, 2)
 
     def extra_repr(self) -> str:
@@ -730,39 +733,80 @@ def _gemm_mnk(mod: nn.Module, in_shape: tuple | None) -> tuple | None:
     return (in_shape[0] * ho * wo, mod.out_channels, mod.in_channels * kh * kw)
 
 
-_TUNED: dict[tuple, tuple[tuple[int, int, int, int, int], float]] = {}
+_TUNED: dict[tuple, tuple[tuple[int, ...], float]] = {}
 
 
-def time_layer(layer: nn.Module, x: torch.Tensor, iters: int = 5, warmup: int = 2) -> float:
-    """Median milliseconds of `layer(x)` on the GPU (CUDA events; a short loop for choosing kernels,
-    not a benchmark: `lab.timing.bench` is that)."""
+def _time_ms(fn: Callable[[], Any], iters: int = 5, warmup: int = 2) -> float:
     with torch.no_grad():
         for _ in range(warmup):
-            layer(x)
+            fn()
         torch.cuda.synchronize()
         times = []
         for _ in range(iters):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            layer(x)
+            fn()
             e.record()
             e.synchronize()
             times.append(s.elapsed_time(e))
     return statistics.median(times)
 
 
-def tune_triton(layer: FP8Conv2d, x: torch.Tensor, iters: int = 5) -> tuple[tuple[int, int, int, int, int], float]:
-    """Time the candidate tiles for this layer's shape on its real input; keep the fastest. Returns
-    (tile, ms). Cached per shape, so a decoder's ~30 convs cost a handful of tunings."""
-    key = (tuple(x.shape), x.dtype, layer.out_channels, layer.kernel_size, layer.stride, layer.padding)
+def time_layer(layer: nn.Module, x: torch.Tensor, iters: int = 5, warmup: int = 2) -> float:
+    """Median milliseconds of `layer(x)` on the GPU (CUDA events; a short loop for choosing kernels,
+    not a benchmark: `lab.timing.bench` is that)."""
+    return _time_ms(lambda: layer(x), iters, warmup)
+
+
+def tma_capable(device: torch.device | str) -> bool:
+    """Bulk tensor copies (TMA) exist from Hopper (sm_90) on."""
+    dev = torch.device(device)
+    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
+
+
+def tune_triton(layer: FP8Conv2d, x: torch.Tensor, iters: int = 5) -> tuple[tuple[int, ...], float]:
+    """Time the candidate tiles (gather kernel, and on Hopper the TMA kernel) for this layer's
+    shape on its real input, the conv kernel alone on the already-cast input: the cast is the same
+    for every tile, and in a compiled model it fuses into the producer. Keeps the fastest; a TMA
+    tile must first agree with the gather kernel. Returns (tile, ms of the whole layer with it,
+    cast included, comparable with `time_layer` of another path). Cached per shape, so a
+    decoder's ~30 convs cost a handful of tunings."""
+    key = (tuple(x.shape), x.dtype, layer.out_channels, layer.kernel_size, layer.stride, layer.padding,
+           layer.fuse_act)
     if key in _TUNED:
         layer.config = _TUNED[key][0]
         return _TUNED[key]
-    best, best_t = None, math.inf
-    for cfg in fp8_triton.candidate_configs(layer.in_channels, layer.out_channels):
-        layer.config = cfg
+    kh, kw = layer.kernel_size
+    (sh, sw), (ph, pw) = layer.stride, layer.padding
+    with torch.no_grad():
+        if layer.fuse_act:
+            s = layer.a_scale.float() if layer.activation == "static" else activation_scale(x)
+            xin = nhwc_contiguous(x.permute(0, 2, 3, 1))
+        else:
+            xq, s = layer._act(x)
+            xin = nhwc_contiguous(xq.permute(0, 2, 3, 1))
+    xpad = None
+    tma = (tma_capable(x.device) and not layer.fuse_act
+           and fp8_triton.tma_supports(sh, sw, xin.dtype, layer._weight_fp8().dtype)[0])
+    if tma:
+        xpad = fp8_triton.pad_nhwc(xin, ph, pw)
+    w2, bias = layer._weight_fp8(), layer._bias(x.dtype)
+
+    def run(cfg: tuple[int, ...]) -> torch.Tensor:
+        t = int(fp8_triton.is_tma(cfg))
+        return fp8_triton.conv2d_nhwc(xpad if t else xin, w2, layer.w_scale, s.reshape(1), bias,
+                                      kh, kw, sh, sw, ph, pw, x.dtype, *cfg[:5], t)
+
+    best, best_t, ref = None, math.inf, None
+    for cfg in fp8_triton.candidate_configs(layer.in_channels, layer.out_channels, tma=tma):
         try:
-            t = time_layer(layer, x, iters)
+            with torch.no_grad():
+                out = run(cfg)
+            if ref is None and not fp8_triton.is_tma(cfg):
+                ref = out
+            elif ref is not None and fp8_triton.is_tma(cfg) and not _rel_l2(out, ref) < 1e-3:
+                continue  # a TMA tile that computes something else on this GPU: never chosen
+            t = _time_ms(lambda: run(cfg), iters)
         except Exception:  # a tile that does not fit this GPU (shared memory, registers): try the next
             continue
         if t < best_t:
@@ -770,8 +814,8 @@ def tune_triton(layer: FP8Conv2d, x: torch.Tensor, iters: int = 5) -> tuple[tupl
     if best is None:
         raise RuntimeError("no Triton tile configuration ran on this GPU")
     layer.config = best
-    _TUNED[key] = (best, best_t)
-    return best, best_t
+    _TUNED[key] = (best, time_layer(layer, x, iters))
+    return _TUNED[key]
 
 
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
