@@ -463,8 +463,6 @@ class FP8Conv2d(_FP8Layer):
                 xq, s = self._act(x)
                 xin = nhwc_contiguous(xq.permute(0, 2, 3, 1))
             tma = fp8_triton.is_tma(cfg) and not self.fuse_act
-            if tma:  # the TMA kernel reads a zero-padded input; compiled, the pad fuses into the cast
-                xin = fp8_triton.pad_nhwc(xin, ph, pw)
             out = fp8_triton.conv2d_nhwc(xin, w2, self.w_scale, s.reshape(1), self._bias(x.dtype),
                                          kh, kw, sh, sw, ph, pw, x.dtype, *cfg[:5], int(tma))
         return out.reshape(bsz, ho, wo, self.out_channels).permute(0, 3, 1, 2)
@@ -785,17 +783,13 @@ def tune_triton(layer: FP8Conv2d, x: torch.Tensor, iters: int = 5) -> tuple[tupl
         else:
             xq, s = layer._act(x)
             xin = nhwc_contiguous(xq.permute(0, 2, 3, 1))
-    xpad = None
     tma = (tma_capable(x.device) and not layer.fuse_act
            and fp8_triton.tma_supports(sh, sw, xin.dtype, layer._weight_fp8().dtype)[0])
-    if tma:
-        xpad = fp8_triton.pad_nhwc(xin, ph, pw)
     w2, bias = layer._weight_fp8(), layer._bias(x.dtype)
 
     def run(cfg: tuple[int, ...]) -> torch.Tensor:
-        t = int(fp8_triton.is_tma(cfg))
-        return fp8_triton.conv2d_nhwc(xpad if t else xin, w2, layer.w_scale, s.reshape(1), bias,
-                                      kh, kw, sh, sw, ph, pw, x.dtype, *cfg[:5], t)
+        return fp8_triton.conv2d_nhwc(xin, w2, layer.w_scale, s.reshape(1), bias, kh, kw, sh, sw, ph, pw,
+                                      x.dtype, *cfg[:5], int(fp8_triton.is_tma(cfg)))
 
     best, best_t, ref = None, math.inf, None
     for cfg in fp8_triton.candidate_configs(layer.in_channels, layer.out_channels, tma=tma):

@@ -50,6 +50,7 @@ CANDIDATES = (
 
 # The bulk-copy (TMA) kernel's tiles, tried besides CANDIDATES on Hopper: K blocks of 128 bytes
 # (one 128-byte swizzled row per copy), deeper pipelines since a stage costs no registers.
+# On the H200 it beat the gather kernel on every SD-VAE decoder shape but the smallest (32²).
 TMA_CANDIDATES = (
     (128, 128, 128, 8, 4, 1),
     (128, 128, 128, 4, 4, 1),
@@ -155,34 +156,35 @@ def _conv_body(x_ptr, w_ptr, out_ptr, bias_ptr, ws_ptr, as_ptr,
 
 
 def _conv_tma_body(a_desc, w_desc, out_ptr, bias_ptr, ws_ptr, as_ptr,
-                   MV, HP, WP, HO, WO, C, N, KW, KTOT,
-                   PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr):
-    # Stride-1 conv on a zero-padded NHWC input, read as a (B·HP·WP, C) matrix. Index the output
-    # by its top-left tap in the padded grid, v = (b·HP + oy)·WP + ox: tap (ky, kx) then reads
-    # padded row v + ky·WP + kx, so for a block of consecutive v every tap's A tile is a block of
-    # consecutive rows — one bulk tensor copy (TMA), no per-row gather or masks. The price: the
-    # v's that fall on padding columns/rows are computed and thrown away ((HP·WP)/(HO·WO) - 1:
-    # 13 % at 32², 1.6 % at 256²). Rows past the end come back as zeros from the copy engine.
+                    H, W, HO, WO, C, N, KW, PH, PW, KTOT, TILES_Y, TILES_X, MT,
+                    PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    ROWS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr):
+    # Stride-1 conv read straight from the unpadded NHWC input through a 4-D bulk-copy descriptor
+    # (B, H, W, C). An output tile is ROWS × WIDTH pixels of one image; for tap (ky, kx) its A tile
+    # is the box at (b, y0 + ky - PH, x0 + kx - PW, c0): the copy engine zero-fills whatever falls
+    # outside the image (negative coordinates too), which is exactly the conv's zero padding. No
+    # padded copy, no per-row gather, no masks in the K loop.
+    BLOCK_M: tl.constexpr = ROWS * WIDTH
     NUM_N = (N + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
-    num_m = (MV + BLOCK_M - 1) // BLOCK_M
     per_group = GROUP_M * NUM_N
     first_m = (pid // per_group) * GROUP_M
-    rows_here = tl.minimum(num_m - first_m, GROUP_M)
+    rows_here = tl.minimum(MT - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % rows_here
     pid_n = (pid % per_group) // rows_here
-    v0 = pid_m * BLOCK_M
+    per_img = TILES_Y * TILES_X
+    b = pid_m // per_img
+    y0 = (pid_m % per_img) // TILES_X * ROWS
+    x0 = (pid_m % TILES_X) * WIDTH
     n0 = pid_n * BLOCK_N
 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, KTOT, BLOCK_K):
         tap = k0 // C
-        shift = (tap // KW) * WP + tap % KW
-        a = a_desc.load([v0 + shift, k0 % C])
-        b = w_desc.load([n0, k0])
-        acc = tl.dot(a, b.T, acc)
+        a = a_desc.load([b, y0 + tap // KW - PH, x0 + tap % KW - PW, k0 % C])
+        w = w_desc.load([n0, k0])
+        acc = tl.dot(a.reshape(BLOCK_M, BLOCK_K), w.T, acc)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -193,13 +195,11 @@ def _conv_tma_body(a_desc, w_desc, out_ptr, bias_ptr, ws_ptr, as_ptr,
         acc = acc * (tl.load(ws_ptr) * a_scale)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    v = v0 + tl.arange(0, BLOCK_M)
-    plane = HP * WP
-    b_ = v // plane
-    oy = (v % plane) // WP
-    ox = v % WP
-    ok = (v < MV) & (oy < HO) & (ox < WO)
-    o = ((b_.to(tl.int64) * HO + oy) * WO + ox)
+    r = tl.arange(0, BLOCK_M)
+    oy = y0 + r // WIDTH
+    ox = x0 + r % WIDTH
+    ok = (oy < HO) & (ox < WO)
+    o = (b.to(tl.int64) * HO + oy) * WO + ox
     tl.store(out_ptr + o[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=ok[:, None] & n_ok[None, :])
 
@@ -237,15 +237,6 @@ def out_hw(h: int, w: int, kh: int, kw: int, sh: int, sw: int, ph: int, pw: int)
     return (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
 
 
-def pad_nhwc(x: torch.Tensor, ph: int, pw: int) -> torch.Tensor:
-    """Zero-pad the H and W of an NHWC tensor (FP8 too: padded as bytes, 0x00 is +0.0 in e4m3)."""
-    if ph == 0 and pw == 0:
-        return x
-    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return torch.nn.functional.pad(x.view(torch.uint8), (0, 0, pw, pw, ph, ph)).view(x.dtype)
-    return torch.nn.functional.pad(x, (0, 0, pw, pw, ph, ph))
-
-
 def is_tma(config: tuple[int, ...] | None) -> bool:
     """Whether a tile config asks for the bulk-copy (TMA) kernel: a 6th element that is 1."""
     return config is not None and len(config) > 5 and bool(config[5])
@@ -260,16 +251,21 @@ def tma_supports(sh: int, sw: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -
     return True, ""
 
 
+def tma_tile(bm: int, w: int) -> tuple[int, int]:
+    """(ROWS, WIDTH) of a BLOCK_M-pixel output tile on a W-wide image: whole rows while the image
+    is narrower than the tile (W=32, BLOCK_M=128: 4 rows of 32), else a BLOCK_M-wide strip."""
+    width = min(bm, triton.next_power_of_2(w))
+    return bm // width, width
+
+
 def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a_scale: torch.Tensor,
            bias: torch.Tensor | None, kh: int, kw: int, sh: int, sw: int, ph: int, pw: int,
            out_dtype: torch.dtype, config: tuple[int, ...] | None = None,
-           interpret: bool = False, padded: bool = False) -> torch.Tensor:
+           interpret: bool = False) -> torch.Tensor:
     """Run the conv: x (B,H,W,C) NHWC, w (N, KH*KW*C) fp8 → (B*HO*WO, N) in `out_dtype`.
 
     config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, tma]). With tma=1 the bulk-copy
-    kernel runs (stride 1, FP8 input); it reads a zero-padded input, padded here unless
-    `padded=True` says x already is (then x is (B, H+2ph, W+2pw, C): a compiled model pads in the
-    kernel that casts, instead of a separate pass).
+    kernel runs (stride 1, FP8 input, Hopper or newer), else the gather kernel.
     x in FP8: already quantized with `a_scale`. x in fp16/bf16/fp32 (gather kernel only):
     quantized inside the kernel (x / a_scale, clamped to ±448, cast to e4m3 in registers), which
     saves the separate cast's full read + write of the activation; the numbers are those of the
@@ -278,12 +274,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a_scale: tor
         raise ValueError("x must be a contiguous NHWC tensor")
     if x.dtype not in (w.dtype, torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be {w.dtype} or fp16/bf16/fp32, got {x.dtype}")
-    tma = is_tma(config)
-    if padded and not tma:
-        raise ValueError("padded=True is for the TMA kernel (config with tma=1)")
     bsz, h, wd, c = x.shape
-    if padded:
-        h, wd = h - 2 * ph, wd - 2 * pw
     n = w.shape[0]
     if w.shape[1] != kh * kw * c:
         raise ValueError(f"weight has K={w.shape[1]}, expected {kh}*{kw}*{c}")
@@ -296,23 +287,23 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a_scale: tor
     if m == 0:
         return out
     per_channel = w_scale.numel() > 1
-    if tma:
+    if is_tma(config):
         ok, why = tma_supports(sh, sw, x.dtype, w.dtype)
         if not ok:
             raise ValueError(f"TMA kernel: {why}")
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        xp = x if padded else pad_nhwc(x, ph, pw)
-        hp, wp = h + 2 * ph, wd + 2 * pw
-        mv = bsz * hp * wp
-        a_desc = TensorDescriptor.from_tensor(xp.view(mv, c), [bm, bk])
+        rows, width = tma_tile(bm, wo)
+        ty, tx = triton.cdiv(ho, rows), triton.cdiv(wo, width)
+        mt = bsz * ty * tx
+        a_desc = TensorDescriptor.from_tensor(x, [1, rows, width, bk])
         w_desc = TensorDescriptor.from_tensor(w, [bn, bk])
-        grid = (triton.cdiv(mv, bm) * triton.cdiv(n, bn),)
+        grid = (mt * triton.cdiv(n, bn),)
         _kernel(interpret, True)[grid](
             a_desc, w_desc, out, bias if bias is not None else w_scale, w_scale, a_scale,
-            mv, hp, wp, ho, wo, c, n, kw, kh * kw * c,
-            PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+            h, wd, ho, wo, c, n, kw, ph, pw, kh * kw * c, ty, tx, mt,
+            PER_CHANNEL=per_channel, HAS_BIAS=bias is not None, ROWS=rows, WIDTH=width,
+            BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
         return out
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _kernel(interpret)[grid](
@@ -330,18 +321,14 @@ def _conv2d_nhwc(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a_scal
                  bias: torch.Tensor | None, kh: int, kw: int, sh: int, sw: int, ph: int, pw: int,
                  out_dtype: torch.dtype, block_m: int, block_n: int, block_k: int, num_warps: int,
                  num_stages: int, tma: int = 0) -> torch.Tensor:
-    """Opaque to torch.compile: the FP8 implicit-GEMM conv (see `launch`). With tma=1, x comes
-    already zero-padded (the pad fuses into the kernel that casts x, outside this op)."""
+    """Opaque to torch.compile: the FP8 implicit-GEMM conv (see `launch`)."""
     return launch(x, w, w_scale, a_scale, bias, kh, kw, sh, sw, ph, pw, out_dtype,
-                  (block_m, block_n, block_k, num_warps, num_stages, tma), interpret=not x.is_cuda,
-                  padded=bool(tma))
+                  (block_m, block_n, block_k, num_warps, num_stages, tma), interpret=not x.is_cuda)
 
 
 def _conv2d_nhwc_fake(x, w, w_scale, a_scale, bias, kh, kw, sh, sw, ph, pw, out_dtype, block_m, block_n, block_k,
                       num_warps, num_stages, tma=0):
     bsz, h, wd, _c = x.shape
-    if tma:
-        h, wd = h - 2 * ph, wd - 2 * pw
     ho, wo = out_hw(h, wd, kh, kw, sh, sw, ph, pw)
     return x.new_empty((bsz * ho * wo, w.shape[0]), dtype=out_dtype)
 
