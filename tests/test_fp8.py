@@ -227,6 +227,58 @@ def test_triton_conv_kernel_matches_reference_in_interpreter(k, stride, pad, per
     torch.testing.assert_close(out.view(bsz, ho, wo, n).permute(0, 3, 1, 2), ref, rtol=1e-5, atol=1e-4)
 
 
+@needs_triton
+@pytest.mark.parametrize("k,pad,h,w,bm,per_channel,bias", [
+    (3, 1, 7, 6, 16, False, True),    # W < BLOCK_M: tiles of several whole rows, a partial last row-tile
+    (3, 1, 4, 20, 16, True, False),   # W > BLOCK_M: strips, the last one past the image edge
+    (3, 0, 6, 6, 16, True, True),     # no padding (output smaller than input)
+    (1, 0, 4, 5, 32, False, True),    # 1×1
+    (3, 1, 9, 7, 32, False, False),   # non-power-of-two width
+])
+def test_tma_conv_kernel_matches_reference_in_interpreter(k, pad, h, w, bm, per_channel, bias):
+    """The bulk-copy kernel: every tap's tile is a 4-D box whose out-of-image part the copy engine
+    (here the interpreter) fills with zeros, including negative coordinates: that is the padding."""
+    g = torch.Generator().manual_seed(h * w + k)
+    bsz, c, n = 2, 32, 48
+    x = torch.randn(bsz, c, h, w, generator=g).to(E4M3)
+    wt = (torch.randn(n, c, k, k, generator=g) * 0.2).to(E4M3)
+    ws = torch.rand(n, generator=g) + 0.5 if per_channel else torch.tensor(0.7)
+    b = torch.randn(n, generator=g) if bias else None
+    out = fp8_triton.launch(fp8.nhwc_contiguous(x.permute(0, 2, 3, 1)), fp8.gemm_weight(wt).contiguous(), ws,
+                            torch.tensor([1.3]), b, k, k, 1, 1, pad, pad, torch.float32,
+                            config=(bm, 16, 32, 4, 1, 1), interpret=True)
+    ref = F.conv2d(x.float() * 1.3, wt.float() * fp8._bcast(ws, 4), b, padding=pad)
+    ho, wo = ref.shape[-2:]
+    torch.testing.assert_close(out.view(bsz, ho, wo, n).permute(0, 3, 1, 2), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_tma_tile_geometry_and_limits():
+    assert fp8_triton.tma_tile(128, 32) == (4, 32)     # 4 whole rows of a 32-wide image
+    assert fp8_triton.tma_tile(128, 256) == (1, 128)   # half a row
+    assert fp8_triton.tma_tile(128, 20) == (4, 32)     # width rounded up to a power of two (masked)
+    assert fp8_triton.is_tma((128, 128, 128, 8, 4, 1)) and not fp8_triton.is_tma((128, 128, 128, 8, 4))
+    assert not fp8_triton.is_tma(None) and not fp8_triton.is_tma((128, 128, 128, 8, 4, 0))
+    assert fp8_triton.tma_supports(2, 2, E4M3, E4M3)[0] is False
+    assert fp8_triton.tma_supports(1, 1, torch.float16, E4M3)[0] is False
+    assert fp8_triton.tma_supports(1, 1, E4M3, E4M3) == (True, "")
+    plain = fp8_triton.candidate_configs(256, 256)
+    both = fp8_triton.candidate_configs(256, 256, tma=True)
+    assert not any(fp8_triton.is_tma(c) for c in plain) and any(fp8_triton.is_tma(c) for c in both)
+    assert all(256 % c[2] == 0 for c in both)
+
+
+@needs_triton
+def test_tma_kernel_refuses_what_it_cannot_do():
+    x = torch.randn(1, 6, 6, 32).to(E4M3)
+    w = torch.randn(16, 9 * 32).to(E4M3)
+    kw = dict(config=(16, 16, 32, 4, 1, 1), interpret=True)
+    with pytest.raises(ValueError, match="stride"):
+        fp8_triton.launch(x, w, torch.tensor(1.0), torch.tensor([1.0]), None, 3, 3, 2, 2, 1, 1, torch.float32, **kw)
+    with pytest.raises(ValueError, match="FP8 input"):
+        fp8_triton.launch(x.float(), w, torch.tensor(1.0), torch.tensor([1.0]), None, 3, 3, 1, 1, 1, 1,
+                          torch.float32, **kw)
+
+
 def _representable(shape: tuple, seed: int, c: float = 2.0 ** -6) -> torch.Tensor:
     """x = q·c with q on the e4m3 grid, max |q| = 448 and c a power of two: the dynamic scale is then
     exactly c and x/scale exactly q, so the cast is exact whichever way it rounds. Needed because
@@ -239,14 +291,15 @@ def _representable(shape: tuple, seed: int, c: float = 2.0 ** -6) -> torch.Tenso
 
 
 @needs_triton
-@pytest.mark.parametrize("fuse", [True, False])
-def test_triton_path_of_fp8_conv_matches_im2col_path(fuse):
+@pytest.mark.parametrize("fuse,cfg", [(True, (16, 16, 32, 4, 1)), (False, (16, 16, 32, 4, 1)),
+                                      (False, (16, 16, 32, 4, 1, 1))])
+def test_triton_path_of_fp8_conv_matches_im2col_path(fuse, cfg):
     torch.manual_seed(1)
     conv = nn.Conv2d(32, 32, 3, padding=1)
     x = _representable((1, 32, 5, 4), seed=1)
     a = FP8Conv2d.from_float(conv, path="im2col", emulate=True)(x)
     layer = FP8Conv2d.from_float(conv, path="triton")
-    layer.config, layer.fuse_act = (16, 16, 32, 4, 1), fuse
+    layer.config, layer.fuse_act = cfg, fuse
     torch.testing.assert_close(layer(x), a, rtol=1e-5, atol=1e-5)
 
 
@@ -266,6 +319,15 @@ def test_triton_kernel_casts_fp16_input_like_the_separate_cast(dtype):
     assert torch.isfinite(big).all()
     with pytest.raises(ValueError, match="contiguous"):
         fp8_triton.launch(x.permute(0, 2, 1, 3), w, torch.tensor(0.02), a_s, None, 3, 3, 1, 1, 1, 1, torch.float32, **kw)
+
+
+@needs_triton
+def test_triton_custom_op_fake_matches_real_tma():
+    x = torch.randn(1, 4, 3, 32).to(E4M3)
+    w = torch.randn(16, 9 * 32).to(E4M3)
+    args = (x, w, torch.tensor(1.0), torch.tensor([1.0]), torch.randn(16), 3, 3, 1, 1, 1, 1, torch.float32,
+            16, 16, 32, 4, 1, 1)
+    torch.library.opcheck(torch.ops.lab_fp8.conv2d_nhwc.default, args, test_utils=("test_faketensor",))
 
 
 @needs_triton
@@ -609,6 +671,61 @@ def test_gpu_linear_scaled_mm_matches_emulation(scheme):
     assert fp8._rel_l2(got, emu(x.float())) < 5e-3
 
 
+@pytest.mark.skipif(not _ptxas_available(), reason="needs triton with its bundled ptxas")
+def test_tma_kernel_compiles_for_sm90_to_bulk_copies_and_fp8_wgmma():
+    """Ahead-of-time compile for an H100/H200: each tap's tile must arrive by a 4-D bulk tensor copy
+    straight into shared memory and feed FP8 wgmma there (the row-tile reshape must not force a
+    round trip through registers: no shared-memory loads in the kernel)."""
+    import inspect
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(fp8_triton._conv_tma_body).parameters)
+    for rows, width in ((1, 128), (4, 32)):
+        consts = dict(PER_CHANNEL=False, HAS_BIAS=True, ROWS=rows, WIDTH=width, BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
+        ptrs = {"a_desc": f"tensordesc<fp8e4nv[1, {rows}, {width}, 128]>", "w_desc": "tensordesc<fp8e4nv[128, 128]>",
+                "out_ptr": "*fp16", "bias_ptr": "*fp16", "ws_ptr": "*fp32", "as_ptr": "*fp32"}
+        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
+        aligned = ["out_ptr", "bias_ptr", "ws_ptr", "as_ptr", "C", "N", "KTOT"]
+        src = ASTSource(fn=triton.jit(fp8_triton._conv_tma_body), signature=sig,
+                        constexprs={(names.index(k),): v for k, v in consts.items()},
+                        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=4)).asm["ptx"]
+        assert "cp.async.bulk.tensor.4d" in ptx and "wgmma.mma_async" in ptx and "e4m3" in ptx
+        assert not re.search(r"ld\.shared", ptx), (rows, width)
+
+
+@gpu
+@needs_fp8
+def test_gpu_tma_kernel_matches_gather_kernel_and_is_tuned():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(128, 128, 3, padding=1).cuda()
+    x = torch.randn(4, 128, 32, 48, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    layer = FP8Conv2d.from_float(conv, path="triton")
+    layer.config = (128, 128, 128, 8, 3)
+    gather = layer(x)
+    layer.config = (128, 128, 128, 8, 4, 1)
+    tma = layer(x)
+    assert fp8._rel_l2(tma, gather) < 1e-3
+    cfg, ms = fp8.tune_triton(layer, x)
+    assert ms > 0 and (len(cfg) == 5 or fp8_triton.is_tma(cfg))
+
+
+@gpu
+@needs_fp8
+def test_gpu_kernel_split_of_a_compiled_conv_model():
+    from lab.accel.fp8_bench import kernel_split
+
+    model = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.SiLU()).cuda().half()
+    x = torch.randn(8, 64, 64, 64, device="cuda", dtype=torch.float16)
+    split = kernel_split(torch.compile(model), (x,))
+    assert split["conv"] > 0 and split["total"] >= split["conv"]
+    assert split["total"] == pytest.approx(sum(v for k, v in split.items() if k != "total"))
+
+
 @gpu
 @needs_fp8
 def test_gpu_triton_self_test_passes():
@@ -684,3 +801,30 @@ def test_conv_shape_microbenchmark_logic_on_cpu(models, monkeypatch):
         assert r["fp16_ms"] > 0 and r["fp8_gemm_only_ms"] > 0 and r["act_cast_ms"] > 0
         assert r["speedup"] > 0 and r["M"] * r["N"] * r["K"] > 0
         assert ("fp8_im2col_ms" in r and r["fp8_triton_ms"] is None) or "fp8_gemm_ms" in r
+
+
+# ----------------------------------------------------------------------------- kernel kinds and the bound
+
+def test_kernel_kind_sorts_profiler_names():
+    from lab.accel.fp8_bench import kernel_kind
+
+    assert kernel_kind("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc") == "conv"
+    assert kernel_kind("_conv_tma_body") == kernel_kind("_conv_body") == "conv"
+    assert kernel_kind("nvjet_sm90_qqhsh_128x128_128x6_2x1_v_bz_coopA") == "GEMM"
+    # Inductor's kernels carry fused op names: a cast before a GEMM is not a GEMM, a norm is not a conv
+    assert kernel_kind("triton_poi_fused__scaled_mm__to_copy_clamp_div") == "fused elementwise / norms (Inductor)"
+    assert kernel_kind("triton_red_fused_clone_convolution_native_group_norm") == "fused elementwise / norms (Inductor)"
+    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma") == "attention"
+    assert kernel_kind("fmha_cutlassF_f16_aligned_32x128_gmem_sm80") == "attention"
+    assert kernel_kind("Memset (Device)") == "other"
+
+
+def test_conv_rate_bound_replaces_only_the_conv_time():
+    from lab.accel.fp8_bench import conv_rate_bound
+
+    rows = [{"count": 2, "fp8_gemm_only_ms": 1.0, "status": "ok"}, {"count": 1, "fp8_gemm_only_ms": 2.0, "status": "ok"}]
+    b = conv_rate_bound({"conv": 6.0, "total": 9.0}, 10.0, rows)
+    assert b["convs_at_scaled_mm_ms"] == 4.0 and b["bound_ms"] == 8.0 and b["bound_speedup"] == 1.25
+    assert conv_rate_bound({"conv": 6.0}, 10.0, rows + [{"count": 1, "status": "skipped: budget"}]) is None
+    assert conv_rate_bound({"total": 9.0}, 10.0, rows) is None
+    assert conv_rate_bound({"conv": 6.0}, 10.0, []) is None

@@ -70,6 +70,17 @@ def test_sensitivity_predicts_the_measured_psnr(tiny):
     assert got["psnr_db"] == pytest.approx(p["predicted_db"], abs=1.0) and got["psnr_db"] > 39.0
 
 
+def test_quantize_plan_then_verify_the_given_model(tiny):
+    case, quant, ref, rep, q = tiny
+    keep = rep.layers[0].name
+    fp8 = [r.name for r in rep.layers[1:]]
+    model, prep = M.quantize_plan(case, quant, fp8)
+    assert [r.name for r in prep.layers] == fp8 and keep in {r.name for r in prep.skipped}
+    got = M.verify(case, quant, ref, fp8, model=model)
+    assert got == M.verify(case, quant, ref, fp8)  # the same quantization, measured once more
+    assert got["fp8_layers"] == len(fp8)
+
+
 def test_sensitivity_of_an_empty_report_is_an_input_error(tiny):
     case, _, ref, rep, q = tiny
     with pytest.raises(InputError, match="no FP8 layers"):

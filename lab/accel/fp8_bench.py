@@ -23,6 +23,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from lab.accel import fp8_triton
 from lab.accel.backends_bench import Budget, BudgetExceeded, estimate
 from lab.accel.fp8 import (FP8Conv2d, FP8Report, _is_pointwise, _model_device, _quant_act, fp8_mm,
                            fp8_supported, im2col_nhwc, quantize_module, triton_conv_status, tune_triton)
@@ -43,13 +44,14 @@ GPU_ESTIMATES_S: dict[str, Any] = {
     "quantize": {"sd-vae": 30, "taesd": 15, "unet": 60},
     "drift": {"*": 5},                                   # one eager forward each of fp16 and FP8
     # one calibrated single-layer quantization + forward per FP8 layer (37 in the SD-VAE decoder)
-    "sensitivity": {"sd-vae": 120, "taesd": 60, "unet": 900},
+    "sensitivity": {"sd-vae": 60, "taesd": 60, "unet": 900},   # H200: ~3 s for the SD-VAE
     "flops": {"*": 5},                                   # FlopCounterMode forward
     "eager": {"sd-vae": 5, "taesd": 3, "unet": 8},      # per variant: first call + 2 warm-up + iters
     # torch.compile (default mode) first call per variant, cold; notebook 02 measured 16 s for the
     # fp16 SD-VAE decoder; FP8 graphs hold ~2× the kernels (casts, custom op) and the UNet ~10×
-    "compile": {"sd-vae": 45, "taesd": 30, "unet": 150},
-    "compile FP8": {"sd-vae": 90, "taesd": 60, "unet": 240},
+    "compile": {"sd-vae": 45, "taesd": 30, "unet": 90},      # H200 measured: 18-22 s, UNet 56 s
+    "compile FP8": {"sd-vae": 60, "taesd": 60, "unet": 120},  # H200 measured: 20-25 s, UNet 80 s
+    "kernel split": {"*": 10},                                 # profiler over 3 calls of a compiled model
     "drift variant": {"*": 15},                          # an extra SD-VAE quantization (tiles cached)
     "microbench shape": 5,                               # per distinct conv shape
     "torchao": {"*": 25},                                # deepcopy + quantize_ + eager timing
@@ -182,7 +184,8 @@ def _sync(device: torch.device) -> None:
 def speed_rows(case: Case, variants: dict[str, nn.Module], compiled: Sequence[bool] = (False,), iters: int = 20,
                ref: torch.Tensor | None = None, baseline: str | None = None, flops: int | None = None,
                compile_deadline: float | None = None, budget: Budget | None = None,
-               est_s: dict[tuple[str, bool], float] | None = None) -> list[dict[str, Any]]:
+               est_s: dict[tuple[str, bool], float] | None = None,
+               keep: dict[tuple[str, bool], Any] | None = None) -> list[dict[str, Any]]:
     """Time every variant eager and/or under torch.compile (default mode) on the case's rotated inputs.
 
     Each row: ms per batch, FPS, speed-up vs `baseline` (first variant by default) in the same
@@ -195,7 +198,9 @@ def speed_rows(case: Case, variants: dict[str, nn.Module], compiled: Sequence[bo
     a compiled baseline without its compiled partner would be useless.
     `budget` + `est_s` ((variant, compiled) → seconds): a row whose estimate does not fit is
     skipped with the reason; the compiled baseline starts only if it *and* its partner fit; a row
-    still running at the deadline is aborted ('aborted: …' status)."""
+    still running at the deadline is aborted ('aborted: …' status).
+    `keep`: a dict that receives (variant, compiled) → the callable that was timed (to profile it
+    afterwards without compiling again)."""
     from lab.timing import bench
 
     budget = budget if budget is not None else Budget(None, verbose=False)
@@ -244,6 +249,8 @@ def speed_rows(case: Case, variants: dict[str, nn.Module], compiled: Sequence[bo
                     _sync(device)
                     row["first_call_s"] = time.perf_counter() - t0
                     r = bench(fn, inputs=case.inputs, iters=iters, device=device, warmup=2)
+                if keep is not None:
+                    keep[(label, comp)] = fn
                 row["ms_per_batch"] = 1e3 * r.median_s
                 row["fps"] = case.batch / r.median_s
                 if flops:
@@ -310,13 +317,15 @@ def run_model(name: str, budget: Budget | None = None, weights: str = "random", 
     Each step goes through `budget` (estimates: GPU_ESTIMATES_S, overridable); a step that is
     skipped, aborted or fails ends the model there, with the reason in out["stopped"]. Returns
     {"name", "case", "qmodel", "report", "notices", "ref", "out", "drift" (row), "speed" (rows),
-    "flops", "stopped" ('' when every step ran), "seconds" (load, quantize)}.
+    "flops", "stopped" ('' when every step ran), "seconds" (load, quantize), "fns" ((variant,
+    compiled) → the timed callable)}.
     """
     budget = budget if budget is not None else Budget(None, strict=True, verbose=False)
     e = {**GPU_ESTIMATES_S, **(estimates or {})}
     quant = dict(quant or {})
     res: dict[str, Any] = {"name": name, "case": None, "qmodel": None, "report": None, "notices": [], "ref": None,
-                           "out": None, "drift": None, "speed": [], "flops": None, "stopped": "", "seconds": {}}
+                           "out": None, "drift": None, "speed": [], "flops": None, "stopped": "", "seconds": {},
+                           "fns": {}}
 
     def stop(step: str, r: Any) -> dict[str, Any]:
         res["stopped"] = f"{step} {r.status}: {r.reason}"
@@ -362,7 +371,7 @@ def run_model(name: str, budget: Budget | None = None, weights: str = "random", 
     res["speed"] = speed_rows(case, {baseline: case.model, "FP8 (ours)": q}, [False] + ([True] if compiled else []),
                               iters=iters, ref=res["ref"], baseline=baseline, flops=res["flops"],
                               compile_deadline=compile_deadline, budget=budget,
-                              est_s=model_estimates(name, baseline, estimates))
+                              est_s=model_estimates(name, baseline, estimates), keep=res["fns"])
     return res
 
 
@@ -436,6 +445,69 @@ def torchao_rows(case: Case, ref: torch.Tensor, scheme: str = "per_tensor", comp
         r.pop("speedup", None)  # against itself; fill_speedups sets the real one
     del ao_model
     return rows
+
+
+# ----------------------------------------------------------------------------- where a compiled model's GPU time goes
+
+# Kernel name → kind, first match wins. Inductor's generated kernels start with "triton_" and carry
+# the names of the ops they fused (a "_scaled_mm" in one is the cast before a GEMM, not the GEMM).
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("fused elementwise / norms (Inductor)", ("triton_",)),
+    ("attention", ("sdpa", "fmha", "flash", "attention")),
+    ("conv", ("fprop", "_conv_body", "_conv_tma_body", "implicit_gemm", "conv")),
+    ("GEMM", ("nvjet", "gemm", "cutlass", "cublas", "_scaled_mm")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """What a GPU kernel does, from its name (see KERNEL_KINDS); "other" when nothing matches."""
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(low.startswith(k) if k == "triton_" else k in low for k in keys):
+            return kind
+    return "other"
+
+
+def kernel_split(fn: Any, args: tuple, iters: int = 3) -> dict[str, float]:
+    """GPU milliseconds per call of `fn(*args)`, by kernel kind (conv, GEMM, attention, fused
+    elementwise, other) and in total, from the profiler's kernel records over `iters` calls
+    (after one warm call). Kernel time only: gaps between kernels (launch overhead) are the
+    difference to a wall-clock median."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        fn(*args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn(*args)
+            torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0.0) or 0.0
+        if us <= 0:
+            continue
+        kind = kernel_kind(e.key)
+        out[kind] = out.get(kind, 0.0) + us / 1e3 / iters
+    out["total"] = sum(out.values())
+    return out
+
+
+def conv_rate_bound(base_split: dict[str, float], base_ms: float,
+                    shape_rows: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """An upper bound on what FP8 convs can buy a compiled model: its baseline wall time with the
+    conv kernels' time (`base_split["conv"]`, from `kernel_split`) replaced by what the same convs
+    cost as bare `_scaled_mm` GEMMs (Σ count · fp8_gemm_only_ms over `shape_rows`: operands
+    already FP8 and laid out, no cast, no gather, no epilogue). Everything else is assumed
+    unchanged. None unless every shape row was measured."""
+    if not shape_rows or any(r.get("status") != "ok" or not r.get("fp8_gemm_only_ms") for r in shape_rows):
+        return None
+    if "conv" not in base_split:
+        return None
+    fp8_ms = sum(r["count"] * r["fp8_gemm_only_ms"] for r in shape_rows)
+    ms = base_ms - base_split["conv"] + fp8_ms
+    return {"baseline_ms": base_ms, "baseline_conv_ms": base_split["conv"], "convs_at_scaled_mm_ms": fp8_ms,
+            "bound_ms": ms, "bound_speedup": base_ms / ms}
 
 
 # ----------------------------------------------------------------------------- per-shape microbenchmark
@@ -536,7 +608,8 @@ def _bench_shape(shp: dict[str, Any], head: dict[str, Any], dtype: torch.dtype, 
             try:
                 layer = FP8Conv2d.from_float(conv32, path=impl)
                 if impl == "triton":
-                    tune_triton(layer, xs[0])
+                    cfg, _ = tune_triton(layer, xs[0])
+                    row["triton_kernel"] = f"{'TMA' if fp8_triton.is_tma(cfg) else 'gather'} {cfg[:5]}"
                 t = bench(layer, inputs=[(x,) for x in xs], iters=iters, device=dev).median_s
             except Exception as e:  # one path that cannot run this shape is a note, not a crash
                 row[f"fp8_{impl}_ms"] = None

@@ -119,11 +119,24 @@ def curve(rows: Sequence[dict[str, Any]], targets: Sequence[float]) -> list[dict
     return out
 
 
-def verify(case: Any, quant: dict[str, Any], ref: torch.Tensor, fp8: Sequence[str]) -> dict[str, Any]:
-    """Quantize exactly the layers `fp8` (a plan's "fp8" list), measure the output PSNR against `ref`."""
+def quantize_plan(case: Any, quant: dict[str, Any], fp8: Sequence[str]) -> tuple[torch.nn.Module, Any]:
+    """case.model with exactly the layers `fp8` (a plan's "fp8" list) quantized: (model, report)."""
     wanted = set(fp8)
-    q, rep = _quantized(case, quant, lambda name, m: name not in wanted)
-    return {"fp8_layers": rep.n_layers, "psnr_db": _psnr(case, q, ref)}
+    return _quantized(case, quant, lambda name, m: name not in wanted)
+
+
+def verify(case: Any, quant: dict[str, Any], ref: torch.Tensor, fp8: Sequence[str],
+           model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Quantize exactly the layers `fp8` (or take `model`, already so quantized) and measure the
+    output PSNR against `ref`."""
+    if model is None:
+        model, rep = quantize_plan(case, quant, fp8)
+        n = rep.n_layers
+    else:
+        from lab.accel.fp8 import fp8_layers
+
+        n = len(fp8_layers(model))
+    return {"fp8_layers": n, "psnr_db": _psnr(case, model, ref)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
