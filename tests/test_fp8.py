@@ -484,7 +484,7 @@ def test_sd_vae_report_fields_and_default_skips(models):
     assert orders == sorted(orders)
     json.dumps(_clean(rep.to_dict()))  # JSON-safe for the Result record
     s = rep.summary()
-    assert s["quantized_layers"] == rep.n_layers and s["mode"] == "weight_only"
+    assert s["quantized_layers"] == rep.n_layers and s["mode"] == "weight_only" and s["triton_tma_layers"] == 0
 
 
 def test_writeup_config_quantizes_every_decoder_conv(models):

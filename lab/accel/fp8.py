@@ -579,6 +579,7 @@ class FP8Report:
         return {"scheme": self.scheme, "activation": self.activation, "mode": self.mode,
                 "mode_requested": self.mode_requested, "quantized_layers": self.n_layers,
                 "skipped_layers": len(self.skipped), "paths": self.paths(),
+                "triton_tma_layers": sum(1 for r in self.layers if fp8_triton.is_tma(r.triton_config)),
                 "weight_MB_before": before / 1e6, "weight_MB_after": after / 1e6,
                 "worst_layer_out_rel_err": max(errs) if errs else None,
                 "median_layer_out_rel_err": statistics.median(errs) if errs else None,
