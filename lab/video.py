@@ -293,6 +293,21 @@ class _WriterBase(_CloseOrAbort):
         raise NotImplementedError
 
     def close(self) -> Path:
+        """Finish encoding and move the file to its final name."""
+        if self.aborted:
+            raise RuntimeError(f"{self.path}: writing was aborted; nothing saved")
+        if self.closed:
+            return self.path
+        if self.n_frames == 0:
+            self.abort()
+            raise InputError(f"{self.path}: no frames were written; nothing saved")
+        self._finish()
+        self.closed = True
+        _finalize(self.tmp, self.path, self.overwrite)
+        return self.path
+
+    def _finish(self) -> None:
+        """Flush the encoder into the temp file; on failure abort and raise."""
         raise NotImplementedError
 
     def abort(self) -> None:
@@ -374,15 +389,7 @@ class FFmpegWriter(_WriterBase):
             raise RuntimeError(f"{self.path}: ffmpeg stopped accepting frames: {msg or 'no message'}") from None
         self.n_frames += len(a)
 
-    def close(self) -> Path:
-        """Finish encoding and move the file to its final name."""
-        if self.aborted:
-            raise RuntimeError(f"{self.path}: writing was aborted; nothing saved")
-        if self.closed:
-            return self.path
-        if self.n_frames == 0:
-            self.abort()
-            raise InputError(f"{self.path}: no frames were written; nothing saved")
+    def _finish(self) -> None:
         try:
             self.proc.stdin.close()
         except OSError:
@@ -392,10 +399,7 @@ class FFmpegWriter(_WriterBase):
             msg = self._stderr()
             self.abort()
             raise RuntimeError(f"{self.path}: ffmpeg exited with code {rc}: {msg}")
-        self.closed = True
         self._cleanup_side_files()
-        _finalize(self.tmp, self.path, self.overwrite)
-        return self.path
 
     def abort(self) -> None:
         """Stop ffmpeg and delete the partial file; nothing appears under the final name."""
@@ -455,14 +459,7 @@ class PyAVWriter(_WriterBase):
                 self.container.mux(pkt)
             self.n_frames += 1
 
-    def close(self) -> Path:
-        if self.aborted:
-            raise RuntimeError(f"{self.path}: writing was aborted; nothing saved")
-        if self.closed:
-            return self.path
-        if self.n_frames == 0:
-            self.abort()
-            raise InputError(f"{self.path}: no frames were written; nothing saved")
+    def _finish(self) -> None:
         try:
             for pkt in self.vstream.encode():
                 self.container.mux(pkt)
@@ -481,9 +478,6 @@ class PyAVWriter(_WriterBase):
         except BaseException:
             self.abort()
             raise
-        self.closed = True
-        _finalize(self.tmp, self.path, self.overwrite)
-        return self.path
 
     def abort(self) -> None:
         if self.closed:

@@ -37,6 +37,7 @@ import torch
 try:  # triton ships with CUDA builds of torch; a CPU-only install may lack it
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     HAVE_TRITON = True
     _TRITON_ERROR = ""
@@ -297,8 +298,6 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a_scale: tor
         ok, why = tma_supports(sh, sw, x.dtype, w.dtype)
         if not ok:
             raise ValueError(f"TMA kernel: {why}")
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         rows, width = tma_tile(bm, wo)
         ty, tx = triton.cdiv(ho, rows), triton.cdiv(wo, width)
         mt = bsz * ty * tx
