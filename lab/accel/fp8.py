@@ -923,7 +923,7 @@ def quantize_module(model: nn.Module, scheme: str = "per_tensor", mode: str = "a
     # build the quantized layers (not installed yet, so pass 2 can still run the float model)
     built: dict[str, _FP8Layer] = {}
     reps = {r.name: r for r in report.layers}
-    from tqdm.auto import tqdm
+    from lab.progress import tqdm
 
     for name in tqdm(list(plan), desc="fp8 quantize", disable=not progress, leave=False):
         mod, path, _ = plan[name]

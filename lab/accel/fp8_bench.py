@@ -537,7 +537,7 @@ def bench_conv_shapes(report: FP8Report, dtype: torch.dtype = torch.float16, dev
     op's kernel, so `fp8_*_ms − act_cast_ms` is closer to what a compiled model pays.
     With a `budget`, each shape must fit `est_per_shape` seconds (default GPU_ESTIMATES_S) or it
     and the rest become rows with status 'skipped: …' (measured rows have status 'ok')."""
-    from tqdm.auto import tqdm
+    from lab.progress import tqdm
 
     from lab.timing import bench
 

@@ -48,7 +48,7 @@ def layer_sensitivity(case: Any, ref: torch.Tensor, report: Any, qmodel: torch.n
     Each FP8 layer of `qmodel` is swapped into case.model in turn and put back afterwards: the
     same quantized layer (scales, path, Triton tile) the full quantization uses, without
     re-quantizing and re-calibrating the model once per layer."""
-    from tqdm.auto import tqdm
+    from lab.progress import tqdm
 
     from lab.accel.fp8 import _set_module, fp8_layers
 

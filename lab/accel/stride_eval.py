@@ -365,7 +365,7 @@ def interpolation_drift(dense: torch.Tensor, plans: dict[str, np.ndarray], decod
     Only frames that differ from a dense latent are decoded: keyframes (and hold's copies) reuse
     the truth's images, which is exactly what the decoder would return for them.
     """
-    from tqdm.auto import tqdm
+    from lab.progress import tqdm
 
     from lab import metrics
 
@@ -520,7 +520,7 @@ def neural_speed(engine: Any, feats: torch.Tensor, plans: dict[str, np.ndarray],
     first), unet_tflops (useful FLOPs: keyframes only, not the padding of the last call) and its
     % of `ceiling_tflops` when given.
     """
-    from tqdm.auto import tqdm
+    from lab.progress import tqdm
 
     from lab.timing import count_flops
 
@@ -600,7 +600,7 @@ def pipeline_speed(engine: Any, audio: np.ndarray, sr: int, strides: Sequence[in
     infill, vae_decode, blend, encode, wait_for_encoder), hidden (async overlap), speedup vs the
     first stride with the same writer.
     """
-    from tqdm.auto import tqdm
+    from lab.progress import tqdm
 
     from lab.pipelines.musetalk import reconfigure, run
 

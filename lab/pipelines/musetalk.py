@@ -433,7 +433,7 @@ def warmup(engine: Engine) -> None:
 def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None = None,
         n_frames: int | None = None, progress: bool = False) -> RunReport:
     """Render a lip-synced video of `audio` with the prepared avatar; every stage timed."""
-    from tqdm.auto import tqdm
+    from lab.progress import tqdm
 
     cfg = engine.cfg
     if engine.avatar is None:
@@ -532,7 +532,7 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
 def _run_async(engine: Engine, batches: list[tuple[int, int]], gpu_work, post_work, timer: StageTimer,
                progress: bool) -> float:
     """GPU worker (this thread) → bounded queue of pinned buffers → blend+encode worker thread."""
-    from tqdm.auto import tqdm
+    from lab.progress import tqdm
 
     cfg = engine.cfg
     depth = cfg.queue_depth
@@ -679,7 +679,7 @@ def waterfall(engine: Engine, audio: np.ndarray, sr: int, n_frames: int, folder:
     A resampler that is not installed here (librosa's kaiser_best needs resampy) falls back to
     librosa's default with the row saying so. Each row renders a full video when `folder` is given.
     """
-    from tqdm.auto import tqdm
+    from lab.progress import tqdm
 
     from lab.errors import BackendUnavailable
 
