@@ -1,0 +1,579 @@
+"""LatentSync 1.5 / 1.6 UNet3D: an audio-conditioned inpainting UNet over 16-frame blocks of 512² faces.
+
+One readable file with the upstream architecture (an AnimateDiff-style SD1.5 UNet with audio
+cross-attention and temporal "motion" modules) and a loader for `latentsync_unet.pt`.
+
+Shape contract (full size):
+
+    sample  (B, 13, F, 64, 64)   4 noisy latents + 1 mask + 4 masked-face latents + 4 reference latents
+    t       scalar or (B,)       diffusion timestep
+    audio   (B·F, 50, 384)       per-frame Whisper-tiny tokens, frame-major within each batch item
+                                 (row b·F + f); (B, F, 50, 384) is accepted and flattened the same way
+      → eps (B, 4, F, 64, 64)
+
+Frames are folded into the batch inside the model ((B·F, C, H, W)), so every 2-D layer runs per
+frame. Two kinds of GroupNorm coexist, and the model is only LatentSync if both are right:
+
+* ResNet norm1 / norm2 and conv_norm_out pool their statistics over **all F frames** of a block
+  (upstream applies a plain GroupNorm to the 5-D tensor);
+* the spatial transformers' and motion modules' norms are **per frame**.
+
+So the frames of a block are coupled through the ResNets as well as through the temporal
+attention: a shorter final block changes the statistics of every frame in it.
+
+Random weights: PyTorch's default initialisation everywhere under a fixed seed. Upstream
+zero-initialises conv_in, conv_out and the motion modules' proj_out for training; doing that here
+would make the output identically zero and every drift figure meaningless, so we do not.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lab.errors import InputError, WeightsError
+
+
+@dataclass(frozen=True)
+class UNet3DConfig:
+    """configs/unet/stage2_512.yaml `model:` (identical to stage2.yaml); `attention_head_dim: 8` is
+    the number of heads, as in SD1.5."""
+
+    in_channels: int = 13
+    out_channels: int = 4
+    block_out_channels: tuple[int, ...] = (320, 640, 1280, 1280)
+    layers_per_block: int = 2
+    heads: int = 8
+    cross_attention_dim: int = 384
+    norm_groups: int = 32
+    norm_eps: float = 1e-5
+    motion_heads: int = 8
+    motion_max_len: int = 24          # temporal positional encoding length = most frames per call
+    freq_shift: int = 0
+    flip_sin_to_cos: bool = True
+
+    @property
+    def time_dim(self) -> int:
+        return 4 * self.block_out_channels[0]
+
+
+FULL = UNet3DConfig()
+TINY = UNet3DConfig(block_out_channels=(32, 32, 64, 64), layers_per_block=1, heads=2, cross_attention_dim=64,
+                    norm_groups=8, motion_heads=2)  # audio width 64 = the tiny Whisper's d_model
+CONFIGS = {"full": FULL, "tiny": TINY}
+AUDIO_TOKENS = 50
+
+# learned parameters of the released checkpoint's config (its 1246 state-dict entries add 40 `pe` buffers)
+FULL_PARAMS = 1_267_099_844
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+def timestep_embedding(t: torch.Tensor, dim: int, flip_sin_to_cos: bool = True, shift: float = 0.0) -> torch.Tensor:
+    """Sinusoidal timestep features (N, dim) with frequencies exp(-ln(10⁴)·i / (dim/2 − shift))."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / (half - shift))
+    arg = t.float()[:, None] * freqs[None]
+    emb = torch.cat([torch.sin(arg), torch.cos(arg)], dim=-1)
+    return torch.cat([emb[:, half:], emb[:, :half]], dim=-1) if flip_sin_to_cos else emb
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, cin: int, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(cin, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class BlockGroupNorm(nn.GroupNorm):
+    """GroupNorm whose statistics pool over the F frames of each batch item (x is (B·F, C, H, W)).
+
+    Equals nn.GroupNorm on the 5-D (B, C, F, H, W) tensor, without materialising that layout.
+    Statistics in fp32 whatever the input dtype (what the CUDA kernel accumulates in).
+    """
+
+    def forward(self, x: torch.Tensor, frames: int) -> torch.Tensor:  # type: ignore[override]
+        bf, c, h, w = x.shape
+        g = self.num_groups
+        if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+            xg = x.permute(0, 2, 3, 1).reshape(bf // frames, frames * h * w, g, c // g)
+            var, mean = torch.var_mean(xg.float(), dim=(1, 3), keepdim=True, correction=0)
+            y = ((xg - mean) * torch.rsqrt(var + self.eps)).to(x.dtype).reshape(bf, h, w, c).permute(0, 3, 1, 2)
+        else:
+            xg = x.reshape(bf // frames, frames, g, -1)
+            var, mean = torch.var_mean(xg.float(), dim=(1, 3), keepdim=True, correction=0)
+            y = ((xg - mean) * torch.rsqrt(var + self.eps)).to(x.dtype).reshape(bf, c, h, w)
+        return y * self.weight[:, None, None] + self.bias[:, None, None]
+
+
+class ResnetBlock3D(nn.Module):
+    def __init__(self, cin: int, cout: int, cfg: UNet3DConfig):
+        super().__init__()
+        self.norm1 = BlockGroupNorm(cfg.norm_groups, cin, eps=cfg.norm_eps)
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.time_emb_proj = nn.Linear(cfg.time_dim, cout)
+        self.norm2 = BlockGroupNorm(cfg.norm_groups, cout, eps=cfg.norm_eps)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, frames: int) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x, frames)))
+        # temb is (B, T): one embedding per batch item, broadcast over its frames
+        t = self.time_emb_proj(F.silu(temb)).repeat_interleave(frames, dim=0)
+        h = h + t[:, :, None, None]
+        h = self.conv2(F.silu(self.norm2(h, frames)))
+        return (x if self.conv_shortcut is None else self.conv_shortcut(x)) + h
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Multi-head scaled dot-product attention on (N, L, C) tensors (SDPA picks the kernel)."""
+    n, lq, c = q.shape
+    q, k, v = (x.reshape(n, -1, heads, c // heads).transpose(1, 2) for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, lq, c)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_dim: int | None = None):
+        super().__init__()
+        self.heads = heads
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_k = nn.Linear(kv_dim or dim, dim, bias=False)
+        self.to_v = nn.Linear(kv_dim or dim, dim, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        c = x if context is None else context
+        return self.to_out[0](attention(self.to_q(x), self.to_k(c), self.to_v(c), self.heads))
+
+
+class GEGLU(nn.Module):
+    def __init__(self, dim: int, inner: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, 2 * inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, gate = self.proj(x).chunk(2, dim=-1)
+        return h * F.gelu(gate)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, mult: int = 4):
+        super().__init__()
+        # net.1 is upstream's dropout (p=0): kept as an Identity so the keys read net.0 / net.2
+        self.net = nn.ModuleList([GEGLU(dim, mult * dim), nn.Identity(), nn.Linear(mult * dim, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.net:
+            x = m(x)
+        return x
+
+
+class BasicTransformerBlock(nn.Module):
+    """Pre-LN: self-attention over one frame's H·W tokens, cross-attention to its 50 audio tokens, GEGLU."""
+
+    def __init__(self, dim: int, heads: int, audio_dim: int):
+        super().__init__()
+        self.norm1, self.norm2, self.norm3 = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn1 = Attention(dim, heads)
+        self.attn2 = Attention(dim, heads, kv_dim=audio_dim)
+        self.ff = FeedForward(dim)
+
+    def forward(self, x: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        x = self.attn1(self.norm1(x)) + x
+        x = self.attn2(self.norm2(x), audio) + x
+        return self.ff(self.norm3(x)) + x
+
+
+class Transformer3DModel(nn.Module):
+    """Spatial transformer, per frame: GroupNorm (per frame) → 1×1 proj_in → block → 1×1 proj_out → +x."""
+
+    def __init__(self, dim: int, cfg: UNet3DConfig):
+        super().__init__()
+        self.norm = nn.GroupNorm(cfg.norm_groups, dim, eps=1e-6)
+        self.proj_in = nn.Conv2d(dim, dim, 1)
+        self.transformer_blocks = nn.ModuleList([BasicTransformerBlock(dim, cfg.heads, cfg.cross_attention_dim)])
+        self.proj_out = nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        bf, c, h, w = x.shape
+        y = self.proj_in(self.norm(x)).permute(0, 2, 3, 1).reshape(bf, h * w, c)
+        for blk in self.transformer_blocks:
+            y = blk(y, audio)
+        return self.proj_out(y.reshape(bf, h, w, c).permute(0, 3, 1, 2)) + x
+
+
+def sinusoid_table(length: int, dim: int) -> torch.Tensor:
+    """(1, length, dim): sin on even channels, cos on odd, wavelengths 10⁴^(2i/dim)."""
+    pos = torch.arange(length, dtype=torch.float32)[:, None]
+    div = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    pe = torch.zeros(1, length, dim)
+    pe[0, :, 0::2] = torch.sin(pos * div)
+    pe[0, :, 1::2] = torch.cos(pos * div)
+    return pe
+
+
+class PositionalEncoding(nn.Module):
+    def __init__(self, dim: int, max_len: int):
+        super().__init__()
+        self.register_buffer("pe", sinusoid_table(max_len, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pe[:, :x.shape[1]].to(x.dtype)
+
+
+class TemporalAttention(Attention):
+    """Self-attention over the frame axis of (N, F, C) tokens, PE added to its (normed) input."""
+
+    def __init__(self, dim: int, heads: int, max_len: int):
+        super().__init__(dim, heads)
+        self.pos_encoder = PositionalEncoding(dim, max_len)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(self.pos_encoder(x))
+
+
+class TemporalTransformerBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, max_len: int):
+        super().__init__()
+        self.attention_blocks = nn.ModuleList([TemporalAttention(dim, heads, max_len) for _ in range(2)])
+        self.norms = nn.ModuleList([nn.LayerNorm(dim) for _ in range(2)])
+        self.ff = FeedForward(dim)
+        self.ff_norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for attn, norm in zip(self.attention_blocks, self.norms):
+            x = attn(norm(x)) + x
+        return self.ff(self.ff_norm(x)) + x
+
+
+class TemporalTransformer3DModel(nn.Module):
+    """GroupNorm **per frame** → Linear proj_in → temporal block over F tokens per pixel → proj_out → +x."""
+
+    def __init__(self, dim: int, cfg: UNet3DConfig):
+        super().__init__()
+        self.norm = nn.GroupNorm(cfg.norm_groups, dim, eps=1e-6)
+        self.proj_in = nn.Linear(dim, dim)
+        self.transformer_blocks = nn.ModuleList([TemporalTransformerBlock(dim, cfg.motion_heads, cfg.motion_max_len)])
+        self.proj_out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, frames: int) -> torch.Tensor:
+        bf, c, h, w = x.shape
+        b = bf // frames
+        # (B·F, C, H, W) → (B·H·W, F, C): one sequence of F frames per pixel
+        y = self.norm(x).reshape(b, frames, c, h * w).permute(0, 3, 1, 2).reshape(b * h * w, frames, c)
+        y = self.proj_in(y)
+        for blk in self.transformer_blocks:
+            y = blk(y)
+        y = self.proj_out(y).reshape(b, h * w, frames, c).permute(0, 2, 3, 1).reshape(bf, c, h, w)
+        return y + x
+
+
+class MotionModule(nn.Module):
+    def __init__(self, dim: int, cfg: UNet3DConfig):
+        super().__init__()
+        self.temporal_transformer = TemporalTransformer3DModel(dim, cfg)
+
+    def forward(self, x: torch.Tensor, frames: int) -> torch.Tensor:
+        return self.temporal_transformer(x, frames)
+
+
+class Downsample(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv = nn.Conv2d(dim, dim, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+class Upsample(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv = nn.Conv2d(dim, dim, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+class UNetBlock(nn.Module):
+    """One resolution level: per layer resnet → [spatial transformer] → motion module, then resample.
+
+    Down blocks hand every layer's output (and the downsampled one) to the skip list; up blocks
+    take one skip per layer and concatenate it on the channel axis before the resnet.
+    """
+
+    def __init__(self, resnet_io: list[tuple[int, int]], dim: int, cfg: UNet3DConfig, cross: bool,
+                 down: bool | None, resample: bool):
+        super().__init__()
+        self.resnets = nn.ModuleList([ResnetBlock3D(i, o, cfg) for i, o in resnet_io])
+        self.attentions = nn.ModuleList([Transformer3DModel(dim, cfg) for _ in resnet_io]) if cross else None
+        self.motion_modules = nn.ModuleList([MotionModule(dim, cfg) for _ in resnet_io])
+        if resample:
+            if down:
+                self.downsamplers = nn.ModuleList([Downsample(dim)])
+            else:
+                self.upsamplers = nn.ModuleList([Upsample(dim)])
+        self.down = down
+
+    def layer(self, i: int, x: torch.Tensor, temb: torch.Tensor, audio: torch.Tensor, frames: int) -> torch.Tensor:
+        x = self.resnets[i](x, temb, frames)
+        if self.attentions is not None:
+            x = self.attentions[i](x, audio)
+        return self.motion_modules[i](x, frames)
+
+
+class MidBlock(nn.Module):
+    """resnet → spatial transformer → resnet (no motion module in the middle: motion_module_mid_block false)."""
+
+    def __init__(self, dim: int, cfg: UNet3DConfig):
+        super().__init__()
+        self.resnets = nn.ModuleList([ResnetBlock3D(dim, dim, cfg), ResnetBlock3D(dim, dim, cfg)])
+        self.attentions = nn.ModuleList([Transformer3DModel(dim, cfg)])
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, audio: torch.Tensor, frames: int) -> torch.Tensor:
+        x = self.resnets[0](x, temb, frames)
+        return self.resnets[1](self.attentions[0](x, audio), temb, frames)
+
+
+class UNet3D(nn.Module):
+    def __init__(self, cfg: UNet3DConfig = FULL):
+        super().__init__()
+        self.cfg = cfg
+        ch = cfg.block_out_channels
+        n = cfg.layers_per_block
+        self.conv_in = nn.Conv2d(cfg.in_channels, ch[0], 3, padding=1)
+        self.time_embedding = TimestepEmbedding(ch[0], cfg.time_dim)
+        last = len(ch) - 1
+        self.down_blocks = nn.ModuleList()
+        cin = ch[0]
+        for i, cout in enumerate(ch):  # CrossAttnDownBlock3D × 3, DownBlock3D
+            io = [(cin if j == 0 else cout, cout) for j in range(n)]
+            self.down_blocks.append(UNetBlock(io, cout, cfg, cross=i < last, down=True, resample=i < last))
+            cin = cout
+        self.mid_block = MidBlock(ch[-1], cfg)
+        self.up_blocks = nn.ModuleList()
+        rev = list(reversed(ch))
+        prev = rev[0]
+        for i, cout in enumerate(rev):  # UpBlock3D, CrossAttnUpBlock3D × 3
+            skip_in = rev[min(i + 1, last)]
+            io = [((prev if j == 0 else cout) + (skip_in if j == n else cout), cout) for j in range(n + 1)]
+            self.up_blocks.append(UNetBlock(io, cout, cfg, cross=i > 0, down=False, resample=i < last))
+            prev = cout
+        self.conv_norm_out = BlockGroupNorm(cfg.norm_groups, ch[0], eps=cfg.norm_eps)
+        self.conv_out = nn.Conv2d(ch[0], cfg.out_channels, 3, padding=1)
+
+    # -- input checks live here, at the model's edge, so a wrong call never reaches a deep reshape
+    def check_inputs(self, sample: torch.Tensor, t: torch.Tensor | float, audio: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        if sample.ndim != 5 or sample.shape[1] != cfg.in_channels:
+            raise InputError(f"sample of shape {tuple(sample.shape)}: expected (B, {cfg.in_channels}, F, H, W) = "
+                             f"noisy 4 + mask 1 + masked 4 + reference 4 latent channels over F frames")
+        b, _, f, h, w = sample.shape
+        if f > cfg.motion_max_len:
+            raise InputError(f"{f} frames in one call: the temporal positional encoding holds at most "
+                             f"{cfg.motion_max_len} frames; split the video into blocks of ≤ {cfg.motion_max_len} "
+                             f"(LatentSync uses 16)")
+        down = 2 ** (len(cfg.block_out_channels) - 1)
+        if h % down or w % down:
+            raise InputError(f"latent size {h}×{w} is not a multiple of {down}; faces must be a multiple of "
+                             f"{8 * down} pixels (LatentSync: 512)")
+        if audio.ndim == 4:
+            if audio.shape[:2] != (b, f):
+                raise InputError(f"audio of shape {tuple(audio.shape)}: a 4-D audio tensor must be (B, F, tokens, "
+                                 f"dim) = ({b}, {f}, …) for this sample")
+            audio = audio.reshape(b * f, *audio.shape[2:])
+        if audio.ndim != 3 or audio.shape[0] != b * f or audio.shape[2] != cfg.cross_attention_dim:
+            raise InputError(
+                f"audio of shape {tuple(audio.shape)}: expected per-frame tokens (B·F, tokens, "
+                f"{cfg.cross_attention_dim}) = ({b * f}, {AUDIO_TOKENS}, {cfg.cross_attention_dim}), frame-major "
+                f"(row b·F + f). Passing one audio row per batch item instead of one per frame is what makes "
+                f"diffusers' UNetMotionModel fail with '65536 vs 4096'.")
+        return audio
+
+    def forward(self, sample: torch.Tensor, t: torch.Tensor | float, audio: torch.Tensor) -> torch.Tensor:
+        audio = self.check_inputs(sample, t, audio)
+        b, c, f, h, w = sample.shape
+        t = torch.as_tensor(t, device=sample.device)
+        t = t.reshape(1).expand(b) if t.ndim == 0 else t
+        temb = self.time_embedding(timestep_embedding(t, self.cfg.block_out_channels[0], self.cfg.flip_sin_to_cos,
+                                                      self.cfg.freq_shift).to(sample.dtype))
+        x = self.conv_in(sample.transpose(1, 2).reshape(b * f, c, h, w))
+        audio = audio.to(x.dtype)
+        skips = [x]
+        for blk in self.down_blocks:
+            for i in range(len(blk.resnets)):
+                x = blk.layer(i, x, temb, audio, f)
+                skips.append(x)
+            if hasattr(blk, "downsamplers"):
+                x = blk.downsamplers[0](x)
+                skips.append(x)
+        x = self.mid_block(x, temb, audio, f)
+        for blk in self.up_blocks:
+            for i in range(len(blk.resnets)):
+                x = torch.cat([x, skips.pop()], dim=1)
+                x = blk.layer(i, x, temb, audio, f)
+            if hasattr(blk, "upsamplers"):
+                x = blk.upsamplers[0](x)
+        x = self.conv_out(F.silu(self.conv_norm_out(x, f)))
+        return x.reshape(b, f, -1, h, w).transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------- counting, keys, loading
+
+def build_unet(size: str = "full", device: str | torch.device = "cpu") -> UNet3D:
+    """The UNet with PyTorch default init on `device` ("meta" allocates nothing: for keys and counts)."""
+    if size not in CONFIGS:
+        raise InputError(f"size must be one of {tuple(CONFIGS)}, got {size!r}")
+    with torch.device(device):
+        return UNet3D(CONFIGS[size])
+
+
+def n_params(model: nn.Module, buffers: bool = False) -> int:
+    """Learned parameters (upstream's 1.267 B); buffers=True adds the 40 fixed `pe` tables (844,800 values)."""
+    return sum(v.numel() for v in model.state_dict().values()) if buffers else \
+        sum(p.numel() for p in model.parameters())
+
+
+def to_diffusers_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename a LatentSync state dict for diffusers' UNetMotionModel (motion-module keys only)."""
+    out = {}
+    for k, v in sd.items():
+        if "motion_modules" in k:
+            for a, b in ((".temporal_transformer.", "."), ("attention_blocks.0.", "attn1."),
+                         ("attention_blocks.1.", "attn2."), ("norms.0.", "norm1."), ("norms.1.", "norm2."),
+                         ("ff_norm.", "norm3.")):
+                k = k.replace(a, b)
+            if k.endswith("attn2.pos_encoder.pe"):
+                continue
+            k = k.replace("attn1.pos_encoder.pe", "pos_embed.pe")
+        out[k] = v
+    return out
+
+
+@dataclass
+class LatentSyncUNet:
+    """A loaded UNet with where its weights came from and what the checkpoint did not match."""
+
+    model: UNet3D
+    weights: str
+    size: str
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    filled: list[str] = field(default_factory=list)    # fixed sinusoid buffers recomputed, not loaded
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def report(self) -> dict[str, Any]:
+        return {"weights": self.weights, "size": self.size, "params": n_params(self.model),
+                "missing": self.missing, "unexpected": self.unexpected, "filled": self.filled}
+
+    def __call__(self, sample: torch.Tensor, t: torch.Tensor | float, audio: torch.Tensor) -> torch.Tensor:
+        return self.model(sample, t, audio)
+
+
+def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """`latentsync_unet.pt`: {"global_step": int, "state_dict": {...}} (or a bare state dict)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise WeightsError(f"{p}: LatentSync UNet checkpoint not found; expected latentsync_unet.pt "
+                           f"(a torch.save'd dict with the weights under 'state_dict')")
+    try:
+        try:  # mmap: a 5 GB checkpoint is paged in tensor by tensor, not read whole
+            ck = torch.load(str(p), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            ck = torch.load(str(p), map_location="cpu", weights_only=True)  # legacy (non-zip) format
+    except Exception as e:
+        raise WeightsError(f"{p}: not a readable checkpoint ({type(e).__name__}: {str(e)[:200]}); expected "
+                           f"latentsync_unet.pt saved with torch.save") from None
+    sd = ck.get("state_dict", ck) if isinstance(ck, dict) else None
+    if not isinstance(sd, dict) or not sd or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise WeightsError(f"{p}: holds no state dict of tensors (top-level keys: "
+                           f"{list(ck)[:5] if isinstance(ck, dict) else type(ck).__name__})")
+    if all(k.startswith("module.") for k in sd):  # a DDP-wrapped save
+        sd = {k[len("module."):]: v for k, v in sd.items()}
+    return sd
+
+
+def load_latentsync_unet(weights: str = "random", size: str = "full", device: str | torch.device = "cpu",
+                         dtype: torch.dtype = torch.float32, seed: int = 0, allow_missing: bool = False) -> LatentSyncUNet:
+    """The LatentSync UNet3D. weights: "random" (default init under `seed`) or a path to
+    `latentsync_unet.pt`. A checkpoint is read lazily (mmap) into a model built on the meta device,
+    so nothing random is allocated; tensor shapes must match `size`'s config exactly. Keys the
+    checkpoint lacks raise WeightsError (unless `allow_missing`: they are then random and
+    listed), except the fixed `pe` sinusoid tables, which are recomputed; keys it has beyond the
+    model are listed in `.unexpected`."""
+    if size not in CONFIGS:
+        raise InputError(f"size must be one of {tuple(CONFIGS)}, got {size!r}")
+    if weights == "random":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = build_unet(size)
+        out = LatentSyncUNet(model, f"random (seed {seed})", size)
+    else:
+        p = Path(str(weights)).expanduser()
+        sd = read_checkpoint(p)
+        model = build_unet(size, device="meta")
+        own = model.state_dict()
+        bad = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+               for k, v in sd.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+        if bad:
+            raise WeightsError(f"{p}: {len(bad)} tensors do not match the LatentSync UNet (size={size!r}), e.g. "
+                               f"{bad[:3]}; expected the stage2 / stage2_512 config (in 13, widths "
+                               f"{CONFIGS[size].block_out_channels}, audio dim {CONFIGS[size].cross_attention_dim})")
+        missing = [k for k in own if k not in sd]
+        unexpected = [k for k in sd if k not in own]
+        filled = [k for k in missing if k.endswith("pos_encoder.pe")]
+        missing = [k for k in missing if k not in filled]
+        if missing and not allow_missing:
+            raise WeightsError(f"{p}: {len(missing)} keys of the LatentSync UNet are missing (e.g. {missing[:3]}); "
+                               f"pass allow_missing=True to keep them random")
+        model.load_state_dict({k: v for k, v in sd.items() if k in own}, strict=False, assign=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for name, mod in model.named_modules():  # leftovers still on meta: fill them
+                for pname, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+                    if t.is_meta:
+                        key = f"{name}.{pname}" if name else pname
+                        if pname == "pe":
+                            val = sinusoid_table(t.shape[1], t.shape[2])
+                        else:
+                            val = torch.empty(t.shape).normal_(0, 0.02) if t.ndim > 1 else torch.zeros(t.shape)
+                        if isinstance(t, nn.Parameter):
+                            setattr(mod, pname, nn.Parameter(val, requires_grad=False))
+                        else:
+                            mod.register_buffer(pname, val)
+                        assert key in missing or key in filled
+        out = LatentSyncUNet(model, f"local file {p}", size, missing, unexpected, filled)
+    out.model = out.model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return out
+
+
+def read_keys_tsv(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """A `key<TAB>(shape)` listing → {key: shape}."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            k, shape = line.split("\t")
+            out[k] = tuple(int(s) for s in shape.strip("()").split(",") if s.strip())
+    return out
+
+
+def tiny_config(**changes: Any) -> UNet3DConfig:
+    """The tiny config with fields changed (tests)."""
+    return replace(TINY, **changes)

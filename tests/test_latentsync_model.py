@@ -1,0 +1,182 @@
+"""LatentSync UNet3D: parity with diffusers' UNetMotionModel (two GroupNorms matched), full-size keys,
+shapes and parameter count (meta device), the loader, and bad inputs."""
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lab.errors import InputError, WeightsError
+from lab.models import latentsync as ls
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KEYS_TSV = Path(__file__).resolve().parents[2] / "shared" / "references" / "latentsync_unet_state_dict_keys.tsv"
+
+
+class PerFrameNorm(nn.GroupNorm):
+    """diffusers' motion-module norm sees (B, C, F, H, W) and pools over frames; LatentSync's is per frame."""
+
+    def forward(self, x):
+        b, c, f, h, w = x.shape
+        y = super().forward(x.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w))
+        return y.reshape(b, f, c, h, w).permute(0, 2, 1, 3, 4)
+
+
+class PooledNorm(nn.GroupNorm):
+    """diffusers' ResNet norms see (B·F, C, H, W), per frame; LatentSync's pool over the block's frames."""
+
+    frames = 1
+
+    def forward(self, x):
+        bf, c, h, w = x.shape
+        f = PooledNorm.frames
+        y = super().forward(x.reshape(bf // f, f, c, h, w).transpose(1, 2))
+        return y.transpose(1, 2).reshape(bf, c, h, w)
+
+
+def _swap(module: nn.Module, name: str, cls: type) -> None:
+    old = getattr(module, name)
+    new = cls(old.num_groups, old.num_channels, eps=old.eps)
+    new.load_state_dict(old.state_dict())
+    setattr(module, name, new)
+
+
+def diffusers_reference(cfg: ls.UNet3DConfig, fix_motion_norm: bool, fix_resnet_norm: bool):
+    from diffusers import UNetMotionModel
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.unets.unet_motion_model import AnimateDiffTransformer3D
+
+    m = UNetMotionModel(in_channels=cfg.in_channels, out_channels=cfg.out_channels,
+                        block_out_channels=cfg.block_out_channels, layers_per_block=cfg.layers_per_block,
+                        norm_num_groups=cfg.norm_groups, cross_attention_dim=cfg.cross_attention_dim,
+                        num_attention_heads=cfg.heads, motion_num_attention_heads=cfg.motion_heads,
+                        use_motion_mid_block=False, motion_max_seq_length=cfg.motion_max_len)
+    for mod in list(m.modules()):
+        if fix_motion_norm and isinstance(mod, AnimateDiffTransformer3D):
+            _swap(mod, "norm", PerFrameNorm)
+        if fix_resnet_norm and isinstance(mod, ResnetBlock2D):
+            _swap(mod, "norm1", PooledNorm)
+            _swap(mod, "norm2", PooledNorm)
+    if fix_resnet_norm:
+        _swap(m, "conv_norm_out", PooledNorm)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    ours = ls.load_latentsync_unet("random", "tiny", seed=3).model
+    torch.manual_seed(0)
+    frames = 6
+    x = torch.randn(2, 13, frames, 16, 16)
+    audio = torch.randn(2 * frames, 50, ls.TINY.cross_attention_dim)
+    t = torch.tensor([601, 601])
+    with torch.no_grad():
+        y = ours(x, t, audio)
+    return ours, x, t, audio, y
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("fix_motion,fix_resnet,close", [(True, True, True), (False, False, False),
+                                                          (True, False, False), (False, True, False)])
+def test_parity_with_diffusers_needs_both_norms(tiny_pair, fix_motion, fix_resnet, close):
+    ours, x, t, audio, y = tiny_pair
+    ref = diffusers_reference(ls.TINY, fix_motion, fix_resnet)
+    ref.load_state_dict(ls.to_diffusers_keys(ours.state_dict()), strict=True)  # the keymap is exact
+    PooledNorm.frames = x.shape[2]
+    with torch.no_grad():
+        yr = ref(x, t, encoder_hidden_states=audio).sample
+    err = _rel(y, yr)
+    if close:
+        assert err < 1e-5, err
+    else:
+        assert err > 1e-3, err  # either GroupNorm left as diffusers has it is a real difference
+
+
+def test_full_size_keys_shapes_and_count_match_upstream():
+    m = ls.build_unet("full", device="meta")  # nothing allocated
+    own = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+    ref = ls.read_keys_tsv(KEYS_TSV)
+    assert len(ref) == 1246
+    assert set(own) == set(ref)
+    assert {k for k in ref if own[k] != ref[k]} == set()
+    assert ls.n_params(m) == ls.FULL_PARAMS == 1_267_099_844
+    assert ls.n_params(m, buffers=True) - ls.n_params(m) == 844_800  # the 40 fixed (1, 24, C) pe tables
+    assert sum(1 for k in own if k.endswith("pos_encoder.pe")) == 40
+
+
+def test_output_depends_on_audio_and_frames_are_coupled(tiny_pair):
+    ours, x, t, audio, y = tiny_pair
+    with torch.no_grad():
+        y_null = ours(x, t, torch.zeros_like(audio))
+        x2 = x.clone()
+        x2[:, :, -1] += 1.0  # change only the last frame
+        y2 = ours(x2, t, audio)
+    assert _rel(y_null, y) > 1e-3
+    # frame 0's output moves: block GroupNorm statistics and temporal attention couple the frames
+    assert _rel(y2[:, :, 0], y[:, :, 0]) > 1e-4
+
+
+def test_audio_shapes(tiny_pair):
+    ours, x, t, audio, y = tiny_pair
+    b, _, f = x.shape[:3]
+    with torch.no_grad():
+        y4 = ours(x, t, audio.reshape(b, f, 50, -1))  # (B, F, S, D) is flattened frame-major
+    assert torch.equal(y4, y)
+    with pytest.raises(InputError, match="65536 vs 4096"):
+        ours(x, t, audio[:b])  # one audio row per batch item instead of per frame
+    with pytest.raises(InputError, match="per-frame tokens"):
+        ours(x, t, audio[..., :-1])
+
+
+def test_bad_samples(tiny_pair):
+    ours, x, t, audio, _ = tiny_pair
+    with pytest.raises(InputError, match="at most 24"):
+        ours(torch.zeros(1, 13, 25, 16, 16), t[:1], torch.zeros(25, 50, 64))
+    with pytest.raises(InputError, match="multiple of"):
+        ours(torch.zeros(1, 13, 2, 12, 12), t[:1], torch.zeros(2, 50, 64))
+    with pytest.raises(InputError, match="13"):
+        ours(torch.zeros(1, 9, 2, 16, 16), t[:1], torch.zeros(2, 50, 64))
+
+
+def test_loader_roundtrip_reports_keys(tmp_path, tiny_pair):
+    ours, x, t, audio, y = tiny_pair
+    sd = {k: v.clone() for k, v in ours.state_dict().items()}
+    path = tmp_path / "latentsync_unet.pt"
+    torch.save({"global_step": 7, "state_dict": sd}, path)
+    u = ls.load_latentsync_unet(str(path), "tiny")
+    assert u.weights.startswith("local file") and not u.missing and not u.unexpected
+    with torch.no_grad():
+        assert torch.equal(u(x, t, audio), y)
+    # a DDP prefix, a dropped pe table, an extra key: loads, with the differences reported
+    sd2 = {"module." + k: v for k, v in sd.items() if not k.endswith("attention_blocks.1.pos_encoder.pe")}
+    sd2["module.extra.weight"] = torch.zeros(1)
+    torch.save({"state_dict": sd2}, path)
+    u2 = ls.load_latentsync_unet(str(path), "tiny")
+    assert u2.unexpected == ["extra.weight"] and len(u2.filled) == 12  # one per motion module (tiny: 4 + 8)
+    with torch.no_grad():
+        assert torch.allclose(u2(x, t, audio), y)
+    # missing learned weights: refused unless asked for
+    key = next(k for k in sd if k.endswith("conv1.weight"))
+    torch.save({"state_dict": {k: v for k, v in sd.items() if k != key}}, path)
+    with pytest.raises(WeightsError, match="missing"):
+        ls.load_latentsync_unet(str(path), "tiny")
+    assert ls.load_latentsync_unet(str(path), "tiny", allow_missing=True).missing == [key]
+
+
+def test_loader_rejects_wrong_shapes_and_files(tmp_path, tiny_pair):
+    ours = tiny_pair[0]
+    path = tmp_path / "unet.pt"
+    torch.save({"state_dict": ours.state_dict()}, path)
+    with pytest.raises(WeightsError, match="do not match"):
+        ls.load_latentsync_unet(str(path), "full")  # a tiny checkpoint into the full config (meta build: cheap)
+    with pytest.raises(WeightsError, match="not found"):
+        ls.load_latentsync_unet(str(tmp_path / "nope.pt"), "tiny")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(WeightsError, match="not a readable"):
+        ls.load_latentsync_unet(str(tmp_path / "junk.pt"), "tiny")
+    with pytest.raises(InputError, match="size"):
+        ls.load_latentsync_unet("random", "huge")
