@@ -469,3 +469,12 @@ def flicker(frames: Any, roi: Roi | None = None) -> float:
             raise InputError(f"roi {roi!r} selects no pixels")
     d2 = x[2:] - 2 * x[1:-1] + x[:-2]
     return float(np.abs(d2).mean())
+
+
+def drift(ref: torch.Tensor, out: torch.Tensor, data_range: float | None = None) -> dict[str, float]:
+    """Output drift against the reference: MAE, max abs, PSNR (dB), cosine similarity.
+
+    data_range: 1.0 for [0, 1] images; None for latents → the reference's own range (max − min)."""
+    rng = data_range if data_range is not None else (float(ref.max() - ref.min()) or 1.0)
+    return {"mae": mae(out, ref), "max_abs": max_abs(out, ref),
+            "psnr_db": psnr(out, ref, data_range=rng), "cosine": cosine(out, ref)}

@@ -263,3 +263,39 @@ def mixed_precision(curve_rows: Sequence[dict], sens_rows: Sequence[dict], verif
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def worst_frames_figure(images: dict, ref: str, roi: tuple[slice, slice] | None = None, title: str = ""):
+    """Per non-reference sequence, its frame furthest from the reference: reference, it, |diff|,
+    and both mouth boxes (the scrubber's static stand-in when no one can scrub)."""
+    import numpy as np
+
+    from lab import metrics
+    from lab.errors import InputError
+
+    others = [k for k in images if k != ref]
+    if not others:
+        raise InputError("need at least one sequence besides the reference")
+    h, w = images[ref].shape[1:3]
+    roi = roi or metrics.mouth_roi(h, w)
+    r0 = images[ref].astype(np.float64)
+    fig, axes = plt.subplots(len(others), 5, figsize=(12, 2.6 * len(others)), squeeze=False)
+    for row, k in zip(axes, others):
+        err = ((images[k].astype(np.float64) - r0) ** 2).reshape(len(r0), -1).mean(1)
+        f = int(np.argmax(err))
+        a, b = images[ref][f], images[k][f]
+        d = np.abs(b.astype(np.float64) - a).mean(-1)
+        ps = "exact" if err[f] == 0 else f"PSNR {10 * np.log10(255**2 / err[f]):.1f} dB"
+        panels = [(a, f"{ref} #{f}"), (b, f"{k} #{f} (worst)"), (d, f"|diff| {ps}"), (a[roi], f"{ref}: mouth"),
+                  (b[roi], f"{k}: mouth")]
+        for ax, (im, t) in zip(row, panels):
+            if im.ndim == 2:
+                s = ax.imshow(im, cmap="magma", vmin=0, vmax=max(float(im.max()), 1e-6))
+                fig.colorbar(s, ax=ax, fraction=0.046, pad=0.02)
+            else:
+                ax.imshow(im)
+            ax.set_title(t, fontsize=8)
+            ax.axis("off")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig

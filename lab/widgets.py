@@ -156,9 +156,9 @@ def stride_scrubber(sequences: dict[str, np.ndarray], ref: str = "dense", keys: 
     sequences: {label: uint8 (N, H, W, 3)}, e.g. "dense" and "stride 2", "stride 3", "adaptive";
     keys: {label: keyframe indices} to mark each frame key / interpolated. With a front end (or
     interactive=True) returns an ipywidgets VBox; headless returns a static figure: for each
-    stride its frame furthest from `ref` (lab.accel.stride_eval.worst_frames_figure).
+    stride its frame furthest from `ref` (lab.plots.worst_frames_figure).
     """
-    from lab.accel.stride_eval import worst_frames_figure
+    from lab.plots import worst_frames_figure
 
     others = [k for k in sequences if k != ref]
     if ref not in sequences or not others:

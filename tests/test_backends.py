@@ -315,7 +315,7 @@ def test_onnx_and_tensorrt_on_cuda_run_or_say_why(tmp_path):
 # ----------------------------------------------------------------------------- the notebook's experiment
 
 def test_run_matrix_rows_and_failures_do_not_stop_the_run(monkeypatch):
-    from lab.accel import backends_bench as BB
+    from lab.experiments import backends as BB
 
     def broken(c, **kw):
         raise RuntimeError("inductor exploded")
@@ -345,7 +345,7 @@ def _srow(model, batch, backend, fps, status="ok", **kw):
 
 
 def test_fill_speedups_uses_the_faster_eager_layout_as_the_baseline():
-    from lab.accel.backends_bench import best_per_model, fill_speedups, speedup_text
+    from lab.experiments.backends import best_per_model, fill_speedups, speedup_text
 
     rows = [  # the H200's UNet and SD-VAE at batch 16: channels-last eager slower than NCHW eager
         _srow("unet", 16, "eager", 295.9, psnr_vs_eager=float("inf")),
@@ -405,7 +405,7 @@ def test_fill_speedups_uses_the_faster_eager_layout_as_the_baseline():
 
 
 def test_best_per_model_picks_nchw_eager_when_nothing_beats_it():
-    from lab.accel.backends_bench import best_per_model, fill_speedups
+    from lab.experiments.backends import best_per_model, fill_speedups
 
     rows = fill_speedups([_srow("unet", 16, "eager", 300.0, psnr_vs_eager=float("inf")),
                           _srow("unet", 16, "compile", 500.0, psnr_vs_eager=70.0),
@@ -426,7 +426,7 @@ class FakeClock:
 
 
 def test_budget_allows_what_fits_and_says_why_not():
-    from lab.accel.backends_bench import Budget
+    from lab.budget import Budget
 
     clock = FakeClock()
     b = Budget(100, reserve_s=10, clock=clock, verbose=False)
@@ -446,7 +446,7 @@ def test_budget_allows_what_fits_and_says_why_not():
 
 
 def test_budget_parameter_values():
-    from lab.accel.backends_bench import DEFAULT_TIME_BUDGET_S, budget_seconds
+    from lab.budget import DEFAULT_TIME_BUDGET_S, budget_seconds
 
     assert budget_seconds("auto") == DEFAULT_TIME_BUDGET_S == 420
     assert budget_seconds("auto", quick=True) is None  # CI smoke runs: no limit unless asked
@@ -457,7 +457,7 @@ def test_budget_parameter_values():
 
 
 def test_budget_run_ok_skipped_failed_and_strict(capsys):
-    from lab.accel.backends_bench import Budget
+    from lab.budget import Budget
 
     b = Budget(60)
     r = b.run("add", 1, lambda x, y: x + y, 2, 3)
@@ -492,7 +492,7 @@ def spin(limit_s: float = 20.0) -> str:
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="the hard deadline uses SIGALRM")
 def test_budget_deadline_aborts_a_step_that_overruns_and_restores_the_handler():
-    from lab.accel.backends_bench import Budget, BudgetExceeded
+    from lab.budget import Budget, BudgetExceeded
 
     before = signal.getsignal(signal.SIGALRM)
     b = Budget(0.5, verbose=False)
@@ -506,7 +506,7 @@ def test_budget_deadline_aborts_a_step_that_overruns_and_restores_the_handler():
 
 
 def test_plan_puts_the_headline_rows_first():
-    from lab.accel.backends_bench import plan_tasks
+    from lab.experiments.backends import plan_tasks
 
     tasks = plan_tasks(["sd-vae", "unet"], [1, 16], list(B.BACKENDS), nchw_rows=True)
     assert tasks[:6] == [("sd-vae", 16, "eager"), ("sd-vae", 16, "compile"), ("sd-vae", 16, "compile+cudagraph"),
@@ -520,7 +520,7 @@ def test_plan_puts_the_headline_rows_first():
 
 
 def test_run_matrix_with_no_time_left_returns_every_row_with_its_reason():
-    from lab.accel.backends_bench import Budget, plan_tasks, run_matrix
+    from lab.experiments.backends import Budget, plan_tasks, run_matrix
 
     backends = ["eager", "compile", "compile+cudagraph", "onnx", "tensorrt"]
     out = run_matrix(["taesd", "unet"], [1, 2], backends, "fp32", torch.device("cpu"), size="tiny", progress=False,
@@ -537,7 +537,7 @@ def test_run_matrix_with_no_time_left_returns_every_row_with_its_reason():
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="the hard deadline uses SIGALRM")
 def test_run_matrix_skips_rows_that_do_not_fit_and_aborts_one_that_overruns(monkeypatch):
-    from lab.accel.backends_bench import Budget, run_matrix
+    from lab.experiments.backends import Budget, run_matrix
 
     tiny("taesd")  # imports done before the clock starts
     est = {"load": 0, "eager": 0, "compile": 0, "onnx": 1e6}
@@ -557,7 +557,7 @@ def test_run_matrix_skips_rows_that_do_not_fit_and_aborts_one_that_overruns(monk
 
 
 def test_cache_demo_is_skipped_when_it_does_not_fit(tmp_path):
-    from lab.accel.backends_bench import Budget, cache_demo
+    from lab.experiments.backends import Budget, cache_demo
 
     demo = cache_demo(tmp_path / "c", size="tiny", budget=Budget(1, verbose=False), est_s=30)
     assert demo["rows"] == [] and demo["listing"] == [] and "cache demo" in demo["skipped"]

@@ -1,4 +1,4 @@
-"""TAESD vs SD-VAE engine (lab.decoders) and the comparator widget (lab.widgets), on tiny configs."""
+"""TAESD vs SD-VAE engine (lab.experiments.decoders) and the comparator widget (lab.widgets), on tiny configs."""
 import math
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lab import decoders as D
+from lab.experiments import decoders as D
 from lab import widgets
 from lab.errors import InputError
 from lab.models.vae import load_vae

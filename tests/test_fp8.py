@@ -523,7 +523,7 @@ def test_per_channel_static_unet_runs_with_3d_linear_inputs(models):
 
 
 def test_drift_measures():
-    from lab.accel.fp8_bench import drift
+    from lab.metrics import drift
 
     ref = torch.rand(2, 3, 16, 16)
     d = drift(ref, ref + 0.01, 1.0)
@@ -532,7 +532,7 @@ def test_drift_measures():
 
 
 def test_torchao_row_is_unavailable_with_a_reason_on_cpu():
-    from lab.accel.fp8_bench import quantize_torchao, torchao_status
+    from lab.experiments.fp8 import quantize_torchao, torchao_status
     from lab.errors import BackendUnavailable
 
     ok, why = torchao_status()
@@ -543,7 +543,7 @@ def test_torchao_row_is_unavailable_with_a_reason_on_cpu():
 
 
 def test_make_case_and_speed_rows_on_cpu():
-    from lab.accel.fp8_bench import make_case, speed_rows
+    from lab.experiments.fp8 import make_case, speed_rows
 
     case = make_case("taesd", size="tiny", batch=2, image=64)
     q, _ = _quiet(quantize_module, case.model, calibration=case.calib)
@@ -556,8 +556,8 @@ def test_make_case_and_speed_rows_on_cpu():
 # ----------------------------------------------------------------------------- the time budget (notebook 03)
 
 def test_compiled_pair_is_skipped_whole_when_it_does_not_fit():
-    from lab.accel.backends_bench import Budget
-    from lab.accel.fp8_bench import make_case, speed_rows
+    from lab.budget import Budget
+    from lab.experiments.fp8 import make_case, speed_rows
 
     case = make_case("taesd", size="tiny", batch=2, image=64)
     q, _ = _quiet(quantize_module, case.model, calibration=case.calib)
@@ -572,8 +572,8 @@ def test_compiled_pair_is_skipped_whole_when_it_does_not_fit():
 
 
 def test_run_model_stops_where_the_budget_ends_and_lists_the_rows_it_skipped():
-    from lab.accel.backends_bench import Budget
-    from lab.accel.fp8_bench import run_model
+    from lab.budget import Budget
+    from lab.experiments.fp8 import run_model
 
     common = dict(size="tiny", batch=2, image=64, baseline="fp32", compiled=True, iters=2, progress=False)
     out = run_model("taesd", Budget(1e-3, verbose=False), **common)
@@ -590,8 +590,8 @@ def test_run_model_stops_where_the_budget_ends_and_lists_the_rows_it_skipped():
 
 
 def test_drift_variants_torchao_and_microbench_skip_with_reasons(models, monkeypatch):
-    from lab.accel import fp8_bench
-    from lab.accel.backends_bench import Budget
+    from lab.experiments import fp8 as fp8_bench
+    from lab.budget import Budget
 
     case = fp8_bench.make_case("sd-vae", size="tiny", batch=2, image=64)
     none_left = Budget(1e-3, verbose=False)
@@ -610,7 +610,7 @@ def test_drift_variants_torchao_and_microbench_skip_with_reasons(models, monkeyp
 
 
 def test_fill_speedups_compares_rows_from_separate_calls():
-    from lab.accel.fp8_bench import fill_speedups
+    from lab.experiments.fp8 import fill_speedups
 
     rows = [{"model": "unet", "variant": "fp16", "compiled": False, "fps": 100.0},
             {"model": "unet", "variant": "fp16", "compiled": True, "fps": 200.0},
@@ -717,7 +717,7 @@ def test_gpu_tma_kernel_matches_gather_kernel_and_is_tuned():
 @gpu
 @needs_fp8
 def test_gpu_kernel_split_of_a_compiled_conv_model():
-    from lab.accel.fp8_bench import kernel_split
+    from lab.experiments.fp8 import kernel_split
 
     model = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.SiLU()).cuda().half()
     x = torch.randn(8, 64, 64, 64, device="cuda", dtype=torch.float16)
@@ -737,7 +737,7 @@ def test_gpu_triton_self_test_passes():
 @needs_fp8
 def test_gpu_sd_vae_decoder_fp8_compiled_matches_eager_and_fp16():
     from lab import metrics
-    from lab.accel.fp8_bench import make_case
+    from lab.experiments.fp8 import make_case
 
     case = make_case("sd-vae", size="full", device="cuda", dtype=torch.float16, batch=2, image=128,
                      channels_last=True)
@@ -760,7 +760,7 @@ def test_gpu_sd_vae_decoder_fp8_compiled_matches_eager_and_fp16():
 @gpu
 @needs_fp8
 def test_gpu_conv_shape_microbenchmark_rows():
-    from lab.accel.fp8_bench import bench_conv_shapes, make_case
+    from lab.experiments.fp8 import bench_conv_shapes, make_case
 
     case = make_case("sd-vae", size="tiny", device="cuda", dtype=torch.float16, batch=2, image=64)
     _, rep = quantize_module(case.model, calibration=case.calib)
@@ -771,7 +771,7 @@ def test_gpu_conv_shape_microbenchmark_rows():
 @gpu
 @needs_fp8
 def test_gpu_torchao_linear_row_or_reason():
-    from lab.accel.fp8_bench import quantize_torchao, torchao_status
+    from lab.experiments.fp8 import quantize_torchao, torchao_status
     from lab.errors import BackendUnavailable
 
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda().half()
@@ -787,7 +787,7 @@ def test_gpu_torchao_linear_row_or_reason():
 
 def test_conv_shape_microbenchmark_logic_on_cpu(models, monkeypatch):
     """The GPU microbenchmark's bookkeeping, run on CPU (GEMMs emulated, Triton reported unavailable)."""
-    from lab.accel import fp8_bench
+    from lab.experiments import fp8 as fp8_bench
 
     model, args = models["sd-vae"]
     _, rep = _quiet(quantize_module, model, calibration=args)
@@ -806,7 +806,7 @@ def test_conv_shape_microbenchmark_logic_on_cpu(models, monkeypatch):
 # ----------------------------------------------------------------------------- kernel kinds and the bound
 
 def test_kernel_kind_sorts_profiler_names():
-    from lab.accel.fp8_bench import kernel_kind
+    from lab.experiments.fp8 import kernel_kind
 
     assert kernel_kind("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc") == "conv"
     assert kernel_kind("_conv_tma_body") == kernel_kind("_conv_body") == "conv"
@@ -820,7 +820,7 @@ def test_kernel_kind_sorts_profiler_names():
 
 
 def test_conv_rate_bound_replaces_only_the_conv_time():
-    from lab.accel.fp8_bench import conv_rate_bound
+    from lab.experiments.fp8 import conv_rate_bound
 
     rows = [{"count": 2, "fp8_gemm_only_ms": 1.0, "status": "ok"}, {"count": 1, "fp8_gemm_only_ms": 2.0, "status": "ok"}]
     b = conv_rate_bound({"conv": 6.0, "total": 9.0}, 10.0, rows)

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from lab.accel import fp8_bench as FB
+from lab.experiments import fp8 as FB
 from lab.accel import fp8_mixed as M
 from lab.accel.fp8 import FP8Report, quantize_module
 from lab.errors import InputError

@@ -6,6 +6,7 @@ import torch
 
 from lab import data
 from lab.errors import InputError, WeightsError
+from lab.experiments import profiling
 from lab.pipelines import musetalk as mt
 from lab.video import read_video_info
 
@@ -179,10 +180,10 @@ def test_loaded_audio_file_end_to_end(engine, tmp_path):
 
 
 def test_neural_bench_and_trace(engine, speech, tmp_path):
-    nb = mt.neural_bench(engine, iters=1)
+    nb = profiling.neural_bench(engine, iters=1)
     assert nb["fps"] > 0 and nb["gflop_per_frame"] > nb["unet_gflop_per_frame"] > 0
     a, sr = speech
-    p = mt.profile_trace(engine, a, sr, tmp_path / "trace.json.gz", n_frames=4)
+    p = profiling.profile_trace(engine, a, sr, tmp_path / "trace.json.gz", n_frames=4)
     import gzip
     import json
 

@@ -8,7 +8,7 @@ import torch
 
 from lab import data
 from lab.accel import stride as st
-from lab.accel import stride_eval as se
+from lab.experiments import stride as se
 from lab.errors import InputError
 from lab.results import VERDICTS, Result
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from lab.metrics import drift
 from lab.accel.fp8 import quantize_module
 from lab.errors import InputError
 
@@ -32,8 +33,6 @@ def _quantized(case: Any, quant: dict[str, Any], skip: Callable[[str, Any], bool
 
 
 def _psnr(case: Any, model: torch.nn.Module, ref: torch.Tensor) -> float:
-    from lab.accel.fp8_bench import drift
-
     with torch.inference_mode():
         out = model(*case.inputs[0]).float()
     return drift(ref, out, case.data_range)["psnr_db"]
@@ -137,67 +136,3 @@ def verify(case: Any, quant: dict[str, Any], ref: torch.Tensor, fp8: Sequence[st
 
         n = len(fp8_layers(model))
     return {"fp8_layers": n, "psnr_db": _psnr(case, model, ref)}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Headless: sensitivity, plan curve and one verified plan for a model; writes a Result folder."""
-    import argparse
-    import time
-
-    from lab import env
-    from lab.accel import fp8_bench as FB
-    from lab.results import Result, run_dir
-
-    ap = argparse.ArgumentParser(prog="python -m lab.accel.fp8_mixed", description=main.__doc__)
-    ap.add_argument("--model", default="sd-vae", choices=FB.MODELS)
-    ap.add_argument("--size", default="full", choices=("full", "tiny"))
-    ap.add_argument("--weights", default="random")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--image", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--target", type=float, default=40.0)
-    ap.add_argument("--scheme", default="per_tensor")
-    ap.add_argument("--activation", default="dynamic")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    dev = env.pick_device(a.device)
-    fp8_hw = FB.fp8_supported(dev)[0]
-    dtype = torch.float16 if dev.type == "cuda" else torch.float32
-    # without FP8 tensor cores the GEMMs are emulated exactly (FP8-rounded operands, fp32 math)
-    quant = dict(scheme=a.scheme, activation=a.activation, mode="scaled_mm", emulate=not fp8_hw,
-                 conv_impl="auto" if fp8_hw else "im2col")
-    case = FB.make_case(a.model, weights=a.weights, size=a.size, device=dev, dtype=dtype, batch=a.batch,
-                        image=a.image, channels_last=dev.type == "cuda")
-    with torch.inference_mode():
-        ref = case.model(*case.inputs[0]).float()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        qmodel, rep = quantize_module(case.model, calibration=case.calib, **quant)
-    rows = layer_sensitivity(case, ref, rep, qmodel)
-    everything = verify(case, quant, ref, [r["layer"] for r in rows])
-    p = plan(rows, a.target)
-    got = verify(case, quant, ref, p["fp8"])
-    res = Result("fp8_mixed", params={**vars(a), "device": str(dev), "dtype": str(dtype), **quant})
-    res.weights[a.model] = case.weights
-    res.tables = {"sensitivity": rows, "plan_curve": curve(rows, [30, 32, 34, 36, 38, 40, 42, 45, 50]),
-                  "verified": [{"plan": "all layers", **everything, "predicted_db": predicted_psnr(rows, [r["layer"] for r in rows])},
-                               {"plan": f"{a.target:.0f} dB", **got, "predicted_db": p["predicted_db"],
-                                "fp8_flops_share": p["fp8_flops_share"], "kept": ", ".join(p["keep"])}]}
-    res.headline = {"all layers FP8: measured / predicted PSNR (dB)": f"{everything['psnr_db']:.2f} / "
-                    f"{predicted_psnr(rows, [r['layer'] for r in rows]):.2f}",
-                    f"plan for {a.target:.0f} dB": f"{got['fp8_layers']} of {len(rows)} layers in FP8 "
-                    f"({100 * p['fp8_flops_share']:.1f} % of GEMM FLOPs), measured {got['psnr_db']:.2f} dB "
-                    f"(predicted {p['predicted_db']:.2f})",
-                    "weights": case.weights, "FP8 GEMMs": "real" if fp8_hw else "emulated (exact rounding, fp32 math)"}
-    res.timings["total_s"] = time.perf_counter() - t0
-    folder = run_dir("fp8_mixed", a.out)
-    res.save(folder)
-    for k, v in res.headline.items():
-        print(f"{k}: {v}")
-    print(f"saved {folder}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

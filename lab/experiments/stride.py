@@ -40,6 +40,7 @@ import torch
 
 from lab.accel import stride as st
 from lab.errors import InputError
+from lab.plots import worst_frames_figure  # noqa: F401  (the scrubber's static view lives with the figures)
 from lab.timing import sync
 
 Roi = tuple[slice, slice]
@@ -719,41 +720,6 @@ def strip_figure(images: dict[str, np.ndarray], ref: str, frames: Sequence[int],
     if shown is not None:
         fig.colorbar(shown, ax=axes, fraction=0.02, pad=0.01, label="|diff| (0..255)")
     fig.suptitle(title, fontsize=9)
-    return fig
-
-
-def worst_frames_figure(images: dict[str, np.ndarray], ref: str, roi: Roi | None = None, title: str = ""):
-    """Per non-reference sequence, its frame furthest from the reference: reference, it, |diff|,
-    and both mouth boxes (the scrubber's static stand-in when no one can scrub)."""
-    import matplotlib.pyplot as plt
-
-    from lab import metrics
-
-    others = [k for k in images if k != ref]
-    if not others:
-        raise InputError("need at least one sequence besides the reference")
-    h, w = images[ref].shape[1:3]
-    roi = roi or metrics.mouth_roi(h, w)
-    r0 = images[ref].astype(np.float64)
-    fig, axes = plt.subplots(len(others), 5, figsize=(12, 2.6 * len(others)), squeeze=False)
-    for row, k in zip(axes, others):
-        err = ((images[k].astype(np.float64) - r0) ** 2).reshape(len(r0), -1).mean(1)
-        f = int(np.argmax(err))
-        a, b = images[ref][f], images[k][f]
-        d = np.abs(b.astype(np.float64) - a).mean(-1)
-        ps = "exact" if err[f] == 0 else f"PSNR {10 * np.log10(255**2 / err[f]):.1f} dB"
-        panels = [(a, f"{ref} #{f}"), (b, f"{k} #{f} (worst)"), (d, f"|diff| {ps}"), (a[roi], f"{ref}: mouth"),
-                  (b[roi], f"{k}: mouth")]
-        for ax, (im, t) in zip(row, panels):
-            if im.ndim == 2:
-                s = ax.imshow(im, cmap="magma", vmin=0, vmax=max(float(im.max()), 1e-6))
-                fig.colorbar(s, ax=ax, fraction=0.046, pad=0.02)
-            else:
-                ax.imshow(im)
-            ax.set_title(t, fontsize=8)
-            ax.axis("off")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
     return fig
 
 

@@ -6,7 +6,7 @@ warm-up + synchronize + median (`lab.timing.bench`), inputs rotated between runs
 speed-up is a ratio against the fp16 model in the same process and the same compile mode, and
 every speed row carries its quality figures against the fp16 eager output.
 
-Notebook 03 runs under a whole-notebook time budget (`lab.accel.backends_bench.Budget`): each
+Notebook 03 runs under a whole-notebook time budget (`lab.budget.Budget`): each
 step here (load, quantize, drift, eager and compiled timing, each microbenchmark shape, torchao)
 is checked against what is left before it starts, using `GPU_ESTIMATES_S`, and guarded by the
 deadline while it runs; a step that does not fit becomes a row saying so.
@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from lab.accel import fp8_triton
-from lab.accel.backends_bench import Budget, BudgetExceeded, estimate
+from lab.budget import Budget, BudgetExceeded, estimate
+from lab.metrics import drift  # noqa: F401
 from lab.accel.fp8 import (FP8Conv2d, FP8Report, _is_pointwise, _model_device, _quant_act, fp8_mm,
                            fp8_supported, im2col_nhwc, quantize_module, triton_conv_status, tune_triton)
 from lab.errors import BackendUnavailable, InputError
@@ -34,7 +35,7 @@ L2_BYTES = 60 * 2**20  # a little above the H100/H200 L2 (50 MB)
 
 # Seconds each step of notebook 03 is assumed to take on one H200 (16 cores), cold inductor / Triton
 # caches, batch 16 at 256²: what the time budget compares with the time left before starting it.
-# High on purpose (see lab.accel.backends_bench.GPU_ESTIMATES_S); the results' `time_budget` table
+# High on purpose (see lab.experiments.backends.GPU_ESTIMATES_S); the results' `time_budget` table
 # has every step's actual seconds next to its estimate.
 GPU_ESTIMATES_S: dict[str, Any] = {
     "triton self-test": 15,                              # one Triton JIT compile + a tiny conv
@@ -116,17 +117,6 @@ def make_case(name: str, weights: str = "random", size: str = "full", device: st
 
 
 # ----------------------------------------------------------------------------- quality
-
-def drift(ref: torch.Tensor, out: torch.Tensor, data_range: float | None = None) -> dict[str, float]:
-    """Output drift against the reference: MAE, max abs, PSNR (dB), cosine similarity.
-
-    data_range: 1.0 for [0, 1] images; None for latents → the reference's own range (max − min)."""
-    from lab import metrics
-
-    rng = data_range if data_range is not None else (float(ref.max() - ref.min()) or 1.0)
-    return {"mae": metrics.mae(out, ref), "max_abs": metrics.max_abs(out, ref),
-            "psnr_db": metrics.psnr(out, ref, data_range=rng), "cosine": metrics.cosine(out, ref)}
-
 
 # ----------------------------------------------------------------------------- torchao
 
@@ -632,3 +622,73 @@ def _bench_shape(shp: dict[str, Any], head: dict[str, Any], dtype: torch.dtype, 
     row["speedup"] = t16 / best if best < math.inf else None
     row["status"] = "ok"
     return row
+
+
+# ----------------------------------------------------------------------------- headless mixed-precision plan
+
+def mixed_main(argv: Sequence[str] | None = None) -> int:
+    """Headless: sensitivity, plan curve and one verified plan for a model; writes a Result folder."""
+    import argparse
+    import time
+
+    from lab.accel.fp8_mixed import curve, layer_sensitivity, plan, predicted_psnr, verify
+
+    from lab import env
+    from lab.results import Result, run_dir
+
+    ap = argparse.ArgumentParser(prog="python -m lab.experiments.fp8", description=main.__doc__)
+    ap.add_argument("--model", default="sd-vae", choices=MODELS)
+    ap.add_argument("--size", default="full", choices=("full", "tiny"))
+    ap.add_argument("--weights", default="random")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--image", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--target", type=float, default=40.0)
+    ap.add_argument("--scheme", default="per_tensor")
+    ap.add_argument("--activation", default="dynamic")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    dev = env.pick_device(a.device)
+    fp8_hw = fp8_supported(dev)[0]
+    dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    # without FP8 tensor cores the GEMMs are emulated exactly (FP8-rounded operands, fp32 math)
+    quant = dict(scheme=a.scheme, activation=a.activation, mode="scaled_mm", emulate=not fp8_hw,
+                 conv_impl="auto" if fp8_hw else "im2col")
+    case = make_case(a.model, weights=a.weights, size=a.size, device=dev, dtype=dtype, batch=a.batch,
+                        image=a.image, channels_last=dev.type == "cuda")
+    with torch.inference_mode():
+        ref = case.model(*case.inputs[0]).float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qmodel, rep = quantize_module(case.model, calibration=case.calib, **quant)
+    rows = layer_sensitivity(case, ref, rep, qmodel)
+    everything = verify(case, quant, ref, [r["layer"] for r in rows])
+    p = plan(rows, a.target)
+    got = verify(case, quant, ref, p["fp8"])
+    res = Result("fp8_mixed", params={**vars(a), "device": str(dev), "dtype": str(dtype), **quant})
+    res.weights[a.model] = case.weights
+    res.tables = {"sensitivity": rows, "plan_curve": curve(rows, [30, 32, 34, 36, 38, 40, 42, 45, 50]),
+                  "verified": [{"plan": "all layers", **everything, "predicted_db": predicted_psnr(rows, [r["layer"] for r in rows])},
+                               {"plan": f"{a.target:.0f} dB", **got, "predicted_db": p["predicted_db"],
+                                "fp8_flops_share": p["fp8_flops_share"], "kept": ", ".join(p["keep"])}]}
+    res.headline = {"all layers FP8: measured / predicted PSNR (dB)": f"{everything['psnr_db']:.2f} / "
+                    f"{predicted_psnr(rows, [r['layer'] for r in rows]):.2f}",
+                    f"plan for {a.target:.0f} dB": f"{got['fp8_layers']} of {len(rows)} layers in FP8 "
+                    f"({100 * p['fp8_flops_share']:.1f} % of GEMM FLOPs), measured {got['psnr_db']:.2f} dB "
+                    f"(predicted {p['predicted_db']:.2f})",
+                    "weights": case.weights, "FP8 GEMMs": "real" if fp8_hw else "emulated (exact rounding, fp32 math)"}
+    res.timings["total_s"] = time.perf_counter() - t0
+    folder = run_dir("fp8_mixed", a.out)
+    res.save(folder)
+    for k, v in res.headline.items():
+        print(f"{k}: {v}")
+    print(f"saved {folder}")
+    return 0
+
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(mixed_main())
