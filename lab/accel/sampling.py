@@ -1,0 +1,210 @@
+"""Sampling for latent video diffusion: diffusers schedulers kept apart from the model, one explicit loop.
+
+    noise (1, 4, 1, h, w) repeated over F frames                         one tensor for every frame
+    for t in scheduler.timesteps:                                         DDIM 20: 951, 901, …, 51, 1
+        x   = [latents ‖ latents] ⊕ [mask ‖ masked ‖ reference] × 2      (2B, 13, F, h, w), one UNet call
+        eps = unet(x, t, [null audio (zeros) ‖ audio])                    per-frame audio (2B·F, 50, D)
+        eps = eps_uncond + g · (eps_cond − eps_uncond)                    g = 1.5
+        latents = scheduler.step(eps, t, latents)
+
+Modes (`parse_mode`): "exact20" = LatentSync's DDIM, 20 steps (scaled_linear β 0.00085–0.012, 1000
+train steps, steps_offset 1, "leading" spacing, η 0); "ddim<N>" the same scheduler at N steps;
+"dpm<N>" DPM-Solver++ (2nd-order multistep) from the same config at N steps. A multistep solver
+keeps the previous model outputs, so the scheduler is reset (`set_timesteps`) at the start of every
+block: reusing it across blocks is what raises index-out-of-range in upstream's pipeline.
+
+Speed, without changing what is computed (`fast_unet`): the loop feeds the UNet from one staging
+buffer per block (condition channels written once, latents copied in each step), the guided batch
+is one call, the timestep is a device tensor, so the UNet call has static shapes and can be
+captured as a CUDA graph, compiled with torch.compile, or both (lab.accel.backends).
+"""
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from lab.errors import InputError
+
+# LatentSync configs/scheduler_config.json
+SCHEDULER_CONFIG = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                        steps_offset=1, set_alpha_to_one=False, clip_sample=False, prediction_type="epsilon")
+KINDS = ("ddim", "dpm")
+GUIDANCE = 1.5
+
+UNetFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    kind: str      # "ddim" | "dpm"
+    steps: int
+
+    @property
+    def exact(self) -> bool:
+        return self.kind == "ddim" and self.steps == 20
+
+
+def parse_mode(mode: str | Mode) -> Mode:
+    """"exact20" | "ddim<N>" | "dpm<N>" (N ≥ 1) → Mode."""
+    if isinstance(mode, Mode):
+        return mode
+    if mode == "exact20":
+        return Mode("exact20", "ddim", 20)
+    m = re.fullmatch(r"(ddim|dpm)(\d+)", str(mode))
+    if not m or int(m.group(2)) < 1 or int(m.group(2)) > 1000:
+        raise InputError(f"sampling mode {mode!r} not understood; expected 'exact20', 'ddim<N>' or 'dpm<N>' "
+                         f"with 1 ≤ N ≤ 1000 (e.g. 'dpm8')")
+    return Mode(str(mode), m.group(1), int(m.group(2)))
+
+
+def make_scheduler(kind: str = "ddim"):
+    """A fresh diffusers scheduler from LatentSync's config ("ddim" or "dpm" = DPM-Solver++ order 2)."""
+    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
+
+    if kind == "ddim":
+        return DDIMScheduler(**SCHEDULER_CONFIG)
+    if kind == "dpm":
+        cfg = {k: v for k, v in SCHEDULER_CONFIG.items() if k not in ("set_alpha_to_one", "clip_sample")}
+        return DPMSolverMultistepScheduler(**cfg, algorithm_type="dpmsolver++", solver_order=2)
+    raise InputError(f"scheduler kind must be one of {KINDS}, got {kind!r}")
+
+
+def initial_noise(shape: tuple[int, int, int, int], frames: int, seed: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(B, 4, h, w) → one Gaussian draw (B, 4, 1, h, w) under `seed`, repeated to (B, 4, frames, h, w).
+
+    Drawn on the CPU so the same seed gives the same noise on every device (modes compare on it).
+    """
+    g = torch.Generator().manual_seed(int(seed))
+    b, c, h, w = shape
+    z = torch.randn(b, c, 1, h, w, generator=g)
+    return z.repeat(1, 1, frames, 1, 1).to(device=device, dtype=dtype)
+
+
+@dataclass
+class Staging:
+    """The UNet input of a block, allocated once: [latents | conditioning] for uncond and cond halves."""
+
+    buf: torch.Tensor          # (2B or B, 4 + Cc, F, h, w)
+    audio: torch.Tensor        # (2B·F or B·F, S, D): null (zeros) rows first
+    t: torch.Tensor            # (2B or B,) long, on the device
+    guided: bool
+
+    def load(self, latents: torch.Tensor, t: torch.Tensor) -> None:
+        b = latents.shape[0]
+        self.buf[:b, :4].copy_(latents)
+        if self.guided:
+            self.buf[b:, :4].copy_(latents)
+        self.t.copy_(t.reshape(1).expand_as(self.t))
+
+
+def staging(latents: torch.Tensor, conditioning: torch.Tensor, audio: torch.Tensor, guidance: float) -> Staging:
+    """Stage a block: conditioning (B, Cc, F, h, w) = mask ‖ masked ‖ reference latents, audio (B·F, S, D)."""
+    guided = guidance > 1.0
+    if conditioning.shape[0] != latents.shape[0] or conditioning.shape[2:] != latents.shape[2:]:
+        raise InputError(f"conditioning of shape {tuple(conditioning.shape)} does not match latents "
+                         f"{tuple(latents.shape)}: expected (B, channels, F, h, w) with the same B, F, h, w")
+    b, _, f = latents.shape[:3]
+    if audio.shape[0] != b * f:
+        raise InputError(f"audio of shape {tuple(audio.shape)}: expected per-frame tokens ({b * f}, tokens, dim) "
+                         f"for {b} × {f} frames")
+    cond = torch.cat([latents, conditioning.to(latents.dtype)], dim=1)
+    if guided:
+        cond = torch.cat([cond, cond])
+        audio = torch.cat([torch.zeros_like(audio), audio])
+    t = torch.zeros(cond.shape[0], dtype=torch.long, device=latents.device)
+    return Staging(cond.contiguous(), audio.contiguous(), t, guided)
+
+
+def reset(scheduler: Any, steps: int, device: torch.device | str) -> torch.Tensor:
+    """Start a block: fresh timesteps and (multistep solvers) no remembered model outputs."""
+    scheduler.set_timesteps(steps, device=device)
+    if hasattr(scheduler, "set_begin_index"):
+        scheduler.set_begin_index(0)
+    return scheduler.timesteps
+
+
+def denoise(unet: UNetFn, latents: torch.Tensor, conditioning: torch.Tensor, audio: torch.Tensor,
+            mode: str | Mode = "exact20", guidance: float = GUIDANCE, scheduler: Any = None,
+            stage: Staging | None = None, on_step: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Run the denoising loop for one block and return the final latents (B, 4, F, h, w).
+
+    `unet(sample, t, audio)` gets (2B, 4 + Cc, F, h, w), a (2B,) long timestep tensor and (2B·F, S, D)
+    audio (B when guidance ≤ 1) and returns eps (2B, 4, F, h, w); it may return a buffer it reuses
+    (a CUDA graph's static output): it is consumed before the next call. `stage`: a staging buffer
+    to reuse across blocks of the same shape (else one is allocated here).
+    """
+    m = parse_mode(mode)
+    scheduler = scheduler if scheduler is not None else make_scheduler(m.kind)
+    timesteps = reset(scheduler, m.steps, latents.device)
+    latents = latents * scheduler.init_noise_sigma
+    if stage is None:
+        stage = staging(latents, conditioning, audio, guidance)
+    else:
+        b = latents.shape[0]
+        stage.buf[:b, 4:].copy_(conditioning)
+        stage.audio[-b * latents.shape[2]:].copy_(audio)
+        if stage.guided:
+            stage.buf[b:, 4:].copy_(conditioning)
+    for i, t in enumerate(timesteps):
+        stage.load(scheduler.scale_model_input(latents, t), t)
+        eps = unet(stage.buf, stage.t, stage.audio)
+        if stage.guided:
+            uncond, cond = eps.chunk(2)
+            eps = uncond + guidance * (cond - uncond)
+        latents = scheduler.step(eps.to(latents.dtype), t, latents, return_dict=False)[0]
+        if on_step is not None:
+            on_step(i, latents)
+    return latents
+
+
+# ----------------------------------------------------------------------------- the fast exact path
+
+FAST_OPTIONS = ("eager", "cudagraph", "compile", "compile+cudagraph")
+
+
+@contextmanager
+def sdpa_backend(name: str | None) -> Iterator[None]:
+    """Restrict scaled_dot_product_attention to one kernel ("flash", "efficient", "cudnn", "math") or leave it (None)."""
+    if name in (None, "auto"):
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    table = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    if name not in table:
+        raise InputError(f"attention backend must be one of {('auto', *table)}, got {name!r}")
+    with sdpa_kernel([table[name]]):
+        yield
+
+
+def example_inputs(model: torch.nn.Module, batch: int, frames: int, latent_hw: tuple[int, int],
+                   device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random (sample, t, audio) at the shapes of one guided UNet call (never timed on zeros)."""
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(seed)
+    h, w = latent_hw
+    x = torch.randn(batch, cfg.in_channels, frames, h, w, generator=g)
+    a = torch.randn(batch * frames, 50, cfg.cross_attention_dim, generator=g)
+    t = torch.full((batch,), 501, dtype=torch.long)
+    return x.to(device, dtype), t.to(device), a.to(device, dtype)
+
+
+def fast_unet(model: torch.nn.Module, how: str, example: tuple[torch.Tensor, ...], precision: str = "fp16"):
+    """A runner with the UNet's call signature: "eager" | "cudagraph" | "compile" | "compile+cudagraph".
+
+    Graph runners return their static output buffer (valid until the next call: `denoise`
+    consumes it at once) and replay only the shapes they were captured for.
+    """
+    from lab.accel.backends import accelerate
+
+    if how not in FAST_OPTIONS:
+        raise InputError(f"fast path must be one of {FAST_OPTIONS}, got {how!r}")
+    opts: dict[str, Any] = {"clone_output": False} if "cudagraph" in how else {}
+    return accelerate(model, how, example, precision=precision, name="latentsync_unet", **opts)
