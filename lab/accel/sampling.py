@@ -103,8 +103,10 @@ class Staging:
         self.t.copy_(t.reshape(1).expand_as(self.t))
 
 
-def staging(latents: torch.Tensor, conditioning: torch.Tensor, audio: torch.Tensor, guidance: float) -> Staging:
-    """Stage a block: conditioning (B, Cc, F, h, w) = mask ‖ masked ‖ reference latents, audio (B·F, S, D)."""
+def staging(latents: torch.Tensor, conditioning: torch.Tensor, audio: torch.Tensor, guidance: float,
+            dtype: torch.dtype | None = None) -> Staging:
+    """Stage a block: conditioning (B, Cc, F, h, w) = mask ‖ masked ‖ reference latents, audio (B·F, S, D);
+    buffers in `dtype` (the UNet's; default the conditioning's) while the scheduler keeps its own."""
     guided = guidance > 1.0
     if conditioning.shape[0] != latents.shape[0] or conditioning.shape[2:] != latents.shape[2:]:
         raise InputError(f"conditioning of shape {tuple(conditioning.shape)} does not match latents "
@@ -113,7 +115,9 @@ def staging(latents: torch.Tensor, conditioning: torch.Tensor, audio: torch.Tens
     if audio.shape[0] != b * f:
         raise InputError(f"audio of shape {tuple(audio.shape)}: expected per-frame tokens ({b * f}, tokens, dim) "
                          f"for {b} × {f} frames")
-    cond = torch.cat([latents, conditioning.to(latents.dtype)], dim=1)
+    dtype = dtype or conditioning.dtype
+    cond = torch.cat([latents.to(dtype), conditioning.to(dtype)], dim=1)
+    audio = audio.to(dtype)
     if guided:
         cond = torch.cat([cond, cond])
         audio = torch.cat([torch.zeros_like(audio), audio])

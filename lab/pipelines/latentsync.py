@@ -1,0 +1,437 @@
+"""LatentSync 1.6 lip-sync, streamed block by block: Config → build → prepare → run.
+
+    audio (16 kHz) → Whisper-tiny tokens per video frame (T, 50, 384)
+    video → loop forward/backward to T frames → per 16-frame block:
+        align faces to 512² (similarity transform from three facial points)
+        encode: masked face + reference face → SD-VAE latents, mask → 64² channel   (B, 9, F, 64, 64)
+        loop:   DDIM 20 / DPM-Solver++ N, guidance 1.5 on null audio               lab.accel.sampling
+        decode: SD-VAE → face, the kept (unmasked) pixels pasted back from the reference
+        restore: inverse warp into the frame, eroded + blurred edge, alpha blend → writer
+
+Each block is written out before the next one starts, so neither host nor GPU memory grows with
+the video's length (upstream keeps every decoded face on the GPU and every restored frame in host
+RAM until the end). One noise tensor is drawn for the whole video and repeated over the frames of
+every block, as upstream does.
+
+A final block shorter than 16 frames: `last_block="short"` (upstream) runs it at its own length,
+which changes the ResNet GroupNorm statistics (they pool over the block's frames) and the temporal
+attention's context for those frames; `"pad"` fills it to 16 frames by continuing the ping-pong
+loop and drops the extra outputs, so every call has the shape the model ran at (and a captured
+CUDA graph can replay it).
+
+Without a landmark model the three alignment points (brow centres, nose) come from the detected
+face box, so the transform is a scale and shift; `prepare(points=...)` takes per-frame landmarks
+(e.g. from InsightFace's 106-point model, which upstream uses) instead. The template and the fixed
+lower-face mask are the lab's own, matched to upstream's crop (420×560 resized to 512²) and mask
+rows (95–242 of 256, ≈ 41 % of the face regenerated).
+"""
+from __future__ import annotations
+
+import gc
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lab.accel import sampling
+from lab.errors import InputError
+from lab.timing import StageTimer
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MAX_BLOCK = 24              # the temporal positional encoding's length
+SAMPLE_RATE = 16000
+# template in 512² output pixels: left brow centre, right brow centre, nose (ours; see the docstring)
+TEMPLATE = np.array([[181.0, 140.0], [331.0, 140.0], [256.0, 234.0]])  # eyes sit just above the mask
+CROP_WH = (420, 560)        # upstream's aligned crop (w × h) at 512, resized to 512² (non-uniform)
+
+
+@dataclass
+class Config:
+    mode: str = "exact20"               # "exact20" | "ddim<N>" | "dpm<N>" (lab.accel.sampling)
+    guidance: float = 1.5
+    block: int = 16                     # frames per UNet call (≤ 24)
+    fps: float = 25.0
+    size: str = "full"                  # "full" (upstream configs, 512² faces) | "tiny" (CPU tests, 64² faces)
+    dtype: str = "fp16"
+    fast: str = "eager"                 # "eager" | "cudagraph" | "compile" | "compile+cudagraph" (same output)
+    attention: str = "auto"             # SDPA kernel: "auto" | "flash" | "efficient" | "cudnn" | "math"
+    channels_last: bool = False
+    last_block: str = "short"           # "short" (upstream) | "pad"
+    flush_every_block: bool = False     # gc.collect() + empty_cache() after each block (to measure its cost)
+    encode_sample: bool = True          # VAE posterior sample (upstream) instead of its mean
+    allow_silence: bool = False
+    keep_faces: bool = False            # return decoded faces and latents (quality comparisons; grows with length)
+    weights: dict[str, str] = field(default_factory=lambda: {"unet": "random", "vae": "random", "whisper": "random"})
+    seed: int = 0
+
+    @property
+    def face(self) -> int:
+        return 512 if self.size == "full" else 64
+
+    def check(self) -> "Config":
+        sampling.parse_mode(self.mode)
+        if not 1 <= int(self.block) <= MAX_BLOCK:
+            raise InputError(f"block={self.block}: the UNet's temporal positional encoding holds at most {MAX_BLOCK} "
+                             f"frames per call (25 and more fail upstream too); use 1-{MAX_BLOCK}, LatentSync uses 16")
+        if self.dtype not in DTYPES:
+            raise InputError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.fast not in sampling.FAST_OPTIONS:
+            raise InputError(f"fast must be one of {sampling.FAST_OPTIONS}, got {self.fast!r}")
+        if self.last_block not in ("short", "pad"):
+            raise InputError(f"last_block must be 'short' or 'pad', got {self.last_block!r}")
+        if self.size not in ("full", "tiny"):
+            raise InputError(f"size must be 'full' or 'tiny', got {self.size!r}")
+        if self.fps <= 0 or self.guidance < 0:
+            raise InputError(f"fps must be > 0 and guidance ≥ 0, got {self.fps}, {self.guidance}")
+        return self
+
+
+@dataclass
+class Engine:
+    """Everything loaded once and kept across jobs (the UNet, VAE, Whisper and the fast UNet runner)."""
+
+    cfg: Config
+    device: torch.device
+    dtype: torch.dtype
+    unet: Any                    # lab.models.latentsync.LatentSyncUNet
+    vae: Any                     # lab.models.vae.VAE
+    whisper: torch.nn.Module
+    unet_fn: Callable = None     # what the loop calls: the model or its graph/compiled runner
+    runner: Any = None           # the Accelerated runner (build_s, notes) when fast != "eager"
+    mask: torch.Tensor | None = None   # (1, 1, S, S) 1 = keep, 0 = regenerate
+    weights: dict[str, str] = field(default_factory=dict)
+
+
+def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
+    """Load the UNet, SD-VAE and Whisper-tiny (weights per cfg.weights) and the fast UNet runner."""
+    from lab.models.latentsync import load_latentsync_unet
+    from lab.models.vae import load_vae
+    from lab.models.whisper import load_whisper
+
+    cfg.check()
+    dev = torch.device(device)
+    dt = DTYPES[cfg.dtype]
+    if dev.type == "cpu" and dt == torch.float16:
+        dt = torch.float32  # CPU convs lack fast fp16 kernels; the CPU profile is a smoke test
+    if dev.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    w = {"unet": "random", "vae": "random", "whisper": "random", **cfg.weights}
+    unet = load_latentsync_unet(w["unet"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
+    vae = load_vae("sd-vae", w["vae"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
+    whisper, w_src = load_whisper(w["whisper"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
+    if cfg.channels_last:
+        unet.model.to(memory_format=torch.channels_last)
+        vae.model.to(memory_format=torch.channels_last)
+    engine = Engine(cfg, dev, dt, unet, vae, whisper, mask=fixed_mask(cfg.face).to(dev, dt),
+                    weights={"latentsync_unet": unet.weights, "sd-vae": vae.weights, "whisper-tiny": w_src})
+    return set_fast(engine, cfg.fast)
+
+
+def set_fast(engine: Engine, how: str) -> Engine:
+    """Point the loop at the eager UNet or a cudagraph / compiled runner for the guided block shape."""
+    cfg = engine.cfg
+    model = engine.unet.model
+    if how == "eager":
+        engine.unet_fn, engine.runner = _with_attention(model, cfg.attention), None
+    else:
+        batch = 2 if cfg.guidance > 1 else 1
+        ex = sampling.example_inputs(model, batch, cfg.block, (cfg.face // 8,) * 2, engine.device, engine.dtype)
+        with sampling.sdpa_backend(cfg.attention):
+            engine.runner = sampling.fast_unet(model, how, ex, precision=_precision(engine.dtype))
+        engine.unet_fn = _with_attention(engine.runner, cfg.attention)
+    engine.cfg.fast = how
+    return engine
+
+
+def _precision(dt: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dt]
+
+
+def _with_attention(fn: Callable, backend: str) -> Callable:
+    if backend in (None, "auto"):
+        return fn
+
+    def call(*args: Any) -> Any:
+        with sampling.sdpa_backend(backend):
+            return fn(*args)
+    return call
+
+
+# ----------------------------------------------------------------------------- face geometry
+
+def fixed_mask(size: int) -> torch.Tensor:
+    """(1, 1, size, size): 0 over the lower face to regenerate (rows 95-242 of 256, rounded sides), 1 elsewhere."""
+    y = (torch.arange(size, dtype=torch.float32) + 0.5) / size * 256
+    x = (torch.arange(size, dtype=torch.float32) + 0.5) / size * 256
+    yy, xx = torch.meshgrid(y, x, indexing="ij")
+    inside = (yy >= 95) & (yy <= 242) & (((xx - 128) / 93) ** 2 + ((yy - 95) / 175) ** 2 <= 1.0)
+    return (~inside).float()[None, None]
+
+
+def similarity(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Least-squares similarity transform (rotation, uniform scale, shift; no reflection) src → dst, (2, 3)."""
+    mu_s, mu_d = src.mean(0), dst.mean(0)
+    s, d = src - mu_s, dst - mu_d
+    u, sig, vt = np.linalg.svd(d.T @ s)
+    r = u @ vt
+    if np.linalg.det(r) < 0:
+        u[:, -1] *= -1
+        r = u @ vt
+    scale = sig.sum() / max((s ** 2).sum(), 1e-12)
+    return np.hstack([scale * r, (mu_d - scale * r @ mu_s)[:, None]])
+
+
+def box_points(box: tuple[int, int, int, int]) -> np.ndarray:
+    """Brow centres and nose tip estimated from a face box (x0, y0, x1, y1) → (3, 2)."""
+    x0, y0, x1, y1 = box
+    w, h = x1 - x0, y1 - y0
+    return np.array([[x0 + 0.3 * w, y0 + 0.3 * h], [x0 + 0.7 * w, y0 + 0.3 * h], [x0 + 0.5 * w, y0 + 0.55 * h]])
+
+
+def face_transforms(points: np.ndarray, face: int, smooth: float = 0.2) -> np.ndarray:
+    """Per-frame (N, 3, 2) points → (N, 2, 3) frame→face affines onto the template, translation smoothed
+    over time (smooth·previous + (1 − smooth)·current, as upstream)."""
+    scale = face / 512
+    out = np.zeros((len(points), 2, 3))
+    for i, p in enumerate(points):
+        out[i] = similarity(np.asarray(p, float), TEMPLATE * scale)
+        if i and smooth:
+            out[i, :, 2] = smooth * out[i - 1, :, 2] + (1 - smooth) * out[i, :, 2]
+    return out
+
+
+def _grid(inv: torch.Tensor, out_hw: tuple[int, int], in_hw: tuple[int, int], offset: tuple[float, float] = (0, 0)) -> torch.Tensor:
+    """Sampling grid for grid_sample: output pixel (x, y) + offset reads input at inv·[x, y, 1]."""
+    h, w = out_hw
+    dev = inv.device
+    ys, xs = torch.meshgrid(torch.arange(h, device=dev, dtype=torch.float32) + offset[1],
+                            torch.arange(w, device=dev, dtype=torch.float32) + offset[0], indexing="ij")
+    pts = torch.stack([xs, ys, torch.ones_like(xs)], -1).reshape(-1, 3)
+    src = torch.einsum("nij,pj->npi", inv.float(), pts)
+    ih, iw = in_hw
+    norm = torch.stack([(2 * src[..., 0] + 1) / iw - 1, (2 * src[..., 1] + 1) / ih - 1], -1)
+    return norm.reshape(len(inv), h, w, 2)
+
+
+def _invert(m: np.ndarray) -> np.ndarray:
+    full = np.concatenate([m, np.tile([[[0, 0, 1]]], (len(m), 1, 1))], 1)
+    return np.linalg.inv(full)[:, :2]
+
+
+def align(frames: torch.Tensor, transforms: np.ndarray, face: int) -> torch.Tensor:
+    """Frames (N, 3, H, W) in [0, 1] → aligned faces (N, 3, face, face), outside the frame filled with 0.5."""
+    inv = torch.from_numpy(_invert(transforms)).to(frames.device)
+    grid = _grid(inv, (face, face), frames.shape[-2:])
+    return F.grid_sample(frames - 0.5, grid.to(frames.dtype), mode="bilinear", padding_mode="zeros",
+                         align_corners=False) + 0.5
+
+
+def restore(frames: torch.Tensor, faces: torch.Tensor, transforms: np.ndarray) -> torch.Tensor:
+    """Paste generated faces back: inverse warp into the face's bounding box, edge eroded by √area/20 and
+    blurred, alpha blend. Frames (N, 3, H, W) and faces (N, 3, S, S) in [0, 1]; returns new frames."""
+    n, _, H, W = frames.shape
+    s = faces.shape[-1]
+    inv = _invert(transforms)
+    corners = np.einsum("nij,pj->npi", inv, np.array([[0, 0, 1], [s, 0, 1], [0, s, 1], [s, s, 1]], float))
+    x0, y0 = np.floor(corners.min((0, 1))).astype(int).clip(0, [W, H])
+    x1, y1 = np.ceil(corners.max((0, 1))).astype(int).clip(0, [W, H])
+    if x1 <= x0 or y1 <= y0:
+        return frames.clone()
+    m = torch.from_numpy(transforms).to(frames.device)
+    grid = _grid(m, (y1 - y0, x1 - x0), (s, s), offset=(x0, y0)).to(faces.dtype)
+    ones = torch.ones_like(faces[:, :1])
+    warped = F.grid_sample(torch.cat([faces, ones], 1), grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    face_w, mask = warped[:, :3], warped[:, 3:]
+    edge = max(1, int(math.sqrt(float(mask[0].gt(0.5).sum())) // 20))
+    # zero padding: the crop's footprint fills its bounding box, and its edge must fade there too
+    mask = -F.max_pool2d(-F.pad(mask, (edge,) * 4), 2 * edge + 1, stride=1)        # erode
+    for _ in range(2):                                                            # ≈ Gaussian
+        mask = F.avg_pool2d(F.pad(mask, (edge,) * 4), 2 * edge + 1, stride=1)
+    out = frames.clone()
+    roi = out[:, :, y0:y1, x0:x1]
+    out[:, :, y0:y1, x0:x1] = mask * face_w + (1 - mask) * roi
+    return out
+
+
+# ----------------------------------------------------------------------------- a job
+
+@dataclass
+class Job:
+    """One video + audio, prepared: per-frame audio tokens and the frame → face transforms."""
+
+    frames: np.ndarray            # (N, H, W, 3) uint8, the input video (looped to n_out frames)
+    audio16: np.ndarray
+    tokens: torch.Tensor          # (n_out, 50, D)
+    transforms: np.ndarray        # (N, 2, 3) per input frame
+    n_out: int
+    noise: torch.Tensor           # (1, 4, block, h, w): one draw repeated over the frames
+
+    def source_index(self, i: np.ndarray) -> np.ndarray:
+        """Output frame → input frame: the video plays forward, then backward, … (ping-pong)."""
+        n = len(self.frames)
+        if n == 1:
+            return np.zeros_like(i)
+        i = np.asarray(i) % (2 * n)
+        return np.where(i < n, i, 2 * n - 1 - i)
+
+
+def prepare(engine: Engine, frames: np.ndarray, audio: np.ndarray, sr: int = SAMPLE_RATE,
+            points: np.ndarray | None = None, source_name: str = "video") -> Job:
+    """Check inputs, compute the audio tokens and the face transforms (detect once on the first frame
+    unless per-frame `points` (N, 3, 2) are given)."""
+    from lab import audio as lab_audio
+    from lab.models.face import detect_face_or_raise
+    from lab.models.whisper import musetalk_audio_features
+
+    cfg = engine.cfg
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
+        raise InputError(f"{source_name}: frames of shape {frames.shape} ({frames.dtype}); expected (N, H, W, 3) uint8 RGB")
+    a = np.asarray(audio, dtype=np.float32)
+    if a.ndim != 1 or len(a) < sr / cfg.fps:
+        raise InputError(f"audio of shape {a.shape}: expected mono samples, at least one video frame "
+                         f"({1e3 / cfg.fps:.0f} ms) long")
+    a16 = lab_audio.resample(a, sr, SAMPLE_RATE) if sr != SAMPLE_RATE else a
+    rms = lab_audio.rms_per_frame(a16, SAMPLE_RATE, cfg.fps)
+    if lab_audio.is_silent(rms).all() and not cfg.allow_silence:
+        raise InputError(f"the audio is silent throughout (peak RMS {20 * np.log10(max(float(rms.max()), 1e-12)):.1f} "
+                         f"dBFS < -40 dBFS): nothing to lip-sync. Pass allow_silence=True to render a closed mouth anyway.")
+    with torch.inference_mode():
+        tokens = musetalk_audio_features(engine.whisper, a16, fps=cfg.fps)
+    if points is None:
+        box = detect_face_or_raise(frames[0], f"{source_name} (frame 0)")
+        points = np.repeat(box_points(box)[None], len(frames), 0)
+    points = np.asarray(points, float)
+    if points.shape != (len(frames), 3, 2):
+        raise InputError(f"points of shape {points.shape}: expected (N, 3, 2) = per frame left brow, right brow, "
+                         f"nose for the {len(frames)} frames")
+    h = cfg.face // 8
+    noise = sampling.initial_noise((1, 4, h, h), cfg.block, cfg.seed, engine.device, torch.float32)
+    return Job(frames, a16, tokens.to(engine.dtype), face_transforms(points, cfg.face), len(tokens), noise)
+
+
+def blocks(n: int, size: int) -> list[tuple[int, int]]:
+    return [(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+# ----------------------------------------------------------------------------- the block's stages
+
+def encode(engine: Engine, faces: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Faces (F, 3, S, S) in [0, 1] → conditioning (1, 9, F, S/8, S/8) = mask ‖ masked face ‖ reference face."""
+    vae = engine.vae
+    px = faces.to(engine.dtype) * 2 - 1
+    masked = px * engine.mask
+
+    def enc(x: torch.Tensor) -> torch.Tensor:
+        d = vae.model.encode(x).latent_dist
+        z = d.sample(generator) if engine.cfg.encode_sample else d.mode()
+        return z * vae.scaling_factor
+
+    lat_m, lat_r = enc(masked), enc(px)
+    m = F.interpolate(engine.mask, size=lat_m.shape[-2:], mode="nearest").expand(len(px), -1, -1, -1)
+    cond = torch.cat([m.to(lat_m.dtype), lat_m, lat_r], 1)      # (F, 9, h, w)
+    return cond.transpose(0, 1)[None]                            # (1, 9, F, h, w)
+
+
+def decode(engine: Engine, latents: torch.Tensor, faces: torch.Tensor) -> torch.Tensor:
+    """Latents (1, 4, F, h, w) → faces (F, 3, S, S) in [0, 1], the kept region pasted back from the input."""
+    z = latents[0].transpose(0, 1).to(engine.dtype) / engine.vae.scaling_factor
+    out = (engine.vae.model.decode(z).sample / 2 + 0.5).clamp(0, 1)
+    keep = engine.mask.to(out.dtype)
+    return out * (1 - keep) + faces.to(out.dtype) * keep
+
+
+@dataclass
+class RunReport:
+    n_frames: int
+    fps: float
+    wall_s: float
+    stages: dict[str, float]
+    blocks: int
+    peak_gpu_mb: float | None
+    peak_rss_mb: float
+    rss_mb_per_block: list[float]
+    gpu_mb_per_block: list[float]
+    mode: str
+    fast: str
+    faces: torch.Tensor | None = None        # (n, 3, S, S) uint8 when keep_faces
+    latents: torch.Tensor | None = None      # (n, 4, h, w) float32 when keep_faces
+
+    @property
+    def seconds_per_output_second(self) -> float:
+        return self.wall_s / (self.n_frames / self.fps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"n_frames": self.n_frames, "output_s": self.n_frames / self.fps, "wall_s": self.wall_s,
+                "s_per_output_s": self.seconds_per_output_second, "blocks": self.blocks, "stages": self.stages,
+                "peak_gpu_mb": self.peak_gpu_mb, "peak_rss_mb": self.peak_rss_mb, "mode": self.mode, "fast": self.fast}
+
+
+def run(engine: Engine, job: Job, sink: Callable[[np.ndarray], None] | None = None, max_frames: int | None = None,
+        progress: bool = False) -> RunReport:
+    """Render the job block by block; each block's frames (n, H, W, 3) uint8 go to `sink` (a writer's
+    `write`, or None to discard) before the next block starts."""
+    import psutil
+
+    from lab.progress import tqdm
+
+    cfg, dev = engine.cfg, engine.device
+    n = job.n_out if max_frames is None else min(job.n_out, int(max_frames))
+    timer = StageTimer(dev)
+    proc = psutil.Process()
+    gen = torch.Generator(dev).manual_seed(cfg.seed) if cfg.encode_sample else None
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    rss, gpu, kept_faces, kept_lat = [], [], [], []
+    stage = None
+    t0 = time.perf_counter()
+    for s, e in tqdm(blocks(n, cfg.block), desc="blocks", disable=not progress):
+        want = e - s
+        span = cfg.block if cfg.last_block == "pad" else want
+        idx = job.source_index(np.arange(s, s + span))
+        with torch.inference_mode():
+            with timer.stage("align"):
+                # geometry in fp32: fp16 grid coordinates are off by ~1 px across a 1080p frame
+                frames = torch.from_numpy(job.frames[idx]).to(dev).permute(0, 3, 1, 2).float() / 255
+                faces = align(frames, job.transforms[idx], cfg.face)
+            with timer.stage("vae_encode"):
+                cond = encode(engine, faces, gen)
+            with timer.stage("unet"):
+                audio = job.tokens[np.minimum(np.arange(s, s + span), job.n_out - 1)]
+                latents = job.noise[:, :, :span]
+                # a runner replays the block shape it was built for; a short last block runs eager
+                fn = engine.unet_fn if engine.runner is None or span == cfg.block else \
+                    _with_attention(engine.unet.model, cfg.attention)
+                if stage is None or stage.buf.shape[2] != span:
+                    stage = sampling.staging(latents, cond, audio, cfg.guidance, dtype=engine.dtype)
+                latents = sampling.denoise(fn, latents, cond, audio, cfg.mode, cfg.guidance, stage=stage)
+            with timer.stage("vae_decode"):
+                out_faces = decode(engine, latents, faces)
+            with timer.stage("restore"):
+                out = restore(frames[:want], out_faces[:want].float(), job.transforms[idx[:want]])
+                out = (out.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+            if cfg.keep_faces:
+                kept_faces.append((out_faces[:want] * 255).round().to(torch.uint8).cpu())
+                kept_lat.append(latents[0, :, :want].transpose(0, 1).float().cpu())
+        with timer.stage("write"):
+            if sink is not None:
+                sink(out)
+        del frames, faces, cond, latents, out_faces, out
+        if cfg.flush_every_block:
+            with timer.stage("flush"):
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+        rss.append(proc.memory_info().rss / 2**20)
+        gpu.append(torch.cuda.memory_allocated(dev) / 2**20 if cuda else 0.0)
+    if cuda:
+        torch.cuda.synchronize(dev)
+    wall = time.perf_counter() - t0
+    return RunReport(n, cfg.fps, wall, timer.totals(), len(rss),
+                     torch.cuda.max_memory_allocated(dev) / 2**20 if cuda else None, max(rss), rss, gpu, cfg.mode, cfg.fast,
+                     torch.cat(kept_faces) if kept_faces else None, torch.cat(kept_lat) if kept_lat else None)

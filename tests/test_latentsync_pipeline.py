@@ -1,0 +1,122 @@
+"""Tiny LatentSync pipeline on CPU: streaming blocks, ping-pong, the short last block, bad inputs."""
+import numpy as np
+import pytest
+import torch
+
+from lab import data
+from lab.errors import InputError, WeightsError
+from lab.pipelines import latentsync as P
+from lab.pipelines.musetalk import avatar_loop
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return P.build(P.Config(size="tiny", mode="ddim2", block=4))
+
+
+@pytest.fixture(scope="module")
+def clip():
+    a, sr = data.default_audio()
+    return a[:int(sr * 0.4)], sr  # 10 frames at 25 fps
+
+
+@pytest.fixture(scope="module")
+def frames():
+    return avatar_loop(3, (128, 192))
+
+
+def _run(engine, job, **cfg):
+    old = {k: getattr(engine.cfg, k) for k in cfg}
+    for k, v in cfg.items():
+        setattr(engine.cfg, k, v)
+    try:
+        out = []
+        rep = P.run(engine, job, sink=out.append)
+        return rep, np.concatenate(out)
+    finally:
+        for k, v in old.items():
+            setattr(engine.cfg, k, v)
+
+
+def test_streams_every_frame_and_keeps_the_background(engine, clip, frames):
+    job = P.prepare(engine, frames, *clip)
+    assert job.n_out == 10 and job.tokens.shape == (10, 50, 64)
+    rep, out = _run(engine, job, keep_faces=True)
+    assert out.shape == (10, 192, 128, 3) and rep.blocks == 3 and rep.n_frames == 10
+    assert rep.faces.shape == (10, 3, 64, 64) and rep.latents.shape == (10, 4, 8, 8)
+    src = frames[job.source_index(np.arange(10))]
+    changed = np.abs(out.astype(int) - src.astype(int)).max(-1) > 2
+    ys, xs = np.nonzero(changed.any(0))
+    assert changed.mean() > 0.005                     # the mouth region was regenerated
+    assert ys.min() > 10 and ys.max() < 150 and xs.min() > 10 and xs.max() < 118  # and nothing far from the face
+    rep2, out2 = _run(engine, job)
+    assert np.array_equal(out, out2)                  # same seed, same video
+    assert set(rep.stages) >= {"align", "vae_encode", "unet", "vae_decode", "restore"}
+
+
+def test_pingpong_when_video_is_shorter(engine, clip, frames):
+    job = P.prepare(engine, frames, *clip)
+    assert list(job.source_index(np.arange(10))) == [0, 1, 2, 2, 1, 0, 0, 1, 2, 2]
+    single = P.prepare(engine, frames[:1], *clip)
+    assert set(single.source_index(np.arange(10))) == {0}
+
+
+def test_short_last_block_changes_its_statistics(engine, clip, frames):
+    """10 frames in blocks of 4: the last block has 2 frames. 'short' runs it at 2 frames (upstream):
+    its ResNet GroupNorms pool over 2 frames instead of 4, so its frames differ from 'pad'."""
+    job = P.prepare(engine, frames, *clip)
+    short, _ = _run(engine, job, keep_faces=True, last_block="short")
+    pad, _ = _run(engine, job, keep_faces=True, last_block="pad")
+    assert torch.equal(short.latents[:8], pad.latents[:8])
+    d = (short.latents[8:] - pad.latents[8:]).norm() / pad.latents[8:].norm()
+    assert d > 1e-3
+
+
+def test_modes_share_the_noise(engine, clip, frames):
+    job = P.prepare(engine, frames, *clip)
+    a, _ = _run(engine, job, keep_faces=True, mode="ddim2")
+    b, _ = _run(engine, job, keep_faces=True, mode="dpm2")
+    assert torch.isfinite(b.latents).all() and not torch.equal(a.latents, b.latents)
+    assert torch.equal(job.noise[:, :, 0], job.noise[:, :, -1])
+
+
+def test_bad_inputs(engine, clip, frames):
+    with pytest.raises(InputError, match="at most 24"):
+        P.Config(block=25).check()
+    with pytest.raises(InputError, match="sampling mode"):
+        P.Config(mode="fast").check()
+    with pytest.raises(InputError, match="silent"):
+        P.prepare(engine, frames, np.zeros(16000, np.float32), 16000)
+    old = engine.cfg.allow_silence
+    engine.cfg.allow_silence = True
+    try:
+        assert P.prepare(engine, frames, np.zeros(8000, np.float32), 16000).n_out == 12
+    finally:
+        engine.cfg.allow_silence = old
+    with pytest.raises(InputError, match="uint8"):
+        P.prepare(engine, frames.astype(np.float32), *clip)
+    with pytest.raises(InputError, match="points"):
+        P.prepare(engine, frames, *clip, points=np.zeros((2, 3, 2)))
+    with pytest.raises(InputError, match="no face"):
+        P.prepare(engine, np.zeros_like(frames), *clip)
+
+
+def test_wrong_checkpoint_is_refused(tmp_path):
+    path = tmp_path / "latentsync_unet.pt"
+    torch.save({"state_dict": {"conv_in.weight": torch.zeros(320, 9, 3, 3)}}, path)
+    with pytest.raises(WeightsError, match="conv_in.weight"):
+        P.build(P.Config(size="tiny", weights={"unet": str(path)}))
+
+
+def test_alignment_roundtrip():
+    """align then restore with the same transform gives back the frame inside the face region."""
+    img = torch.nn.functional.interpolate(torch.rand(1, 3, 6, 5), size=(96, 80), mode="bilinear")  # smooth
+    t = P.face_transforms(P.box_points((20, 20, 60, 60))[None], 64)
+    face = P.align(img, t, 64)
+    back = P.restore(img * 0, face, t)
+    inner = back[:, :, 40:55, 30:50]
+    assert torch.allclose(inner, img[:, :, 40:55, 30:50], atol=0.03)
+    m = P.similarity(P.TEMPLATE, P.TEMPLATE * 2 + 5)
+    assert np.allclose(m, [[2, 0, 5], [0, 2, 5]])
