@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[dev]" $(TORCH_PINS)
+	$(BIN)/python -m ipykernel install --sys-prefix --name talking-head-lab --display-name "talking-head lab" >/dev/null
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -26,6 +27,6 @@ test: setup
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu -p no:cacheprovider $(ARGS)
 
+# Serves the repository root (so executed runs under outputs/ open too) and starts in notebooks/.
 lab: setup
-	$(BIN)/python -m ipykernel install --user --name talking-head-lab --display-name "talking-head lab (.venv)"
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/notebooks

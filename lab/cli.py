@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="execute one notebook headless with papermill")
     r.add_argument("notebook", help="'01', '01_profiling' or a path")
     r.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
-    r.add_argument("--out", default=None, help="run folder (default outputs/<run-id>/<notebook>)")
+    r.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"], help="same as -p device …")
+    r.add_argument("--quick", action="store_true", help="small configs (same as -p quick true)")
+    r.add_argument("--out", default=None, help="a new run folder (default outputs/<run-id>/<notebook>)")
     rp = sub.add_parser("reproduce", help="execute every numbered notebook and write report.md")
     rp.add_argument("--quick", action="store_true", help="small configs (CPU CI profile)")
     rp.add_argument("--only", default="", help="comma-separated notebook numbers, e.g. 00,01")
@@ -53,13 +55,21 @@ def main(argv: list[str] | None = None) -> int:
 
             nb = runner.find_notebook(a.notebook)
             params = {k: runner.parse_value(v) for k, v in a.param}
+            if a.device is not None:
+                if params.get("device", a.device) != a.device:
+                    raise LabError(f"--device {a.device} and -p device {params['device']} disagree; give one")
+                params["device"] = a.device
+            if a.quick:
+                params["quick"] = True
+            runner.check_parameters(nb, params)
             out = a.out or OUTPUTS / new_run_id() / nb.stem
             e = runner.run_notebook(nb, out, params, progress=True)
             print(f"{e.notebook}: {e.status} in {e.wall_s:.1f} s → {e.out_dir}" + (f"\n  {e.error}" if e.error else ""))
             return 0 if e.status == "ok" else 1
         if a.cmd == "reproduce":
-            device, quick = _banner(a.device, a.quick)
             extra = {k: runner.parse_value(v) for k, v in a.param}
+            runner.select(a.only.split(",") if a.only else None)  # a bad --only fails before the banner
+            device, quick = _banner(a.device, a.quick)
             run, entries = runner.reproduce(quick=quick, only=a.only.split(",") if a.only else None,
                                             device=device, extra=extra)
             failed = [e.notebook for e in entries if e.status != "ok"]
@@ -68,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     except LabError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -19,3 +19,12 @@ def tqdm(*args: Any, **kwargs: Any):
     else:
         from tqdm.std import tqdm as bar
     return bar(*args, **kwargs)
+
+
+def _write(s: str, **kwargs: Any) -> None:
+    from tqdm.std import tqdm as bar
+
+    bar.write(s, **kwargs)
+
+
+tqdm.write = _write  # type: ignore[attr-defined]  # the class method callers expect on tqdm

@@ -1,8 +1,13 @@
 """The Result record every experiment returns, and run folders under outputs/.
 
 A Result serializes to JSON; it is written atomically (temp file + fsync + rename) so a crash
-mid-write never leaves a partial results.json, and nothing in a run folder is ever overwritten.
-The report, the README tables and the tests all read this same record.
+mid-write never leaves a partial results.json. The report, the README tables and the tests all
+read this same record.
+
+Run folders belong to one kernel session. The process that creates a folder (or is handed it by
+the runner through LAB_RUN_TOKEN) owns it: re-executing a cell there replaces that cell's own
+figure and table, so exploring interactively just works. Nothing else writes into a folder it does
+not own: another run naming an existing run folder is refused before it writes anything.
 """
 from __future__ import annotations
 
@@ -101,15 +106,55 @@ def _clean(x: Any) -> Any:
     return str(x)
 
 
+OWNER_FILE = ".owner"
+TOKEN_ENV = "LAB_RUN_TOKEN"
+_OWNED: set[Path] = set()  # run folders this process owns
+_SESSION: dict[str, Path] = {}  # notebook → the folder this kernel session created for it
+
+
+def owns(path: str | Path) -> bool:
+    """Whether this process owns `path`'s run folder (the folder itself or one above it)."""
+    p = Path(path).resolve()
+    return any(p == o or o in p.parents for o in _OWNED)
+
+
+def claim(folder: str | Path, token: str | None = None) -> Path:
+    """Make `folder` a new run folder owned by this process (and, with `token`, by the kernel
+    that the runner starts with LAB_RUN_TOKEN=token). Refuses a folder that already holds files."""
+    from lab.errors import InputError
+
+    p = Path(folder)
+    if p.exists() and (not p.is_dir() or any(p.iterdir())):
+        raise InputError(f"out_dir {p} already holds a run (or is a file); run folders are never shared "
+                         "between runs: name a new folder, or leave out_dir unset for a fresh outputs/<run-id>/")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        (p / OWNER_FILE).write_text(json.dumps({"token": token or secrets.token_hex(8), "pid": os.getpid()}))
+    except OSError as e:
+        raise InputError(f"cannot create the run folder {p}: {e.strerror or e} (choose a writable out_dir)") from None
+    _OWNED.add(p.resolve())
+    return p
+
+
+def _token_of(p: Path) -> str | None:
+    try:
+        return json.loads((p / OWNER_FILE).read_text()).get("token")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def atomic_write_bytes(path: str | Path, data: bytes, overwrite: bool = False) -> Path:
     """Write `data` to `path` so readers see either nothing or the whole file.
 
-    Refuses to replace an existing file unless `overwrite` (run folders are append-only).
+    Refuses to replace an existing file unless `overwrite`, or unless this process owns the run
+    folder it is in (a re-executed cell replacing its own figure).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    overwrite = overwrite or owns(path.parent)
     if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists; run folders are never overwritten (start a new run)")
+        raise FileExistsError(f"{path} exists and belongs to another run; run folders are never overwritten "
+                              "by another run (start a new one)")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -140,17 +185,27 @@ def new_run_id(now: _dt.datetime | None = None) -> str:
 
 
 def run_dir(notebook: str, out_dir: str | Path | None = None, root: str | Path | None = None) -> Path:
-    """The folder a notebook writes into.
+    """The folder a notebook writes into, owned by this kernel session.
 
-    `out_dir` given (the runner passes one, where it also keeps the executed notebook): use it;
-    files in it are still never overwritten. Otherwise a fresh `outputs/<run-id>/<notebook>/`.
+    `out_dir` None: this session's folder for `notebook` — a fresh `outputs/<run-id>/<notebook>/`
+    the first time, the same one when the cell is run again. `out_dir` given: the runner's folder
+    (handed over through LAB_RUN_TOKEN), one this session already owns, or a new/empty one; a folder
+    holding another run is refused (InputError) before anything is written.
     """
-    if out_dir is not None:
-        p = Path(out_dir)
-    else:
-        p = Path(root or OUTPUTS) / new_run_id() / notebook
-    p.mkdir(parents=True, exist_ok=True)
-    return p
+    if out_dir is None:
+        key = f"{Path(root or OUTPUTS).resolve()}::{notebook}"
+        if key not in _SESSION or not _SESSION[key].is_dir():
+            _SESSION[key] = claim(Path(root or OUTPUTS) / new_run_id() / notebook)
+        return _SESSION[key]
+    p = Path(out_dir)
+    if owns(p):
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+    token = os.environ.get(TOKEN_ENV)
+    if token and p.is_dir() and _token_of(p) == token:
+        _OWNED.add(p.resolve())
+        return p
+    return claim(p)
 
 
 def save_figure(fig: Any, folder: str | Path, name: str, result: Result | None = None) -> Path:
@@ -160,6 +215,6 @@ def save_figure(fig: Any, folder: str | Path, name: str, result: Result | None =
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     path = atomic_write_bytes(Path(folder) / f"{name}.png", buf.getvalue())
-    if result is not None:
+    if result is not None and path.name not in result.figures:
         result.figures.append(path.name)
     return path

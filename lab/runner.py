@@ -3,6 +3,13 @@
 Each notebook runs into `outputs/<run-id>/<notebook>/` (executed notebook + its figures +
 results.json). A failing notebook is marked failed (its executed copy, with the error, is kept)
 and the others still run; the exit status is non-zero if any failed.
+
+Before a kernel starts or a folder is made, the parameters are checked against the notebook's
+parameters cell and its experiment's rules (`lab.params`), and the run folder must be new. The
+folder is handed to the kernel through LAB_RUN_TOKEN, so the notebook owns it as an interactive
+session would. `reproduce` keeps `run.json` current: "running" while it works, "interrupted" when
+stopped from outside (SIGINT/SIGTERM; a run killed outright stays "running" with a pid that is
+gone, which `run_status` reads as interrupted).
 """
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.errors import InputError
-from lab.results import OUTPUTS, ROOT, Result, atomic_write_text, new_run_id
+from lab.results import OUTPUTS, ROOT, TOKEN_ENV, Result, atomic_write_text, claim, new_run_id
 
 NOTEBOOKS = ROOT / "notebooks"
 
@@ -62,26 +69,79 @@ def parse_value(text: str) -> Any:
         return text
 
 
+PROJECT_KERNEL = "talking-head-lab"
+
+
+def kernel_name() -> str:
+    """The project's kernel (installed into the venv by `make setup`) where present, else python3."""
+    try:
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        return PROJECT_KERNEL if PROJECT_KERNEL in KernelSpecManager().find_kernel_specs() else "python3"
+    except Exception:
+        return "python3"
+
+
+def _ipc_manager():
+    # IPC sockets instead of TCP: nothing in plain text on the network, and no transport warning
+    # from the kernel in the CLI's output
+    from jupyter_client.manager import AsyncKernelManager
+
+    class IPCKernelManager(AsyncKernelManager):
+        transport = "ipc"
+
+    return IPCKernelManager
+
+
+def check_parameters(notebook: str | Path, parameters: dict[str, Any]) -> dict[str, Any]:
+    """The notebook's own parameter check (names from its parameters cell, rules from its experiment
+    module), run here before any kernel or folder exists. Returns the parameters unchanged."""
+    import importlib
+
+    from lab import params
+
+    nb = Path(notebook)
+    rules = None
+    mod = params.notebook_experiment(nb)
+    if mod:
+        rules = getattr(importlib.import_module(f"lab.experiments.{mod}"), "RULES", None)
+    params.check({k: v for k, v in parameters.items() if k != "out_dir"}, params.notebook_defaults(nb), rules,
+                 where=nb.stem)
+    return parameters
+
+
 def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str, Any] | None = None,
-                 kernel_name: str = "python3", progress: bool = False) -> Entry:
-    """Execute one notebook with papermill into `out_dir`; never raises for a failing notebook."""
+                 kernel: str | None = None, progress: bool = False) -> Entry:
+    """Execute one notebook with papermill into the new folder `out_dir`; never raises for a failing
+    notebook (bad parameters and an existing or unwritable folder raise InputError before anything runs)."""
+    import os
+    import secrets
+
     import papermill as pm
 
     nb = Path(notebook)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    executed = out / nb.name
     params = dict(parameters or {})
+    check_parameters(nb, params)
+    token = secrets.token_hex(8)
+    out = claim(out_dir, token)
+    executed = out / nb.name
     params["out_dir"] = str(out)
     t0 = time.perf_counter()
     error = None
+    old = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = token  # the kernel inherits it and so owns the folder
     try:
-        pm.execute_notebook(str(nb), str(executed), parameters=params, kernel_name=kernel_name,
-                            progress_bar=progress, cwd=str(nb.parent))
+        pm.execute_notebook(str(nb), str(executed), parameters=params, kernel_name=kernel or kernel_name(),
+                            progress_bar=progress, cwd=str(nb.parent), kernel_manager_class=_ipc_manager())
     except pm.PapermillExecutionError as e:
         error = f"{e.ename}: {e.evalue}"
     except Exception as e:  # kernel died, bad notebook JSON: still a failed entry, not a crash
         error = f"{type(e).__name__}: {e}"
+    finally:
+        if old is None:
+            os.environ.pop(TOKEN_ENV, None)
+        else:
+            os.environ[TOKEN_ENV] = old
     wall = time.perf_counter() - t0
     entry = Entry(nb.stem, "failed" if error else "ok", wall, str(out), str(executed), error)
     res_path = out / "results.json"
@@ -99,29 +159,105 @@ def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str
     return entry
 
 
-def reproduce(quick: bool = False, only: list[str] | None = None, device: str = "auto",
-              notebooks_dir: str | Path = NOTEBOOKS, out_root: str | Path = OUTPUTS,
-              extra: dict[str, Any] | None = None, run_id: str | None = None) -> tuple[Path, list[Entry]]:
-    """Run every numbered notebook (or `only` those prefixes) into one run folder and write report.md."""
-    from tqdm.auto import tqdm
-
+def select(only: list[str] | None, notebooks_dir: str | Path = NOTEBOOKS) -> list[Path]:
+    """The notebooks `--only` names (numbers or stems), all of them without it."""
     nbs = list_notebooks(notebooks_dir)
     if only:
         want = {o.strip() for o in only if o.strip()}
         nbs = [nb for nb in nbs if nb.stem.split("_")[0] in want or nb.stem in want]
         if not nbs:
-            raise InputError(f"--only {','.join(sorted(want))} matched no notebook in {notebooks_dir}")
-    run = Path(out_root) / (run_id or new_run_id())
-    run.mkdir(parents=True, exist_ok=False)
+            have = ", ".join(nb.stem.split("_")[0] for nb in list_notebooks(notebooks_dir))
+            raise InputError(f"--only {','.join(sorted(want))} matched no notebook in {notebooks_dir} (have: {have})")
+    return nbs
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def run_status(run: str | Path) -> str:
+    """A reproduce run's state from its run.json: complete | failed | running | interrupted."""
+    rec = json.loads((Path(run) / "run.json").read_text())
+    st = rec.get("status", "complete")
+    if st == "running" and not _pid_alive(int(rec.get("pid", 0) or 0)):
+        return "interrupted"
+    return st
+
+
+def reproduce(quick: bool = False, only: list[str] | None = None, device: str = "auto",
+              notebooks_dir: str | Path = NOTEBOOKS, out_root: str | Path = OUTPUTS,
+              extra: dict[str, Any] | None = None, run_id: str | None = None) -> tuple[Path, list[Entry]]:
+    """Run every numbered notebook (or `only` those prefixes) into one run folder and write report.md."""
+    import os
+    import signal
+
+    from lab.progress import tqdm
+
+    nbs = select(only, notebooks_dir)
     params = {"device": device, "quick": quick, **(extra or {})}
+    declared = {nb: _declared(nb) for nb in nbs}
+    every = set().union(*declared.values())
+    for k in extra or {}:  # a -p name no selected notebook takes is a typo, not a silent no-op
+        if k not in every:
+            import difflib
+
+            near = difflib.get_close_matches(k, sorted(every), n=1)
+            raise InputError(f"unknown parameter {k!r}: no selected notebook takes it"
+                             + (f" — did you mean {near[0]!r}?" if near else "") + f" (known: {', '.join(sorted(every))})")
+    per_nb = {nb: {k: v for k, v in params.items() if k in declared[nb]} for nb in nbs}
+    for nb in nbs:  # every notebook's parameters are checked before the first one starts
+        check_parameters(nb, per_nb[nb])
+    run = claim(Path(out_root) / (run_id or new_run_id()))
     entries: list[Entry] = []
-    for nb in tqdm(nbs, desc="notebooks", unit="nb"):
-        entries.append(run_notebook(nb, run / nb.stem, params))
-        tqdm.write(f"{nb.stem}: {entries[-1].status} in {entries[-1].wall_s:.1f} s"
-                   + (f" ({entries[-1].error})" if entries[-1].error else ""))
-    atomic_write_text(run / "run.json", json.dumps({"params": params, "entries": [asdict(e) for e in entries]}, indent=2))
-    atomic_write_text(run / "report.md", report(run, entries, params))
+
+    def record(status: str) -> None:
+        atomic_write_text(run / "run.json", json.dumps({"status": status, "pid": os.getpid(), "params": params,
+                                                        "notebooks": [nb.stem for nb in nbs],
+                                                        "entries": [asdict(e) for e in entries]}, indent=2),
+                          overwrite=True)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, on_term) if _main_thread() else None
+    record("running")
+    try:
+        for nb in tqdm(nbs, desc="notebooks", unit="nb"):
+            entries.append(run_notebook(nb, run / nb.stem, per_nb[nb]))
+            tqdm.write(f"{nb.stem}: {entries[-1].status} in {entries[-1].wall_s:.1f} s"
+                       + (f" ({entries[-1].error})" if entries[-1].error else ""))
+            record("running")
+    except KeyboardInterrupt:
+        record("interrupted")
+        atomic_write_text(run / "report.md", report(run, entries, params, interrupted=[nb.stem for nb in nbs[len(entries):]]),
+                          overwrite=True)
+        raise
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+    record("failed" if any(e.status != "ok" for e in entries) else "complete")
+    atomic_write_text(run / "report.md", report(run, entries, params), overwrite=True)
     return run, entries
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _declared(nb: Path) -> set[str]:
+    from lab import params
+
+    return set(params.notebook_defaults(nb))
 
 
 def _fmt(v: Any) -> str:
@@ -130,12 +266,15 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def report(run: Path, entries: list[Entry], params: dict[str, Any]) -> str:
+def report(run: Path, entries: list[Entry], params: dict[str, Any], interrupted: list[str] | None = None) -> str:
     """Markdown: one section per notebook, then every comparison row as the reproduction table."""
     from lab.env import machine_label
 
     lines = [f"# Run {run.name}", "",
              f"Machine: {machine_label()}. Parameters: " + ", ".join(f"{k}={v}" for k, v in params.items()), ""]
+    if interrupted is not None:
+        lines += [f"> **INTERRUPTED**: the run was stopped from outside; not run: {', '.join(interrupted) or '-'}. "
+                  "The sections below are the notebooks that finished before it.", ""]
     if params.get("quick"):
         lines += ["> **quick profile**: small configs and few frames; speed figures are smoke-test numbers, not results.", ""]
     lines += ["| notebook | status | wall (s) | device | weights |", "|---|---|---|---|---|"]

@@ -72,7 +72,52 @@ def test_run_ids_sort_by_time():
     assert ids == sorted(ids) and len(set(ids)) == 4
 
 
-def test_run_dir_fresh_each_time(tmp_path):
+def test_run_dir_is_owned_by_the_session(tmp_path):
+    # the same kernel session gets its own folder back (a re-run cell), and may replace its files
     a = run_dir("01_x", root=tmp_path)
     b = run_dir("01_x", root=tmp_path)
-    assert a != b and a.name == "01_x" and a.parent.parent == tmp_path
+    assert a == b and a.name == "01_x" and a.parent.parent == tmp_path
+    atomic_write_text(a / "t.json", "1")
+    atomic_write_text(a / "t.json", "2")
+    assert (a / "t.json").read_text() == "2"
+    r = _result()
+    from lab.results import save_figure
+    import matplotlib.pyplot as plt
+    fig = plt.figure()
+    save_figure(fig, a, "f", r)
+    save_figure(fig, a, "f", r)
+    plt.close(fig)
+    assert r.figures == ["f.png"]
+
+
+def test_run_dir_refuses_another_runs_folder(tmp_path):
+    from lab.errors import InputError
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "results.json").write_text("{}")
+    with pytest.raises(InputError, match="already holds a run"):
+        run_dir("01_x", out_dir=other)
+    assert sorted(x.name for x in other.iterdir()) == ["results.json"]  # nothing written
+    fresh = run_dir("01_x", out_dir=tmp_path / "new")
+    assert run_dir("01_x", out_dir=fresh) == fresh  # a re-run cell in the same session
+
+
+def test_run_dir_handed_over_by_token(tmp_path, monkeypatch):
+    # the runner claims the folder and starts the kernel with its token: the kernel then owns it,
+    # another process with another token does not
+    code = """
+import os, sys
+from lab.results import run_dir, atomic_write_text
+p = run_dir("nb", out_dir=sys.argv[1])
+atomic_write_text(p / "a.txt", "x"); atomic_write_text(p / "a.txt", "y")
+"""
+    from lab.results import claim
+
+    folder = claim(tmp_path / "run", token="tok123")
+    root = Path(results.__file__).parent.parent
+    ok = subprocess.run([sys.executable, "-c", code, str(folder)], cwd=root, env={**os.environ, "LAB_RUN_TOKEN": "tok123"})
+    assert ok.returncode == 0 and (folder / "a.txt").read_text() == "y"
+    bad = subprocess.run([sys.executable, "-c", code, str(folder)], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "LAB_RUN_TOKEN": "other"})
+    assert bad.returncode != 0 and "already holds a run" in bad.stderr
