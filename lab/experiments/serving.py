@@ -499,3 +499,151 @@ def _infill_figure(truth: np.ndarray, filled: dict[str, np.ndarray], keys: np.nd
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------- 3 · sliding-window INT8 KV cache
+
+def _stream_run(stack, caches, x: torch.Tensor, dev: torch.device, progress: str | None = None) -> dict[str, Any]:
+    """Step through x (T, d) one frame at a time; per-step latency (host clock around a
+    synchronized step: what a streaming caller waits) and cache memory at 100 sample points."""
+    from lab.accel import kv_cache as kv
+    from lab.progress import tqdm
+
+    n = x.shape[0]
+    lat = np.empty(n)
+    marks = set(np.unique(np.linspace(0, n - 1, 100).astype(int)).tolist())
+    mem, alloc = [], []
+    base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    it = range(n) if progress is None else tqdm(range(n), desc=progress, mininterval=5)
+    for t in it:
+        sync(dev)
+        t0 = time.perf_counter()
+        stack.step(x[t:t + 1], caches)
+        sync(dev)
+        lat[t] = time.perf_counter() - t0
+        if t in marks:
+            mem.append((t + 1, kv.cache_bytes(caches)))
+            alloc.append((t + 1, (torch.cuda.memory_allocated(dev) - base) if dev.type == "cuda" else None))
+    return {"latency_s": lat, "cache_bytes": mem, "allocated_bytes": alloc}
+
+
+def _flatness(lat: np.ndarray, lo: int, hi: int) -> tuple[float, float, float]:
+    a = float(np.median(lat[lo:lo + max(hi // 15, 1)]))
+    b = float(np.median(lat[-max(hi // 15, 1):]))
+    return a, b, b / a - 1
+
+
+def kv_cache(ctx: Context, window: int = 75, steps: int | None = None) -> Section:
+    """Unbounded fp16 cache vs W-frame INT8 window + summary on a HuBERT-large-sized stack: memory
+    and per-step latency over a long stream, output error, fused vs dequantize-then-attend."""
+    from lab.accel import kv_cache as kv
+    from lab.timing import bench
+
+    dev = ctx.dev
+    dims = kv.HUBERT_LARGE if ctx.full else kv.TINY
+    dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    steps = steps or (15_000 if ctx.full else 200)
+    stack = kv.streaming_stack(dims, dev, dtype, ctx.seed)
+    g = torch.Generator(device="cpu").manual_seed(ctx.seed)
+    x = torch.randn(steps, dims.d_model, generator=g).to(dev, dtype)
+    fused_mode = "fused"
+    runs = {}
+    for name, kind, kw in (("fp16 unbounded" if dtype == torch.float16 else "fp32 unbounded", "full", {}),
+                           (f"INT8 window {window} + summary ({fused_mode})", "window", dict(window=window, mode=fused_mode))):
+        stack.step(x[:1], stack.new_caches(kind, **kw))       # warm-up: kernels compiled / selected
+        runs[name] = _stream_run(stack, stack.new_caches(kind, **kw), x, dev, progress=None if ctx.quick else name)
+    lo = max(steps // 15, window + 1)
+    rows = []
+    for name, r in runs.items():
+        a, b, drift = _flatness(r["latency_s"], lo, steps)
+        m_lo = next(m for s, m in r["cache_bytes"] if s >= lo)
+        m_hi = r["cache_bytes"][-1][1]
+        rows.append({"cache": name, "steps": steps, "ms/step early": 1e3 * a, "ms/step late": 1e3 * b,
+                     "latency growth %": 100 * drift, "cache MB early": m_lo / 1e6, "cache MB at end": m_hi / 1e6,
+                     "memory growth %": 100 * (m_hi / m_lo - 1),
+                     "allocated MB at end": (r["allocated_bytes"][-1][1] or 0) / 1e6 if dev.type == "cuda" else "—"})
+    # error: the variants in lockstep on the same frames, past the point where the window fills
+    n_err = min(steps, 3 * window + 60)
+    variants = {"unbounded": ("full", {}), "window fp": ("window", dict(window=window, int8=False)),
+                "window INT8 dequant": ("window", dict(window=window, mode="dequant")),
+                "window INT8 fused": ("window", dict(window=window, mode="fused"))}
+    caches = {k: stack.new_caches(kind, **kw) for k, (kind, kw) in variants.items()}
+    outs = {k: [] for k in variants}
+    for t in range(n_err):
+        for k in variants:
+            outs[k].append(stack.step(x[t:t + 1], caches[k]).float())
+    outs = {k: torch.cat(v) for k, v in outs.items()}
+    rel = lambda a, b: ((a - b).norm(dim=-1) / b.norm(dim=-1)).cpu().numpy()  # noqa: E731
+    after = slice(window + 1, None)
+    err_rows = [{"output": "window fp vs unbounded (what the window forgets)", **_err_stats(rel(outs["window fp"], outs["unbounded"])[after])},
+                {"output": "INT8 dequant vs window fp (quantization)", **_err_stats(rel(outs["window INT8 dequant"], outs["window fp"])[after])},
+                {"output": "INT8 fused vs INT8 dequant (kernel)", **_err_stats(rel(outs["window INT8 fused"], outs["window INT8 dequant"])[after])}]
+    # attention alone, one layer's filled window
+    c_deq, c_fus, c_fp = (caches["window INT8 dequant"][0], caches["window INT8 fused"][0], caches["window fp"][0])
+    q = torch.randn(1, dims.n_heads, 1, dims.head_dim, device=dev, dtype=dtype)
+    iters = 200 if ctx.full else 20
+    att = {}
+    for name, c in (("fp window, SDPA", c_fp), ("INT8 dequantize then SDPA", c_deq), ("INT8 fused kernel", c_fus)):
+        att[name] = bench(lambda c=c: c.attend(q), warmup=10, iters=iters, device=dev).median_s
+    att_rows = [{"attention over W + summary (one layer)": k, "µs (median of %d)" % iters: 1e6 * v,
+                 "× dequantize-then-attend": att["INT8 dequantize then SDPA"] / v,
+                 "backend": kv.fused_backend(dev) if "fused" in k else "torch"} for k, v in att.items()]
+    fig = _kv_figure(runs, f"streaming {dims.n_layers}-layer d={dims.d_model} stack, one frame per step{ctx.suffix()}")
+    unb, win = rows[0], rows[1]
+    flat = abs(win["latency growth %"]) <= 5 and abs(win["memory growth %"]) <= 5
+    hw = ctx.machine
+    formula_gb = 2 * dims.n_layers * steps * dims.d_model * 2 / 1e9
+    comparisons = [
+        _cmp("sliding-window INT8 KV cache stays < 38 MB", "< 38", round(win["cache MB at end"], 2), hw, "MB",
+             "reproduced" if win["cache MB at end"] < 38 else "differs",
+             f"{dims.n_layers} layers × (W={window} INT8 K,V + fp32 scales + one fp32 summary token), after {steps} steps"),
+        _cmp("unbounded cache exceeds 6.8 GB over 15 000 frames", "> 6.8", round(unb["cache MB at end"] / 1e3, 3), hw, "GB",
+             "not comparable",
+             f"their model's size is not given; ours (HuBERT-large dims, {dtype}) holds {formula_gb:.2f} GB of K/V at {steps} "
+             "steps by 2·L·T·D·bytes, the allocation rounds capacity up to a power of two" if ctx.full else "quick profile: tiny stack"),
+        _cmp("attention latency constant over the stream (2.1 ms)", 2.1, round(win["ms/step late"], 3), hw, "ms",
+             ("reproduced" if flat else "differs") if ctx.full else "not comparable",
+             f"whole {dims.n_layers}-layer step (not attention alone): {win['latency growth %']:+.1f} % from step {lo} to the end "
+             f"(memory {win['memory growth %']:+.1f} %) vs {unb['latency growth %']:+.1f} % for the unbounded cache"),
+        _cmp("INT8 dequantized inside the kernel: -50 % memory traffic", "−50 % bandwidth",
+             f"{att_rows[2]['× dequantize-then-attend']:.2f}× dequantize-then-attend", hw, "speed-up",
+             "not comparable" if kv.fused_backend(dev) != "triton" else
+             ("reproduced" if att_rows[2]["× dequantize-then-attend"] > 1 else "differs"),
+             "one query over 76 keys is launch-bound, not bandwidth-bound: the fused kernel wins by launching once"
+             if kv.fused_backend(dev) == "triton" else "no Triton on this device: the 'fused' path ran the torch reference"),
+    ]
+    ctx.res.headline["KV cache INT8 window MB"] = round(win["cache MB at end"], 2)
+    ctx.res.headline["KV window latency growth % (early → end)"] = round(win["latency growth %"], 2)
+    ctx.res.headline["KV unbounded latency growth % (early → end)"] = round(unb["latency growth %"], 2)
+    ctx.res.weights["streaming stack (kv cache)"] = "random"
+    ctx.res.metrics["kv_cache"] = {"dims": dims.__dict__, "dtype": str(dtype), "window": window, "steps": steps,
+                                   "latency_definition": "host clock around one synchronized step of the whole stack",
+                                   "early_window": [lo, lo + max(steps // 15, 1)], "late_window": [steps - steps // 15, steps]}
+    sec = Section(f"Sliding-window INT8 KV cache over {steps} steps" + ctx.suffix(), rows, figure=fig,
+                  comparisons=comparisons,
+                  notes=f"Error over steps {window + 1}..{n_err} (relative L2 of the stack's output per step, random weights).",
+                  extra_tables={"output error": err_rows, "attention alone": att_rows})
+    return _add(ctx, "kv_cache", sec, "kv_cache")
+
+
+def _err_stats(e: np.ndarray) -> dict[str, float]:
+    return {"median rel. error": float(np.median(e)), "max rel. error": float(np.max(e))}
+
+
+def _kv_figure(runs: dict, title: str):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(12, 3.4))
+    for name, r in runs.items():
+        lat = 1e3 * r["latency_s"]
+        k = max(len(lat) // 150, 1)
+        med = np.array([np.median(lat[i:i + k]) for i in range(0, len(lat), k)])
+        ax[0].plot(np.arange(len(med)) * k, med, label=name)
+        s, m = zip(*r["cache_bytes"])
+        ax[1].plot(s, np.array(m) / 1e6, label=name)
+    ax[0].set(xlabel="step", ylabel=f"ms per step (median of blocks)", ylim=(0, None))
+    ax[1].set(xlabel="step", ylabel="KV cache MB", yscale="log")
+    ax[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
