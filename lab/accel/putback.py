@@ -1,0 +1,93 @@
+"""Put the 512² render back into the full frame: inverse-affine sample + feathered-mask blend.
+
+Upstream does this on the CPU per frame: `warpAffine` of the render and of the mask to the
+frame size, then a per-pixel blend. `putback_gpu` does the same for a whole batch on the device:
+one `grid_sample` of render and mask together through the frame → crop affine, then the blend as
+one fused multiply-add, bg + m·(render − bg), straight to uint8. `putback_cpu` is the upstream
+path (OpenCV when installed, else torch on the CPU with the same bilinear sampling).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lab.errors import InputError
+
+
+def feather_mask(size: int = 512, ratio: float = 0.9) -> np.ndarray:
+    """(size, size) float32: 1 inside the central `ratio`, linear ramps over the borders, round corners."""
+    if not 0 < ratio < 1:
+        raise InputError(f"mask ratio must be in (0, 1), got {ratio}")
+    border = (1 - ratio) / 2 * size
+    c = np.arange(size, dtype=np.float64) + 0.5
+    edge = np.minimum(c, size - c)
+    r = np.clip(edge / border, 0, 1)
+    ry, rx = np.meshgrid(r, r, indexing="ij")
+    corner = (rx < 1) & (ry < 1)
+    m = np.minimum(rx, ry)
+    m[corner] = np.clip(1 - np.hypot(1 - rx[corner], 1 - ry[corner]), 0, 1)
+    return m.astype(np.float32)
+
+
+def sampling_grid(m_c2o: torch.Tensor, frame_hw: tuple[int, int], crop: int) -> torch.Tensor:
+    """Per frame, where each output pixel lands in the crop, in grid_sample units: (B, H, W, 2).
+
+    m_c2o (B, 3, 3) maps crop pixel centres to frame pixels; its inverse maps back. Pixels that
+    land outside the crop sample zeros (render and mask), so the blend leaves them untouched.
+    """
+    h, w = frame_hw
+    inv = torch.linalg.inv(m_c2o.double())
+    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float64, device=m_c2o.device),
+                            torch.arange(w, dtype=torch.float64, device=m_c2o.device), indexing="ij")
+    pts = torch.stack([xs, ys, torch.ones_like(xs)], -1).reshape(-1, 3)
+    src = pts @ inv.transpose(1, 2)                                     # (B, H·W, 3) crop pixel coords
+    g = (src[..., :2] + 0.5) / crop * 2 - 1                             # align_corners=False convention
+    return g.reshape(-1, h, w, 2).float()
+
+
+def putback_gpu(background: torch.Tensor, renders: torch.Tensor, mask: torch.Tensor,
+                grid: torch.Tensor) -> torch.Tensor:
+    """background (B, H, W, 3) uint8, renders (B, 3, s, s) in [0, 1], mask (s, s), grid (B, H, W, 2)
+    → composited (B, H, W, 3) uint8, all on the renders' device."""
+    b = renders.shape[0]
+    if background.shape[0] != b or grid.shape[0] != b:
+        raise InputError(f"{background.shape[0]} backgrounds, {grid.shape[0]} grids for {b} renders")
+    dt = renders.dtype if renders.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
+    src = torch.cat([renders.to(dt) * 255, mask.to(dt)[None, None].expand(b, 1, *mask.shape)], dim=1)
+    warped = F.grid_sample(src, grid.to(dt), mode="bilinear", padding_mode="zeros", align_corners=False)
+    bg = background.permute(0, 3, 1, 2).to(dt)
+    comp = bg + warped[:, 3:4] * (warped[:, :3] - bg)
+    return comp.clamp_(0, 255).round_().to(torch.uint8).permute(0, 2, 3, 1)
+
+
+def _have_cv2() -> bool:
+    try:
+        import cv2  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def putback_cpu(background: np.ndarray, render: np.ndarray, mask: np.ndarray, m_c2o: np.ndarray) -> np.ndarray:
+    """One frame on the host: background (H, W, 3) uint8, render (s, s, 3) float 0..255, mask (s, s),
+    m_c2o (3, 3) → (H, W, 3) uint8. OpenCV's warpAffine when available (upstream's call)."""
+    h, w = background.shape[:2]
+    if _have_cv2():
+        import cv2
+
+        m = np.asarray(m_c2o, dtype=np.float64)[:2]
+        r = cv2.warpAffine(render.astype(np.float32), m, (w, h), flags=cv2.INTER_LINEAR)
+        a = cv2.warpAffine(mask.astype(np.float32), m, (w, h), flags=cv2.INTER_LINEAR)[..., None]
+    else:
+        grid = sampling_grid(torch.from_numpy(np.asarray(m_c2o, dtype=np.float64))[None], (h, w), render.shape[0])
+        src = torch.cat([torch.from_numpy(render.astype(np.float32)).permute(2, 0, 1),
+                         torch.from_numpy(mask.astype(np.float32))[None]])[None]
+        out = F.grid_sample(src, grid, mode="bilinear", padding_mode="zeros", align_corners=False)[0]
+        r, a = out[:3].permute(1, 2, 0).numpy(), out[3][..., None].numpy()
+    bg = background.astype(np.float32)
+    return np.clip(np.rint(bg + a * (r - bg)), 0, 255).astype(np.uint8)
+
+
+def putback_method() -> str:
+    return "opencv warpAffine" if _have_cv2() else "torch grid_sample on the CPU"

@@ -1,0 +1,865 @@
+"""Ditto end to end: source → avatar → audio → motion → keypoints → warp → decode → putback → H.264.
+
+    cfg = Config(batch_size=16, source_pool="vram", cuda_graphs=True, silence="bypass", putback="gpu",
+                 async_writer=True)
+    engine = build(cfg, "cuda")
+    avatar = prepare(engine, image_or_frames)           # f_s, keypoints, crop matrix per source frame
+    report = run(engine, avatar, audio, sr, "out.mp4")   # reads top to bottom below
+
+Every acceleration is a switch in `Config`, so one process can time each alone and in order:
+
+* ``source_pool``: "host" keeps each source frame's f_s (float32, 8.4 MB) in a memory-mapped file on
+  the host and uploads the slice per frame, as upstream stores it; "vram" keeps the whole pool on
+  the device once.
+* ``batch_size`` / ``cuda_graphs`` / ``compile``: frames rendered per call; the renderer captured
+  into one CUDA graph per batch size; torch.compile. The last batch is padded to the full size
+  (the padding renders are dropped), so any frame count works with fixed shapes.
+* ``silence``: "off"; "ease" (the driving keypoints eased toward rest with a Hermite ramp around
+  pauses, every frame rendered: the reference); "bypass" (the same easing, and frames at rest are
+  the rest render computed once per source frame instead of running the renderer).
+* ``putback``: "cpu" (upstream: warpAffine of render and mask to the frame, blend, per frame on
+  the host) or "gpu" (one batched inverse-affine grid_sample and a fused blend, YUV on the device).
+* ``async_writer``: the encoder fed through a bounded queue by a background thread.
+* ``stride`` / ``stride_space``: keyframes every k frames with SLERP in between, of the rendered
+  faces ("output": the renderer runs on keyframes only), of the warped features ("feature": the
+  warp runs on keyframes, the decoder on every frame) or of the 265-d motion ("motion": the
+  write-up's roadmap item; the renderer still runs on every frame).
+* ``fold_spectral_norm`` / ``precision`` / ``channels_last``: the decoder's spectral norm folded
+  into plain weights once; fp32 weights under fp16 autocast (upstream) or pure fp16 weights.
+
+Motion comes from the LMDM (offline: 80-frame windows overlapping by 10; online: by 70), or, for
+demos with random weights where generated motion means nothing, from the audio's loudness
+(``motion="rms"``: the jaw keypoints open with the frame's RMS; says so in the report).
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lab import audio as lab_audio
+from lab.accel import putback as pb
+from lab.accel import silence as sil
+from lab.accel import stride as st
+from lab.errors import InputError
+from lab.models import ditto as D
+from lab.timing import StageTimer, sync
+
+PRECISIONS = ("autocast", "fp16", "fp32")
+POOLS = ("host", "vram")
+SILENCE = ("off", "ease", "bypass")
+PUTBACKS = ("cpu", "gpu")
+WRITERS = ("ffmpeg", "null")
+COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
+STRIDE_SPACES = ("output", "feature", "motion")
+MOTIONS = ("lmdm", "rms")
+MOTION_MODES = {"offline": 10, "online": 70}   # window overlap in frames
+CROP_SCALE = 2.3          # source crop side / face box side (upstream's final crop)
+CROP_VY = -0.125          # crop centre moved up by this fraction of the side
+LIP_KP = (6, 12, 14, 17, 19, 20)   # keypoints the RMS demo drive moves
+
+
+@dataclass
+class Config:
+    size: str = "full"
+    precision: str = "autocast"
+    batch_size: int = 1
+    source_pool: str = "host"
+    cuda_graphs: bool = False
+    compile: str = "none"
+    fold_spectral_norm: bool = False
+    channels_last: bool = False
+    silence: str = "off"
+    silence_threshold: float = sil.THRESHOLD
+    ease_frames: int = sil.RAMP
+    putback: str = "cpu"
+    writer: str = "ffmpeg"
+    async_writer: bool = False
+    queue_frames: int = 32
+    preset: str = "ultrafast"
+    crf: int = 18
+    stride: int = 1
+    stride_space: str = "output"
+    motion: str = "lmdm"
+    motion_mode: str = "offline"
+    sampling_steps: int = 50
+    guidance: float = 2.0
+    eta: float = 1.0
+    batch_cfg: bool = True
+    hubert_batch: int = 1
+    frame_size: tuple[int, int] = (1080, 1920)   # (width, height) of the canvas for the default avatar
+    fps: float = 25.0
+    seed: int = 0
+    weights: dict[str, str] = field(default_factory=dict)   # component → "random" | path; missing = random
+
+    def check(self) -> "Config":
+        for name, value, allowed in (("size", self.size, D.SIZES), ("precision", self.precision, PRECISIONS),
+                                     ("source_pool", self.source_pool, POOLS), ("silence", self.silence, SILENCE),
+                                     ("putback", self.putback, PUTBACKS), ("writer", self.writer, WRITERS),
+                                     ("compile", self.compile, COMPILE), ("stride_space", self.stride_space, STRIDE_SPACES),
+                                     ("motion", self.motion, MOTIONS), ("motion_mode", self.motion_mode, tuple(MOTION_MODES))):
+            if value not in allowed:
+                raise InputError(f"Config.{name} must be one of {allowed}, got {value!r}")
+        for name in ("batch_size", "stride", "sampling_steps", "hubert_batch", "queue_frames", "ease_frames"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InputError(f"Config.{name} must be an integer >= 1, got {v!r}")
+        if self.fps != 25:
+            raise InputError(f"Config.fps must be 25: the motion model and the audio chunking are built for 25 fps "
+                             f"(640 samples per frame at 16 kHz), got {self.fps}")
+        unknown = set(self.weights) - set(D.COMPONENTS) - {"hubert"}
+        if unknown:
+            raise InputError(f"Config.weights has unknown components {sorted(unknown)}; expected {D.COMPONENTS + ('hubert',)}")
+        return self
+
+
+@dataclass
+class Engine:
+    cfg: Config
+    device: torch.device
+    dims: D.Dims
+    nets: dict[str, torch.nn.Module]          # fp32 modules as loaded (the upstream precision)
+    hubert: torch.nn.Module
+    weights: dict[str, str]
+    variants: dict[tuple, Any] = field(default_factory=dict)   # (kind, precision, fold, channels_last, compile, graphs, B) → fn
+    compile_s: float = 0.0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        if self.cfg.precision == "fp32" or self.device.type != "cuda":
+            return torch.float32
+        return torch.float16
+
+
+def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
+    """Load the six networks and HuBERT (random weights unless `cfg.weights` names files)."""
+    cfg.check()
+    dev = torch.device(device)
+    if cfg.cuda_graphs and dev.type != "cuda":
+        raise InputError("Config.cuda_graphs needs a CUDA device")
+    nets, weights = {}, {}
+    for i, comp in enumerate(D.COMPONENTS):
+        nets[comp], weights[comp] = D.load_component(comp, cfg.weights.get(comp, "random"), cfg.size, dev,
+                                                     torch.float32, cfg.seed + i)
+    hub_dtype = torch.float16 if dev.type == "cuda" and cfg.precision != "fp32" else torch.float32
+    hubert, weights["hubert"] = D.load_hubert(cfg.weights.get("hubert", "random"), cfg.size, dev, hub_dtype, cfg.seed + 10)
+    return Engine(cfg, dev, D.dims(cfg.size), nets, hubert, weights)
+
+
+def reconfigure(engine: Engine, **changes: Any) -> Engine:
+    """Same networks (and cached compiled/captured variants), other switches."""
+    cfg = replace(engine.cfg, **changes).check()
+    if cfg.size != engine.cfg.size or cfg.weights != engine.cfg.weights or cfg.seed != engine.cfg.seed:
+        raise InputError("reconfigure cannot change size, weights or seed: build a new engine")
+    return Engine(cfg, engine.device, engine.dims, engine.nets, engine.hubert, engine.weights, engine.variants,
+                  engine.compile_s)
+
+
+# ---------------------------------------------------------------- renderer variants
+
+def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last: bool) -> torch.nn.Module:
+    """The warp or decoder at a precision, spectral norm folded or not, channels-last or not (cached copies)."""
+    import copy
+
+    from lab.accel.spectral_fold import fold_spectral_norm
+
+    key = ("module", name, precision, fold, channels_last)
+    if key not in engine.variants:
+        m = engine.nets[name]
+        if fold or precision == "fp16" or channels_last:
+            m = copy.deepcopy(m)
+            if fold:
+                fold_spectral_norm(m)
+            if precision == "fp16":
+                m = m.half()
+            if channels_last:
+                # only the 2-D convs: 3-D tensors have their own channels-last format, which the
+                # hourglass does not profit from
+                for sub in m.modules():
+                    if isinstance(sub, torch.nn.Conv2d):
+                        sub.to(memory_format=torch.channels_last)
+        engine.variants[key] = m
+    return engine.variants[key]
+
+
+def stage_fn(engine: Engine, kind: str, batch: int):
+    """The callable that runs one batch of `kind`: "render" (f_s, kp_s, kp_d) → faces, "warp" → features,
+    "decode" (features) → faces; with the engine's precision, folding, compile and CUDA graphs."""
+    cfg = engine.cfg
+    precision = cfg.precision if engine.device.type == "cuda" else "fp32"
+    key = (kind, precision, cfg.fold_spectral_norm, cfg.channels_last, cfg.compile, cfg.cuda_graphs, batch)
+    if key in engine.variants:
+        return engine.variants[key]
+    warp = _module(engine, "warp_network", precision, cfg.fold_spectral_norm, False)
+    dec = _module(engine, "decoder", precision, cfg.fold_spectral_norm, cfg.channels_last)
+    module = {"render": D.Renderer(warp, dec), "warp": warp, "decode": dec}[kind]
+    dt = engine.dtype
+    if cfg.compile != "none":
+        t0 = time.perf_counter()
+        mode = None if cfg.compile == "default" else cfg.compile
+        module = torch.compile(module, mode=mode, dynamic=False)
+        engine.compile_s += time.perf_counter() - t0
+    autocast = precision == "autocast"
+
+    def eager(*xs: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", torch.float16, enabled=autocast):
+            return module(*xs)
+
+    fn = eager
+    if cfg.cuda_graphs:
+        from lab.accel.backends import capture
+
+        d = engine.dims
+        hw = d.feature_hw
+        in_dt = torch.float32 if autocast else dt
+        if kind == "decode":
+            ex = [torch.randn(batch, d.warp_out, hw, hw, device=engine.device, dtype=in_dt)]
+        else:
+            ex = [torch.randn(batch, d.reshape_channel, d.reshape_depth, hw, hw, device=engine.device, dtype=in_dt),
+                  0.3 * torch.randn(batch, D.NUM_KP, 3, device=engine.device, dtype=in_dt),
+                  0.3 * torch.randn(batch, D.NUM_KP, 3, device=engine.device, dtype=in_dt)]
+        t0 = time.perf_counter()
+        fn, keep = capture(eager, ex, warmup=3, clone_output=True)
+        engine.compile_s += time.perf_counter() - t0
+        engine.variants[key + ("keep",)] = keep
+    engine.variants[key] = fn
+    return fn
+
+
+def _in_dtype(engine: Engine) -> torch.dtype:
+    return torch.float32 if engine.cfg.precision == "autocast" or engine.device.type != "cuda" else engine.dtype
+
+
+# ---------------------------------------------------------------- avatar
+
+@dataclass
+class Avatar:
+    """Per source frame: the frame, its crop matrix, f_s, keypoints and motion; built once by `prepare`.
+
+    f_s lives either on the host (a float32 memory-mapped file, upstream's layout) or on the device.
+    """
+
+    source_name: str
+    frames: np.ndarray                 # (N, H, W, 3) uint8
+    m_c2o: np.ndarray                  # (N, 3, 3) crop pixel → frame pixel
+    crops: np.ndarray                  # (N, s, s, 3) uint8 (s = 512 full size)
+    kp_s: torch.Tensor                 # (N, 21, 3) source keypoints (transformed), on the device
+    kp_c: torch.Tensor                 # (N, 63) canonical keypoints
+    motion_s: torch.Tensor             # (N, 265) the source's own motion
+    f_s_host: np.ndarray | None = None        # (N, 32, 16, 64, 64) float32 memmap
+    f_s_dev: torch.Tensor | None = None       # same on the device, compute dtype
+    frames_dev: torch.Tensor | None = None
+    grids: dict[int, torch.Tensor] = field(default_factory=dict)
+    rest: dict[tuple, torch.Tensor] = field(default_factory=dict)   # (kind, source index) → rest face / feature
+    tmpdir: Any = None
+
+    @property
+    def n(self) -> int:
+        return len(self.frames)
+
+
+def default_source(frame_size: tuple[int, int], seed: int = 0) -> np.ndarray:
+    """The bundled avatar photo on a studio canvas of `frame_size` (width, height), one frame."""
+    from lab.pipelines.musetalk import avatar_loop
+
+    return avatar_loop(1, frame_size, seed=seed)
+
+
+def crop_matrix(box: tuple[int, int, int, int], crop: int, scale: float = CROP_SCALE, vy: float = CROP_VY) -> np.ndarray:
+    """Face box → the 3×3 crop→frame matrix of a square crop `scale`× the box side, moved up by `vy`."""
+    x0, y0, x1, y1 = box
+    side = scale * max(x1 - x0, y1 - y0)
+    cx, cy = (x0 + x1) / 2, (y0 + y1) / 2 + vy * side
+    s = side / crop
+    return np.array([[s, 0, cx - side / 2], [0, s, cy - side / 2], [0, 0, 1]], dtype=np.float64)
+
+
+def _crop(frames: np.ndarray, m_c2o: np.ndarray, crop: int) -> torch.Tensor:
+    """(N, H, W, 3) uint8 → (N, 3, crop, crop) float in [0, 1], bilinear through each matrix (zeros outside)."""
+    n, h, w, _ = frames.shape
+    m = torch.from_numpy(m_c2o)
+    ys, xs = torch.meshgrid(torch.arange(crop, dtype=torch.float64), torch.arange(crop, dtype=torch.float64), indexing="ij")
+    pts = torch.stack([xs, ys, torch.ones_like(xs)], -1).reshape(-1, 3)
+    fr = pts @ m.transpose(1, 2)                                   # (N, crop², 3) frame pixel coords
+    gx = (fr[..., 0] + 0.5) / w * 2 - 1
+    gy = (fr[..., 1] + 0.5) / h * 2 - 1
+    grid = torch.stack([gx, gy], -1).reshape(n, crop, crop, 2).float()
+    img = torch.from_numpy(frames).permute(0, 3, 1, 2).float() / 255
+    return F.grid_sample(img, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
+def _check_source(source: Any, name: str) -> np.ndarray:
+    a = np.asarray(source)
+    if a.ndim == 3:
+        a = a[None]
+    if a.ndim != 4 or a.shape[-1] != 3 or a.dtype != np.uint8 or a.shape[0] == 0:
+        raise InputError(f"{name}: source must be an RGB uint8 image (H, W, 3) or frames (N, H, W, 3), "
+                         f"got shape {a.shape} dtype {a.dtype}")
+    if a.shape[1] % 2 or a.shape[2] % 2:
+        raise InputError(f"{name}: frame size {a.shape[2]}×{a.shape[1]} must be even (H.264 yuv420p); crop a pixel")
+    return np.ascontiguousarray(a)
+
+
+@torch.no_grad()
+def prepare(engine: Engine, source: np.ndarray | None = None, source_name: str = "default avatar",
+            detector: Any = None) -> Avatar:
+    """Source image or looping video → Avatar: face box (first frame, reused), 512² crop, extractors
+    at 256², f_s in the configured pool. A source without a face raises InputError naming it."""
+    from lab.models.face import detect_face_or_raise
+
+    cfg, d, dev = engine.cfg, engine.dims, engine.device
+    frames = _check_source(default_source(cfg.frame_size, cfg.seed) if source is None else source, source_name)
+    box = (detector or detect_face_or_raise)(frames[0], source_name if len(frames) == 1 else f"{source_name} (frame 0)")
+    m = crop_matrix(box, d.render_hw)
+    m_c2o = np.broadcast_to(m, (len(frames), 3, 3)).copy()
+    crops, kp_s, kp_c, motion_s, f_s = [], [], [], [], []
+    app, me = engine.nets["appearance_extractor"], engine.nets["motion_extractor"]
+    bs = max(1, cfg.batch_size)
+    for s in range(0, len(frames), bs):
+        c = _crop(frames[s:s + bs], m_c2o[s:s + bs], d.render_hw)
+        crops.append((c * 255).round().byte().permute(0, 2, 3, 1).numpy())
+        x = F.interpolate(c, size=(d.image, d.image), mode="area").to(dev)
+        with torch.autocast("cuda", torch.float16, enabled=dev.type == "cuda" and cfg.precision != "fp32"):
+            pitch, yaw, roll, t, exp, scale, kp = (o.float() for o in me(x))
+            fs = app(x).float()
+        mo = D.extractor_to_motion(pitch, yaw, roll, t, exp, scale)
+        motion_s.append(mo)
+        kp_c.append(kp)
+        kp_s.append(D.motion_to_keypoints(mo, kp))
+        f_s.append(fs)
+    av = Avatar(source_name, frames, m_c2o, np.concatenate(crops), torch.cat(kp_s), torch.cat(kp_c), torch.cat(motion_s))
+    fs_all = torch.cat(f_s)
+    if cfg.source_pool == "vram":
+        av.f_s_dev = fs_all.to(_in_dtype(engine))
+        av.frames_dev = torch.from_numpy(frames).to(dev)
+    else:
+        av.tmpdir = tempfile.TemporaryDirectory(prefix="ditto-pool-")
+        path = Path(av.tmpdir.name) / "f_s.f32"
+        mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=tuple(fs_all.shape))
+        mm[:] = fs_all.cpu().numpy()
+        mm.flush()
+        av.f_s_host = np.load(path, mmap_mode="r")
+    return av
+
+
+def pool_view(engine: Engine, avatar: Avatar) -> Avatar:
+    """The same avatar with f_s in the engine's configured pool (moves it once if needed)."""
+    want = engine.cfg.source_pool
+    if want == "vram" and avatar.f_s_dev is None:
+        avatar.f_s_dev = torch.from_numpy(np.asarray(avatar.f_s_host)).to(engine.device, _in_dtype(engine))
+        avatar.frames_dev = torch.from_numpy(avatar.frames).to(engine.device)
+    if want == "vram" and avatar.f_s_dev.dtype != _in_dtype(engine):
+        avatar.f_s_dev = avatar.f_s_dev.to(_in_dtype(engine))
+    if want == "host" and avatar.f_s_host is None:
+        avatar.tmpdir = tempfile.TemporaryDirectory(prefix="ditto-pool-")
+        path = Path(avatar.tmpdir.name) / "f_s.f32"
+        mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=tuple(avatar.f_s_dev.shape))
+        mm[:] = avatar.f_s_dev.float().cpu().numpy()
+        mm.flush()
+        avatar.f_s_host = np.load(path, mmap_mode="r")
+    return avatar
+
+
+def mirror_index(i: np.ndarray, n: int) -> np.ndarray:
+    """Frame t → source frame, playing a looping source forward then backward (ping-pong)."""
+    if n == 1:
+        return np.zeros_like(np.asarray(i))
+    period = 2 * n - 2
+    j = np.asarray(i) % period
+    return np.where(j < n, j, period - j)
+
+
+def _gather_fs(engine: Engine, avatar: Avatar, src: np.ndarray) -> torch.Tensor:
+    if engine.cfg.source_pool == "vram":
+        return avatar.f_s_dev[torch.as_tensor(src, device=engine.device)]
+    # upstream's path: slice the host store, copy from pageable memory, per frame
+    parts = [torch.from_numpy(np.array(avatar.f_s_host[i])).to(engine.device) for i in src]
+    return torch.stack(parts).to(_in_dtype(engine))
+
+
+# ---------------------------------------------------------------- audio → condition → motion
+
+def condition(engine: Engine, feats: torch.Tensor, avatar: Avatar) -> torch.Tensor:
+    """Per frame: audio features, emotion (neutral), eye open / eye ball (fixed defaults: no
+    MediaPipe landmarks here), the source's canonical keypoints → (T, cond_dim)."""
+    t = feats.shape[0]
+    emo = torch.softmax(8.0 * F.one_hot(torch.tensor(4), 8).float(), dim=-1)
+    eye_open = torch.tensor([0.3, 0.3])
+    eye_ball = torch.zeros(6)
+    fixed = torch.cat([emo, eye_open, eye_ball]).to(feats.device)
+    sc = avatar.kp_c[0].to(feats.device).float()
+    return torch.cat([feats.float(), fixed.expand(t, -1), sc.expand(t, -1)], dim=1)
+
+
+def _lmdm_fn(engine: Engine, batch: int):
+    """LMDM forward (fp32, as upstream), captured into a CUDA graph when the engine uses graphs."""
+    key = ("lmdm", engine.cfg.cuda_graphs, batch)
+    if key in engine.variants:
+        return engine.variants[key]
+    net = engine.nets["lmdm"]
+    fn = net
+    if engine.cfg.cuda_graphs:
+        from lab.accel.backends import capture
+
+        d, dev = engine.dims, engine.device
+        ex = [torch.randn(batch, d.seq_frames, D.MOTION_DIM, device=dev), torch.randn(batch, D.MOTION_DIM, device=dev),
+              torch.randn(batch, d.seq_frames, d.cond_dim, device=dev), torch.full((batch,), 500, device=dev),
+              torch.arange(batch, device=dev) % 2 == 0]
+        t0 = time.perf_counter()
+        fn, keep = capture(net, ex, warmup=2, clone_output=True)
+        engine.compile_s += time.perf_counter() - t0
+        engine.variants[key + ("keep",)] = keep
+    engine.variants[key] = fn
+    return fn
+
+
+@torch.no_grad()
+def sample_window(engine: Engine, cond_frame: torch.Tensor, cond: torch.Tensor, sched: D.Schedule,
+                  noises: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One 80-frame window by DDIM (η from the config) with classifier-free guidance → (80, 265)."""
+    cfg, dev = engine.cfg, engine.device
+    L = engine.dims.seq_frames
+    x = torch.randn(1, L, D.MOTION_DIM, generator=gen, device="cpu").to(dev)
+    cf, c = cond_frame.reshape(1, -1).float(), cond.reshape(1, L, -1).float()
+    ac = sched.alphas_cumprod
+    fn2 = _lmdm_fn(engine, 2) if cfg.batch_cfg else None
+    fn1 = None if cfg.batch_cfg else _lmdm_fn(engine, 1)
+    drop2 = torch.tensor([True, False], device=dev)
+    for i, (t, t_next) in enumerate(zip(sched.times[:-1], sched.times[1:])):
+        if cfg.batch_cfg:
+            tt = torch.full((2,), t, device=dev)
+            out = fn2(x.expand(2, -1, -1), cf.expand(2, -1), c.expand(2, -1, -1), tt, drop2)
+            unc, con = out[:1], out[1:]
+        else:
+            tt = torch.full((1,), t, device=dev)
+            unc = fn1(x, cf, c, tt, drop2[:1])
+            con = fn1(x, cf, c, tt, drop2[1:])
+        x0 = unc + (con - unc) * cfg.guidance
+        x = D.ddim_step(x, x0, float(ac[t]), float(ac[t_next]) if t_next >= 0 else None, noises[i], cfg.eta)
+    return x[0]
+
+
+def motion_windows(n_frames: int, seq: int, overlap: int) -> list[int]:
+    """Start frames of the LMDM windows covering n_frames, each overlapping the previous by `overlap`."""
+    step = seq - overlap
+    starts = [0]
+    while starts[-1] + seq < n_frames:
+        starts.append(starts[-1] + step)
+    return starts
+
+
+def generate_motion(engine: Engine, cond: torch.Tensor, motion_s: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(T, cond_dim) → (T, 265) motion and the number of windows. Windows are generated in turn,
+    each conditioned on the last frame of the one before (the source's motion for the first);
+    overlaps are cross-faded linearly; scale, rotation and translation smoothed over 3 frames."""
+    cfg, d, dev = engine.cfg, engine.dims, engine.device
+    n = cond.shape[0]
+    L = d.seq_frames
+    ov = min(MOTION_MODES[cfg.motion_mode], L - 1) if cfg.size == "full" else min(MOTION_MODES[cfg.motion_mode] * L // D.SEQ_FRAMES, L - 1)
+    sched = D.Schedule.make(cfg.sampling_steps)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    # upstream draws the per-step noise once and reuses it for every window
+    noises = torch.randn(cfg.sampling_steps, 1, L, D.MOTION_DIM, generator=gen).to(dev)
+    starts = motion_windows(n, L, ov)
+    out = torch.zeros(starts[-1] + L, D.MOTION_DIM, device=dev)
+    cond_frame = motion_s.float()
+    for w, s in enumerate(starts):
+        c = cond[s:s + L]
+        if c.shape[0] < L:
+            c = torch.cat([c, c[-1:].expand(L - c.shape[0], -1)])
+        x = sample_window(engine, cond_frame, c, sched, noises, gen)
+        if w == 0:
+            out[:L] = x
+        else:
+            fade = torch.linspace(0, 1, ov + 2, device=dev)[1:-1, None]
+            out[s:s + ov] = out[s:s + ov] * (1 - fade) + x[:ov] * fade
+            out[s + ov:s + L] = x[ov:]
+        cond_frame = x[-1]
+    out = out[:n]
+    if n >= 3:
+        pose = out[:, : D.POSE_DIMS].T[None]
+        out[:, : D.POSE_DIMS] = F.avg_pool1d(F.pad(pose, (1, 1), mode="replicate"), 3, 1)[0].T
+    return out, len(starts)
+
+
+def rms_motion(engine: Engine, avatar: Avatar, a16: np.ndarray, n: int) -> torch.Tensor:
+    """Demo drive: the source's motion with the lip keypoints' y opened by the frame's RMS."""
+    rms = lab_audio.rms_per_frame(a16, D.AUDIO_SR, engine.cfg.fps)
+    r = np.zeros(n, dtype=np.float32)
+    r[: min(n, len(rms))] = rms[:n]
+    jaw = torch.from_numpy(np.clip(r / 0.1, 0, 1)).to(engine.device)
+    m = avatar.motion_s[0].float().expand(n, -1).clone()
+    for k in LIP_KP:
+        m[:, D.M_EXP.start + 3 * k + 1] += 0.04 * jaw
+    return m
+
+
+@torch.no_grad()
+def driving_keypoints(engine: Engine, avatar: Avatar, motion: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+    """(T, 265) motion → (T, 21, 3) driving keypoints with the canonical keypoints of each frame's source."""
+    kp_c = avatar.kp_c[torch.as_tensor(src, device=avatar.kp_c.device)]
+    return D.motion_to_keypoints(motion, kp_c)
+
+
+def _stitch(engine: Engine, kp_s: torch.Tensor, kp_d: torch.Tensor) -> torch.Tensor:
+    return engine.nets["stitch_network"](kp_s.float(), kp_d.float())
+
+
+# ---------------------------------------------------------------- render
+
+def _batches(idx: np.ndarray, b: int) -> list[np.ndarray]:
+    return [idx[s:s + b] for s in range(0, len(idx), b)]
+
+
+def _pad(x: np.ndarray, b: int) -> np.ndarray:
+    return np.concatenate([x, np.repeat(x[-1:], b - len(x))]) if len(x) < b else x
+
+
+def _run_stage(engine: Engine, avatar: Avatar, kind: str, idx: np.ndarray, src: np.ndarray, kp_d: torch.Tensor,
+               feats: torch.Tensor | None = None) -> torch.Tensor:
+    """`kind` over frames `idx` in padded batches of the configured size → stacked outputs."""
+    b = engine.cfg.batch_size
+    fn = stage_fn(engine, kind, b)
+    outs = []
+    for part in _batches(idx, b):
+        p = _pad(part, b)
+        if kind == "decode":
+            y = fn(feats[torch.as_tensor(np.searchsorted(idx, p), device=feats.device)])
+        else:
+            s = src[p]
+            ks = avatar.kp_s[torch.as_tensor(s, device=engine.device)].to(_in_dtype(engine))
+            y = fn(_gather_fs(engine, avatar, s), ks, kp_d[torch.as_tensor(p, device=engine.device)].to(_in_dtype(engine)))
+        outs.append(y[: len(part)])
+    return torch.cat(outs)
+
+
+def _rest(engine: Engine, avatar: Avatar, kind: str, i: int) -> torch.Tensor:
+    """The render (or warped feature) of source frame i at rest: kp_d = its own keypoints, stitched."""
+    key = (kind, i, engine.cfg.precision, engine.cfg.fold_spectral_norm)
+    if key not in avatar.rest:
+        kp = avatar.kp_s[i:i + 1]
+        kd = _stitch(engine, kp, kp)
+        fn = stage_fn(engine, kind, engine.cfg.batch_size)
+        b = engine.cfg.batch_size
+        fs = _gather_fs(engine, avatar, np.full(b, i))
+        avatar.rest[key] = fn(fs, kp.expand(b, -1, -1).to(_in_dtype(engine)), kd.expand(b, -1, -1).to(_in_dtype(engine)))[0].clone()
+    return avatar.rest[key]
+
+
+def _interp(keys: np.ndarray, cache: dict[int, torch.Tensor], frames: np.ndarray) -> torch.Tensor:
+    """SLERP each frame between the keyframes around it (keys must bracket every frame)."""
+    j = np.clip(np.searchsorted(keys, frames, side="right") - 1, 0, len(keys) - 1)
+    lo = keys[j]
+    hi = keys[np.minimum(j + 1, len(keys) - 1)]
+    a = np.where(hi > lo, (frames - lo) / np.maximum(hi - lo, 1), 0.0)
+    z0 = torch.stack([cache[int(k)] for k in lo])
+    z1 = torch.stack([cache[int(k)] for k in hi])
+    return st.slerp(z0, z1, torch.as_tensor(a, dtype=torch.float32, device=z0.device))
+
+
+def render_block(engine: Engine, avatar: Avatar, frames: np.ndarray, src: np.ndarray, kp_d: torch.Tensor,
+                 bypass: np.ndarray, keys: np.ndarray | None, cache: dict[int, torch.Tensor],
+                 counts: dict[str, int]) -> torch.Tensor:
+    """Faces (len, 3, s, s) for output `frames`. Bypassed frames are the rest render; with output
+    or feature strides only keyframes run the renderer (or warp) and the rest are SLERPed."""
+    cfg = engine.cfg
+    space = cfg.stride_space if cfg.stride > 1 else "output"
+    kind = "warp" if space == "feature" else "render"
+    if keys is None or space == "motion":
+        need = frames[~bypass[frames]]
+        out = None
+        if len(need):
+            got = _run_stage(engine, avatar, "render", need, src, kp_d)
+            counts["rendered"] += len(need)
+            out = torch.empty((len(frames), *got.shape[1:]), device=got.device, dtype=got.dtype)
+            out[torch.as_tensor(np.searchsorted(frames, need), device=got.device)] = got
+        for j, t in enumerate(frames):
+            if bypass[t]:
+                r = _rest(engine, avatar, "render", int(src[t]))
+                if out is None:
+                    out = torch.empty((len(frames), *r.shape), device=r.device, dtype=r.dtype)
+                out[j] = r
+        return out
+    lo = keys[max(0, np.searchsorted(keys, frames[0], side="right") - 1)]
+    hi = keys[min(len(keys) - 1, np.searchsorted(keys, frames[-1], side="left"))]
+    kb = keys[(keys >= lo) & (keys <= hi)]
+    missing = np.array([k for k in kb if int(k) not in cache and not bypass[k]], dtype=np.int64)
+    if len(missing):
+        got = _run_stage(engine, avatar, kind, missing, src, kp_d)
+        counts["rendered" if kind == "render" else "warped"] += len(missing)
+        for k, y in zip(missing, got):
+            cache[int(k)] = y
+    for k in kb:
+        if int(k) not in cache:
+            cache[int(k)] = _rest(engine, avatar, kind, int(src[k]))
+    vals = _interp(kb, cache, frames)
+    for k in list(cache):       # keep only the last keyframe: the next block starts from it
+        if k < hi:
+            del cache[k]
+    if kind == "warp":
+        need = frames[~bypass[frames]]
+        faces = None
+        if len(need):
+            dec = _run_stage(engine, avatar, "decode", need, src, kp_d, feats=vals[torch.as_tensor(
+                np.searchsorted(frames, need), device=vals.device)])
+            counts["decoded"] += len(need)
+        r0 = _rest(engine, avatar, "render", int(src[frames[0]]))
+        faces = torch.empty((len(frames), *r0.shape), device=r0.device, dtype=r0.dtype)
+        if len(need):
+            faces[torch.as_tensor(np.searchsorted(frames, need), device=faces.device)] = dec.to(faces.dtype)
+        for j, t in enumerate(frames):
+            if bypass[t]:
+                faces[j] = _rest(engine, avatar, "render", int(src[t]))
+        return faces
+    for j, t in enumerate(frames):
+        if bypass[t]:
+            vals[j] = _rest(engine, avatar, "render", int(src[t]))
+    return vals
+
+
+# ---------------------------------------------------------------- putback + writer
+
+class NullWriter:
+    """Discards frames after copying them to the host (so the device→host copy stays timed)."""
+
+    def __init__(self):
+        self.n_frames = 0
+        self.busy_s = 0.0
+
+    def write(self, frames: Any) -> None:
+        a = frames.cpu().numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames)
+        self.n_frames += len(a) if a.ndim in (2, 4) else 1
+
+    def close(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        return None
+
+
+def _open_writer(engine: Engine, out_path: str | Path | None, size: tuple[int, int], a16: np.ndarray):
+    cfg = engine.cfg
+    if cfg.writer == "null" or out_path is None:
+        w: Any = NullWriter()
+    else:
+        from lab.video import FFmpegWriter
+
+        w = FFmpegWriter(out_path, cfg.fps, size, audio=(a16, D.AUDIO_SR), crf=cfg.crf, preset=cfg.preset,
+                         pix_fmt="yuv420p" if cfg.putback == "gpu" else "rgb24")
+    if cfg.async_writer:
+        from lab.video import AsyncWriter
+
+        if isinstance(w, NullWriter):
+            return _AsyncNull(w, max(1, cfg.queue_frames // cfg.batch_size))
+        return AsyncWriter(w, maxsize=max(1, cfg.queue_frames // cfg.batch_size))
+    return w
+
+
+class _AsyncNull:
+    """AsyncWriter semantics for the null writer (lab.video.AsyncWriter wraps file writers)."""
+
+    def __init__(self, inner: NullWriter, maxsize: int):
+        import queue
+        import threading
+
+        self.inner, self.q = inner, queue.Queue(maxsize=maxsize)
+        self.t = threading.Thread(target=self._loop, daemon=True)
+        self.t.start()
+
+    def _loop(self) -> None:
+        while (item := self.q.get()) is not None:
+            self.inner.write(item)
+
+    def write(self, frames: Any) -> None:
+        self.q.put(frames)
+
+    @property
+    def n_frames(self) -> int:
+        return self.inner.n_frames
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.t.join()
+
+    def abort(self) -> None:
+        self.close()
+
+
+def _putback_and_write(engine: Engine, avatar: Avatar, faces: torch.Tensor, frames: np.ndarray, src: np.ndarray,
+                       writer: Any, mask_dev: torch.Tensor | None, mask_np: np.ndarray, keep: dict[int, np.ndarray],
+                       keep_idx: set[int]) -> None:
+    cfg = engine.cfg
+    if cfg.putback == "gpu":
+        from lab.video import rgb_to_yuv420p
+
+        s = torch.as_tensor(src[frames], device=engine.device)
+        if avatar.frames_dev is not None:
+            bg = avatar.frames_dev[s]
+        else:
+            bg = torch.from_numpy(avatar.frames[src[frames]]).to(engine.device)
+        grids = torch.stack([_grid(engine, avatar, int(i)) for i in src[frames]])
+        comp = pb.putback_gpu(bg, faces, mask_dev, grids)
+        for j, t in enumerate(frames):
+            if int(t) in keep_idx:
+                keep[int(t)] = comp[j].cpu().numpy()
+        writer.write(rgb_to_yuv420p(comp) if cfg.writer == "ffmpeg" else comp)
+        return
+    host = (faces.float().clamp(0, 1) * 255).permute(0, 2, 3, 1).cpu().numpy()
+    out = np.stack([pb.putback_cpu(avatar.frames[src[t]], host[j], mask_np, avatar.m_c2o[src[t]])
+                    for j, t in enumerate(frames)])
+    for j, t in enumerate(frames):
+        if int(t) in keep_idx:
+            keep[int(t)] = out[j]
+    writer.write(out)
+
+
+def _grid(engine: Engine, avatar: Avatar, i: int) -> torch.Tensor:
+    if i not in avatar.grids:
+        h, w = avatar.frames.shape[1:3]
+        m = torch.from_numpy(avatar.m_c2o[i:i + 1]).to(engine.device)
+        avatar.grids[i] = pb.sampling_grid(m, (h, w), engine.dims.render_hw)[0]
+    return avatar.grids[i]
+
+
+# ---------------------------------------------------------------- run
+
+@dataclass
+class RunReport:
+    n_frames: int
+    wall_s: float
+    fps: float
+    loop_s: float                 # putback-and-render loop only (after audio features and motion)
+    loop_fps: float
+    stages: list[dict]
+    counts: dict[str, int]
+    motion_windows: int
+    speech_frames: int
+    bypassed_frames: int
+    keyframes: int
+    gpu_peak_mb: float | None
+    rss_peak_mb: float
+    rss_mb: list[float]
+    motion_source: str
+    faces: torch.Tensor | None = None       # (n, s, s, 3) uint8, when keep_faces
+    frames: dict[int, np.ndarray] = field(default_factory=dict)
+    alpha: np.ndarray | None = None
+    out_path: str | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("faces", "frames", "alpha")}
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+@torch.no_grad()
+def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: str | Path | None = None,
+        keep_faces: bool = False, keep_frames: tuple[int, ...] = (), block_frames: int | None = None) -> RunReport:
+    """Speech → talking-head video of the avatar (H.264 with the audio muxed when out_path is given)."""
+    cfg, dev = engine.cfg, engine.device
+    avatar = pool_view(engine, avatar)
+    timer = StageTimer(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    t_start = time.perf_counter()
+    rss = [_rss_mb()]
+
+    # 1. audio at 16 kHz → frame count
+    a = np.asarray(audio, dtype=np.float32)
+    if a.ndim != 1 or a.size == 0 or not np.isfinite(a).all():
+        raise InputError(f"audio must be a non-empty finite mono array, got shape {a.shape}")
+    with timer.stage("resample"):
+        a16 = a if sr == D.AUDIO_SR else lab_audio.resample(a, sr, D.AUDIO_SR, backend="torchaudio_cpu")
+    n = lab_audio.n_video_frames(len(a16), D.AUDIO_SR, cfg.fps)
+    if n < 1:
+        raise InputError(f"audio of {len(a16)} samples at 16 kHz is shorter than one video frame (640 samples)")
+    src = mirror_index(np.arange(n), avatar.n)
+
+    # 2. audio features → condition → motion (LMDM windows, or the RMS demo drive)
+    windows = 0
+    if cfg.motion == "lmdm":
+        with timer.stage("audio_features"):
+            feats = D.hubert_features(engine.hubert, torch.from_numpy(a16), n, batch=cfg.hubert_batch)
+            cond = condition(engine, feats.to(dev), avatar)
+        with timer.stage("motion"):
+            motion, windows = generate_motion(engine, cond, avatar.motion_s[0])
+        motion_source = f"LMDM {cfg.motion_mode} ({cfg.sampling_steps} DDIM steps, guidance {cfg.guidance})"
+    else:
+        with timer.stage("motion"):
+            motion = rms_motion(engine, avatar, a16, n)
+        motion_source = "RMS demo drive (jaw keypoints open with loudness; not the motion model)"
+    keys = st.keyframe_indices(n, cfg.stride) if cfg.stride > 1 else None
+    if keys is not None and cfg.stride_space == "motion":
+        motion = st.expand_keyframes(motion[torch.as_tensor(keys, device=dev)], keys, n)
+
+    # 3. keypoints: motion → driving keypoints, eased toward rest around pauses, stitched
+    with timer.stage("keypoints"):
+        kp_d = driving_keypoints(engine, avatar, motion, src)
+        speech = sil.speech_frames(a16, n, cfg.silence_threshold, D.AUDIO_SR, cfg.fps)
+        alpha = sil.speech_weight(speech, cfg.ease_frames) if cfg.silence != "off" else np.ones(n, np.float32)
+        kp_rest = avatar.kp_s[torch.as_tensor(src, device=dev)]
+        kp_d = sil.ease_keypoints(kp_d, kp_rest, torch.from_numpy(alpha).to(dev))
+        kp_d = _stitch(engine, kp_rest, kp_d)
+    bypass = (alpha == 0) if cfg.silence == "bypass" else np.zeros(n, dtype=bool)
+
+    # 4. render → put back → encode, block by block (bounded memory for any length)
+    h, w = avatar.frames.shape[1:3]
+    writer = _open_writer(engine, out_path, (w, h), a16)
+    mask_np = pb.feather_mask(engine.dims.render_hw)
+    mask_dev = torch.from_numpy(mask_np).to(dev) if cfg.putback == "gpu" else None
+    counts = {"rendered": 0, "warped": 0, "decoded": 0}
+    cache: dict[int, torch.Tensor] = {}
+    faces_kept = torch.empty((n, engine.dims.render_hw, engine.dims.render_hw, 3), dtype=torch.uint8,
+                             device=dev) if keep_faces else None
+    kept: dict[int, np.ndarray] = {}
+    keep_idx = set(int(i) for i in keep_frames)
+    block = block_frames or max(16, cfg.batch_size * cfg.stride * 2)
+    t_loop = time.perf_counter()
+    try:
+        for s in range(0, n, block):
+            frames = np.arange(s, min(s + block, n))
+            with timer.stage("render"):
+                faces = render_block(engine, avatar, frames, src, kp_d, bypass, keys, cache, counts)
+            if faces_kept is not None:
+                faces_kept[frames[0]:frames[-1] + 1] = (faces.float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1)
+            with timer.stage("putback_encode"):
+                for part in _batches(frames, max(cfg.batch_size, 8)):
+                    sub = faces[part[0] - frames[0]: part[-1] - frames[0] + 1]
+                    _putback_and_write(engine, avatar, sub, part, src, writer, mask_dev, mask_np, kept, keep_idx)
+            rss.append(_rss_mb())
+        with timer.stage("writer_close"):
+            writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    sync(dev)
+    t_end = time.perf_counter()
+    timer.stop()
+    wall, loop = t_end - t_start, t_end - t_loop
+    return RunReport(
+        n_frames=n, wall_s=wall, fps=n / wall, loop_s=loop, loop_fps=n / loop, stages=timer.report(n), counts=counts,
+        motion_windows=windows, speech_frames=int(speech.sum()), bypassed_frames=int(bypass.sum()),
+        keyframes=int(len(keys)) if keys is not None else n,
+        gpu_peak_mb=torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None,
+        rss_peak_mb=max(rss), rss_mb=rss, motion_source=motion_source,
+        faces=faces_kept.cpu() if faces_kept is not None else None, frames=kept, alpha=alpha,
+        out_path=str(out_path) if out_path is not None and cfg.writer == "ffmpeg" else None)
+
+
+def warmup(engine: Engine, avatar: Avatar, seconds: float = 1.0) -> None:
+    """One short untimed run: cuDNN picks kernels, compile and graph capture happen here."""
+    n = max(engine.cfg.batch_size * engine.cfg.stride * 2, 8)
+    t = np.arange(int(n * D.SAMPLES_PER_FRAME)) / D.AUDIO_SR
+    a = (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    a[len(a) // 2:] = 0   # speech then silence: the bypass path warms up too
+    run(reconfigure(engine, writer="null"), avatar, a, D.AUDIO_SR)

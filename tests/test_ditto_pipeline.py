@@ -1,0 +1,164 @@
+"""Ditto pipeline on the tiny config (CPU): lengths, silence bypass = the eased reference, strides,
+putback CPU vs GPU path, ping-pong sources, the encoder, and bad inputs with clear errors."""
+import numpy as np
+import pytest
+import torch
+
+from lab.accel import putback as pb
+from lab.accel import silence as sil
+from lab.errors import InputError
+from lab.pipelines import ditto as P
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SR = 16000
+
+
+def _speech_with_pause(seconds=1.6, pause=(0.5, 1.1), seed=0):
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * SR)) / SR
+    a = (0.2 * np.sin(2 * np.pi * 180 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t)) + 0.02 * rng.standard_normal(t.size))
+    a[int(pause[0] * SR):int(pause[1] * SR)] = 0
+    return a.astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cfg = P.Config(size="tiny", precision="fp32", batch_size=4, frame_size=(128, 192), sampling_steps=2,
+                   writer="null", source_pool="vram", putback="gpu")
+    return P.build(cfg, "cpu")
+
+
+@pytest.fixture(scope="module")
+def avatar(engine):
+    return P.prepare(engine)
+
+
+def test_run_lengths_and_bypass_equals_eased_reference(engine, avatar):
+    a = _speech_with_pause()
+    ref = P.run(P.reconfigure(engine, silence="ease"), avatar, a, SR, keep_faces=True)
+    byp = P.run(P.reconfigure(engine, silence="bypass"), avatar, a, SR, keep_faces=True)
+    n = 40
+    assert ref.n_frames == byp.n_frames == n and byp.faces.shape == (n, 64, 64, 3)
+    assert ref.counts["rendered"] == n
+    assert 0 < byp.bypassed_frames < n and byp.counts["rendered"] == n - byp.bypassed_frames
+    assert torch.equal(ref.faces, byp.faces)        # bypassed frames are exactly what the renderer gives at rest
+    assert ref.motion_windows >= 2                  # 40 frames need two tiny windows
+    assert np.isclose(ref.alpha[byp.alpha == 0], 0).all() and ref.alpha.max() == 1
+
+
+def test_all_silent_audio_is_all_bypassed(engine, avatar):
+    r = P.run(P.reconfigure(engine, silence="bypass"), avatar, np.zeros(SR // 2, np.float32), SR, keep_faces=True)
+    assert r.n_frames == 12 and r.bypassed_frames == 12 and r.counts["rendered"] == 0
+    assert r.faces.shape[0] == 12 and (r.faces == r.faces[0]).all()
+
+
+def test_strides_render_keyframes_only(engine, avatar):
+    a = _speech_with_pause()
+    dense = P.run(engine, avatar, a, SR, keep_faces=True)
+    s3 = P.run(P.reconfigure(engine, stride=3), avatar, a, SR, keep_faces=True)
+    keys = np.unique(np.r_[np.arange(0, 40, 3), 39])                             # every 3rd and the last
+    assert s3.counts["rendered"] == s3.keyframes == len(keys)
+    assert torch.equal(s3.faces[keys], dense.faces[keys])                        # keyframes exact
+    feat = P.run(P.reconfigure(engine, stride=2, stride_space="feature"), avatar, a, SR)
+    assert feat.counts["warped"] == 21 and feat.counts["decoded"] == 40 and feat.counts["rendered"] == 0
+    mot = P.run(P.reconfigure(engine, stride=2, stride_space="motion"), avatar, a, SR)
+    assert mot.counts["rendered"] == 40
+
+
+def test_cpu_and_gpu_putback_agree(engine, avatar):
+    a = _speech_with_pause(0.8)
+    keep = (0, 5, 19)
+    g = P.run(engine, avatar, a, SR, keep_frames=keep)
+    c = P.run(P.reconfigure(engine, putback="cpu", source_pool="host"), avatar, a, SR, keep_frames=keep)
+    for i in keep:
+        d = np.abs(g.frames[i].astype(int) - c.frames[i].astype(int))
+        assert d.max() <= 2, (i, d.max())
+        assert g.frames[i].shape == (192, 128, 3)
+    # pixels outside the crop keep the source frame
+    assert np.array_equal(g.frames[0][:2, :2], avatar.frames[0][:2, :2])
+
+
+def test_looping_source_ping_pong_and_batch_not_dividing(engine, avatar):
+    frames = np.repeat(avatar.frames, 3, axis=0)
+    frames[1] = np.roll(frames[1], 1, axis=0)
+    av3 = P.prepare(engine, frames, "three-frame loop")
+    assert av3.n == 3 and av3.kp_s.shape == (3, 21, 3)
+    assert P.mirror_index(np.arange(8), 3).tolist() == [0, 1, 2, 1, 0, 1, 2, 1]
+    r = P.run(P.reconfigure(engine, batch_size=3), av3, _speech_with_pause(0.44), SR, keep_faces=True)
+    assert r.n_frames == 11 and r.faces.shape[0] == 11    # 11 frames in batches of 3: the last one padded
+
+
+def test_ffmpeg_writer_output(engine, avatar, tmp_path):
+    from lab.video import read_video_info
+
+    out = tmp_path / "ditto.mp4"
+    r = P.run(P.reconfigure(engine, writer="ffmpeg", async_writer=True), avatar, _speech_with_pause(0.8), SR, out)
+    info = read_video_info(out)
+    assert r.out_path == str(out) and info.n_frames == 20 and info.has_audio
+
+
+def test_lmdm_online_mode_and_rms_drive(engine, avatar):
+    a = _speech_with_pause(1.2)
+    on = P.run(P.reconfigure(engine, motion_mode="online"), avatar, a, SR)
+    off = P.run(engine, avatar, a, SR)
+    assert on.motion_windows > off.motion_windows
+    rms = P.run(P.reconfigure(engine, motion="rms"), avatar, a, SR)
+    assert rms.motion_windows == 0 and "RMS demo" in rms.motion_source
+
+
+def test_bad_inputs(engine, avatar):
+    with pytest.raises(InputError, match="no face found in blank card"):
+        P.prepare(engine, np.full((96, 96, 3), 127, np.uint8), "blank card")
+    with pytest.raises(InputError, match="RGB uint8"):
+        P.prepare(engine, np.zeros((4, 96, 96), np.float32), "float frames")
+    with pytest.raises(InputError, match="must be even"):
+        P.prepare(engine, np.zeros((95, 96, 3), np.uint8), "odd")
+    with pytest.raises(InputError, match="shorter than one video frame"):
+        P.run(engine, avatar, np.zeros(100, np.float32), SR)
+    with pytest.raises(InputError, match="finite mono"):
+        P.run(engine, avatar, np.full(SR, np.nan, np.float32), SR)
+    with pytest.raises(InputError, match="Config.silence"):
+        P.reconfigure(engine, silence="skip")
+    with pytest.raises(InputError, match="batch_size must be an integer >= 1"):
+        P.reconfigure(engine, batch_size=0)
+    with pytest.raises(InputError, match="needs a CUDA device"):
+        P.build(P.Config(size="tiny", cuda_graphs=True), "cpu")
+    with pytest.raises(InputError, match="unknown components"):
+        P.Config(weights={"unet": "x"}).check()
+    with pytest.raises(InputError, match="must be 25"):
+        P.Config(fps=30).check()
+
+
+def test_silence_helpers():
+    sp = np.zeros(20, bool)
+    sp[:5] = sp[15:] = True
+    w = sil.speech_weight(sp, 4)
+    assert np.allclose(w[4:9], [1, 0.84375, 0.5, 0.15625, 0])
+    assert np.allclose(w[11:16], [0, 0.15625, 0.5, 0.84375, 1])
+    assert np.all(np.abs(np.diff(w)) <= 0.35)       # never a snap
+    short = np.ones(12, bool)
+    short[4:9] = False                              # a 5-frame pause never reaches rest with ramp 4
+    assert sil.speech_weight(short, 4).min() > 0
+    assert not sil.speech_weight(np.zeros(6, bool)).any()
+    assert sil.hermite(np.array([0, 0.5, 1])).tolist() == [0, 0.5, 1]
+    loud = 0.05 * np.ones(1280, np.float32)
+    assert sil.speech_frames(np.r_[loud, np.zeros(640, np.float32)], 4).tolist() == [True, True, False, False]
+    with pytest.raises(InputError):
+        sil.speech_weight(sp, 0)
+    with pytest.raises(InputError):
+        sil.speech_frames(loud, 2, threshold=0)
+
+
+def test_putback_gpu_matches_cpu_reference():
+    rng = np.random.default_rng(0)
+    bg = rng.integers(0, 255, (1, 48, 40, 3), dtype=np.uint8)
+    render = rng.random((1, 3, 16, 16)).astype(np.float32)
+    mask = pb.feather_mask(16)
+    m = P.crop_matrix((8, 10, 28, 30), 16)
+    grid = pb.sampling_grid(torch.from_numpy(m[None]), (48, 40), 16)
+    g = pb.putback_gpu(torch.from_numpy(bg), torch.from_numpy(render), torch.from_numpy(mask), grid)[0].numpy()
+    c = pb.putback_cpu(bg[0], render[0].transpose(1, 2, 0) * 255, mask, m)
+    assert np.abs(g.astype(int) - c.astype(int)).max() <= 1
+    assert mask.max() == 1 and mask[0, 0] < mask[0, 8] < 1
+    with pytest.raises(InputError):
+        pb.feather_mask(16, ratio=1.2)
