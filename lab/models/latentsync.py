@@ -521,10 +521,13 @@ def load_latentsync_unet(weights: str = "random", size: str = "full", device: st
     if size not in CONFIGS:
         raise InputError(f"size must be one of {tuple(CONFIGS)}, got {size!r}")
     if weights == "random":
-        with torch.random.fork_rng(devices=[]):
+        dev = torch.device(device)
+        # initialised where it will run (1.27 B values: seconds on a GPU, a minute on a CPU); the
+        # draw depends on the device's generator, so the label names it
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(seed)
-            model = build_unet(size)
-        out = LatentSyncUNet(model, f"random (seed {seed})", size)
+            model = build_unet(size, device=dev)
+        out = LatentSyncUNet(model, f"random (seed {seed}{', drawn on ' + dev.type if dev.type != 'cpu' else ''})", size)
     else:
         p = Path(str(weights)).expanduser()
         sd = read_checkpoint(p)

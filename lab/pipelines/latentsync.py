@@ -47,6 +47,14 @@ SAMPLE_RATE = 16000
 # template in 512² output pixels: left brow centre, right brow centre, nose (ours; see the docstring)
 TEMPLATE = np.array([[181.0, 140.0], [331.0, 140.0], [256.0, 234.0]])  # eyes sit just above the mask
 CROP_WH = (420, 560)        # upstream's aligned crop (w × h) at 512, resized to 512² (non-uniform)
+MOUTH = (0.52, 0.80, 0.30, 0.70)  # rows, cols (fractions) of the mouth in an aligned face
+
+
+def mouth(faces: torch.Tensor) -> torch.Tensor:
+    """The mouth box of aligned faces (..., S, S)."""
+    s = faces.shape[-1]
+    r0, r1, c0, c1 = (int(round(f * s)) for f in MOUTH)
+    return faces[..., r0:r1, c0:c1]
 
 
 @dataclass
@@ -131,11 +139,14 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
     return set_fast(engine, cfg.fast)
 
 
-def set_fast(engine: Engine, how: str) -> Engine:
-    """Point the loop at the eager UNet or a cudagraph / compiled runner for the guided block shape."""
+def set_fast(engine: Engine, how: str, runner: Any = None) -> Engine:
+    """Point the loop at the eager UNet or a cudagraph / compiled runner for the guided block shape
+    (`runner`: one already built for that shape, e.g. by a benchmark, instead of building again)."""
     cfg = engine.cfg
     model = engine.unet.model
-    if how == "eager":
+    if runner is not None:
+        engine.unet_fn, engine.runner = _with_attention(runner, cfg.attention), runner
+    elif how == "eager":
         engine.unet_fn, engine.runner = _with_attention(model, cfg.attention), None
     else:
         batch = 2 if cfg.guidance > 1 else 1
