@@ -192,12 +192,14 @@ def frame_windows(n_frames: int, n_features: int, fps: float, window: int = WIND
 
 
 def musetalk_audio_features(encoder: torch.nn.Module, audio_16k: np.ndarray | torch.Tensor, fps: float = 25,
-                            batch_size: int = 4, pad: str = "repeat", progress: bool = False) -> torch.Tensor:
+                            batch_size: int = 4, pad: str = "repeat", progress: bool = False,
+                            align: str = "centred") -> torch.Tensor:
     """MuseTalk's audio prompt: (T, 10·(n_layers+1), d_model) = (T, 50, 384) at full size.
 
     T = n_video_frames(len(audio), 16000, fps). See the module docstring for the window and
-    token order. `pad`: "repeat" (edge frames repeated) or "zeros". Output on the encoder's
-    device and dtype.
+    token order. `pad`: "repeat" (edge frames repeated) or "zeros". `align`: "centred" or
+    "upstream" (MuseTalk v1.5's placement, see `window_indices`; with pad="zeros" these are
+    upstream's windows). Output on the encoder's device and dtype.
     """
     from lab.audio import n_video_frames
 
@@ -209,7 +211,7 @@ def musetalk_audio_features(encoder: torch.nn.Module, audio_16k: np.ndarray | to
         raise InputError(f"audio of {len(a)} samples ({len(a) / SAMPLE_RATE * 1e3:.1f} ms) is shorter than one "
                          f"video frame at {fps} fps; expected at least {math.ceil(SAMPLE_RATE / fps)} samples")
     feats = whisper_hidden_states(encoder, a, batch_size=batch_size, progress=progress)  # (F, S, D)
-    idx = frame_windows(n_frames, feats.shape[0], fps).to(feats.device)
+    idx = window_indices(n_frames, fps, align).to(feats.device)
     inside = (idx >= 0) & (idx < feats.shape[0])
     out = feats[idx.clamp(0, feats.shape[0] - 1)]  # (T, W, S, D): one gather, no per-frame loop
     if pad == "zeros":
@@ -231,3 +233,178 @@ def audio_positional_encoding(x: torch.Tensor, max_len: int = 5000) -> torch.Ten
     if x.shape[-2] > max_len:
         raise InputError(f"{x.shape[-2]} tokens exceed the positional encoding's max_len {max_len}")
     return positional_encoding(x.reshape(-1, *x.shape[-2:])).reshape(x.shape)
+
+
+# ---------------------------------------------------------------- upstream v1.5 windows, streamed
+
+ALIGNS = ("upstream", "centred")
+CONTEXT_FRAMES = 2  # video frames of audio context each side (MuseTalk's audio_padding_length left/right)
+
+
+def upstream_window_starts(frames: int | np.ndarray, fps: float, feature_rate: int = FEATURE_RATE,
+                           context: int = CONTEXT_FRAMES) -> np.ndarray:
+    """First feature frame of each video frame's window, as MuseTalk v1.5 places it: frame i
+    starts at ⌊i·rate/fps⌋ − context·⌈rate/fps⌉ (int64, may be negative: those frames are zero).
+
+    `frames`: a count (frames 0..n-1) or the frame indices. Exact rational arithmetic, so 30 fps
+    (rate/fps = 5/3) never lands a hair below an integer.
+    """
+    from fractions import Fraction
+
+    per = Fraction(feature_rate) / Fraction(fps).limit_denominator(1_000_000)
+    i = np.arange(int(frames), dtype=np.int64) if np.ndim(frames) == 0 else np.asarray(frames, dtype=np.int64)
+    return (i * per.numerator) // per.denominator - context * math.ceil(per)
+
+
+def window_indices(frames: int | np.ndarray, fps: float, align: str = "upstream", window: int = WINDOW) -> torch.Tensor:
+    """Feature-frame indices (len(frames), window) per video frame, unclamped; `frames` a count
+    or the frame indices.
+
+    align="upstream": MuseTalk v1.5's placement (`upstream_window_starts`). Upstream pads the
+    features with zeros (2·⌈50/fps⌉ frames left, 6·⌈50/fps⌉ right) and slices; at 50 and 60 fps
+    the last frame's slice runs past that right padding and upstream stops one frame short. Here
+    every index past the audio reads as zero, so that frame gets a full window whose tail is
+    zeros (the zero padding continued) and the clip keeps all n_video_frames frames.
+    align="centred": the window centred on the frame's own span (as `frame_windows`).
+    """
+    i = np.arange(int(frames), dtype=np.int64) if np.ndim(frames) == 0 else np.asarray(frames, dtype=np.int64)
+    if align == "centred":
+        centre = (i.astype(np.float64) + 0.5) * (FEATURE_RATE / fps)
+        start = np.floor(centre - window / 2 + 0.5).astype(np.int64)
+    elif align == "upstream":
+        start = upstream_window_starts(i, fps)
+    else:
+        raise InputError(f"align must be one of {ALIGNS}, got {align!r}")
+    return torch.from_numpy(start)[:, None] + torch.arange(window)[None, :]
+
+
+def n_resampled(n_samples: int, sr: int, new_sr: int = SAMPLE_RATE) -> int:
+    """Samples after resampling n_samples from sr to new_sr: ⌈n·new/sr⌉, the length torchaudio,
+    librosa and scipy's polyphase resampler all return."""
+    return -(-int(n_samples) * int(new_sr) // int(sr))
+
+
+class AudioFeatureStream:
+    """MuseTalk's audio prompt (T, 50, D) for any frame range, built 30 s at a time.
+
+    The whole clip's features are never held: the input is resampled to 16 kHz and run through
+    Whisper one encoder chunk (30 s) at a time, as the frames that need it come up. A frame's
+    window reaches at most a few feature frames into the neighbouring chunk, so two chunks
+    resident cover every window; chunks behind the lowest frame still to come are released.
+    Memory is O(chunk), whatever the audio length: per resident chunk 1500 × 5 × D values on the
+    encoder's device, plus 30 s of 16 kHz audio and its log-mel on the host.
+
+    Each chunk is cut from the input with `context_s` of extra audio each side (aligned to whole
+    resampler periods) and trimmed after resampling, so the 16 kHz samples equal a whole-clip
+    resample up to the resampler's float rounding; each chunk's features are exactly what
+    `whisper_hidden_states` gives for it (chunks are independent in Whisper).
+
+    `resample(x, sr, new_sr)` does the resampling (e.g. `lab.audio.resample` with a backend);
+    `timer` (a lab.timing.StageTimer) times it as "resample" and Whisper as "whisper".
+    """
+
+    def __init__(self, encoder: torch.nn.Module, audio: np.ndarray, sr: int, fps: float,
+                 resample=None, align: str = "upstream", pad: str = "zeros", timer=None,
+                 context_s: float = 0.25):
+        from fractions import Fraction
+
+        from lab.audio import n_video_frames
+
+        if pad not in ("repeat", "zeros"):
+            raise InputError(f"pad must be 'repeat' or 'zeros', got {pad!r}")
+        if align not in ALIGNS:
+            raise InputError(f"align must be one of {ALIGNS}, got {align!r}")
+        a = np.asarray(audio)
+        if a.ndim != 1 or a.size == 0:
+            raise InputError(f"audio of shape {a.shape} is not usable; expected mono samples (n,)")
+        self.encoder, self.audio, self.sr, self.fps = encoder, a, int(sr), float(fps)
+        self.align, self.pad, self.timer = align, pad, timer
+        self.resample = resample
+        self.n16 = n_resampled(len(a), self.sr) if self.sr != SAMPLE_RATE else len(a)
+        self.n_features = self.n16 * FEATURE_RATE // SAMPLE_RATE
+        self.n_frames = n_video_frames(self.n16, SAMPLE_RATE, fps)
+        self.chunk16 = _chunk_samples(encoder)
+        self.chunk_feats = self.chunk16 * FEATURE_RATE // SAMPLE_RATE
+        self.n_chunks = max(1, -(-self.n_features // self.chunk_feats))
+        # input samples per whole resampler period: chunk cuts on multiples of it keep the
+        # 16 kHz grid of every chunk on the whole clip's grid
+        r = Fraction(self.sr, SAMPLE_RATE)
+        self.unit = r.numerator
+        self.ctx = -(-int(context_s * self.sr) // self.unit) * self.unit
+        self.chunks: dict[int, torch.Tensor] = {}
+        self.floor = 0     # chunks below it are released: no window still to come reads them
+        self.computed = 0  # chunk encodes so far (a chunk released and needed again counts twice)
+        self.peak_chunks = 0
+
+    def __len__(self) -> int:
+        return self.n_frames
+
+    def _stage(self, name: str):
+        from contextlib import nullcontext
+
+        return self.timer.stage(name) if self.timer is not None else nullcontext()
+
+    def audio16(self, c: int) -> np.ndarray:
+        """16 kHz samples of chunk c (the last one shorter)."""
+        o0, o1 = c * self.chunk16, min((c + 1) * self.chunk16, self.n16)
+        if self.sr == SAMPLE_RATE:
+            return np.ascontiguousarray(self.audio[o0:o1], dtype=np.float32)
+        s0 = o0 * self.sr // SAMPLE_RATE  # exact: o0 is a multiple of 30 s
+        lo = max(0, s0 - self.ctx)
+        hi = min(len(self.audio), o1 * self.sr // SAMPLE_RATE + self.ctx)
+        seg = np.ascontiguousarray(self.audio[lo:hi], dtype=np.float32)
+        y = np.asarray(self.resample(seg, self.sr, SAMPLE_RATE), dtype=np.float32)
+        k0 = (s0 - lo) * SAMPLE_RATE // self.sr
+        y = y[k0:k0 + (o1 - o0)]
+        return np.pad(y, (0, o1 - o0 - len(y))) if len(y) < o1 - o0 else y
+
+    def _chunk(self, c: int) -> torch.Tensor:
+        if c not in self.chunks:
+            with self._stage("resample"):
+                a16 = self.audio16(c)
+            with self._stage("whisper"), torch.inference_mode():
+                mel = log_mel(self.encoder, a16)
+                p = next(self.encoder.parameters())
+                hs = self.encoder(mel.to(p.device, p.dtype), output_hidden_states=True).hidden_states
+                n = min(self.chunk_feats, self.n_features - c * self.chunk_feats)
+                self.chunks[c] = torch.stack(hs, dim=2)[0, :n]  # (n, L+1, D)
+            self.computed += 1
+            self.peak_chunks = max(self.peak_chunks, len(self.chunks))
+        return self.chunks[c]
+
+    def indices(self, frames: np.ndarray | list[int]) -> torch.Tensor:
+        return window_indices(np.asarray(frames, dtype=np.int64).reshape(-1), self.fps, self.align)
+
+    def _first_feature(self, frame: int) -> int:
+        lo = int(self.indices([min(max(int(frame), 0), self.n_frames - 1)]).min())
+        return min(max(lo, 0), max(self.n_features - 1, 0))
+
+    def release_before(self, frame: int) -> None:
+        """Frames below `frame` are done: drop the chunks no later window reads."""
+        self.floor = max(self.floor, self._first_feature(frame) // self.chunk_feats)
+        for c in [c for c in self.chunks if c < self.floor]:
+            del self.chunks[c]
+
+    def prefetch(self, last_frame: int) -> None:
+        """Encode the chunks the windows up to `last_frame` read (so it is timed outside the UNet)."""
+        hi = int(self.indices([min(max(int(last_frame), 0), self.n_frames - 1)]).max())
+        hi = min(max(hi, 0), max(self.n_features - 1, 0))
+        for c in range(self.floor, hi // self.chunk_feats + 1):
+            self._chunk(c)
+
+    def windows(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Audio prompts (len(frames), 10·(L+1), D) on the encoder's device and dtype."""
+        f = np.asarray(frames, dtype=np.int64)
+        if len(f) and (f.min() < 0 or f.max() >= self.n_frames):
+            raise InputError(f"frames {int(f.min())}..{int(f.max())} outside the clip's {self.n_frames} frames")
+        idx = self.indices(f)
+        inside = (idx >= 0) & (idx < self.n_features)
+        src = idx.clamp(0, max(self.n_features - 1, 0))
+        cs = sorted({int(c) for c in torch.unique(src // self.chunk_feats)})
+        held = {c: self._chunk(c) for c in cs}
+        base = cs[0] * self.chunk_feats
+        feats = torch.cat([held[c] for c in cs]) if len(cs) > 1 else held[cs[0]]
+        out = feats[(src - base).to(feats.device)]  # (n, W, S, D)
+        if self.pad == "zeros":
+            out = out * inside.to(out.device)[:, :, None, None].to(out.dtype)
+        return out.flatten(1, 2)
