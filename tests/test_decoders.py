@@ -223,10 +223,64 @@ def test_comparator_widget_reacts_to_its_controls():
     pytest.importorskip("ipywidgets")
     rng = np.random.default_rng(0)
     frames = {k: rng.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8) for k in ("composite", "sd-vae", "taesd")}
-    box = widgets.decoder_comparator(frames, labels=["face", "cat"], a="sd-vae", b="taesd", interactive=True)
+    view = widgets.decoder_comparator(frames, labels=["face", "cat"], a="sd-vae", b="taesd", interactive=True)
+    box = view.controls
     (slider, name), (dd_a, dd_b) = box.children[0].children, box.children[1].children
+    view.redraw()
+    first = view.png
     assert name.value == "face" and dd_a.value == "sd-vae" and dd_b.value == "taesd"
+    assert first[:8] == b"\x89PNG\r\n\x1a\n"  # the current view is kept as a plain PNG
     slider.value = 1
-    assert name.value == "cat"
+    assert name.value == "cat" and view.png != first
     dd_b.value = "composite"  # redraws without error
     assert list(dd_a.options) == ["composite", "sd-vae", "taesd"]
+
+
+# ----------------------------------------------------------------------------- notebook parameters and profile
+
+def _defaults():
+    from lab.experiments.common import notebook_path
+    from lab.params import notebook_defaults
+
+    return notebook_defaults(notebook_path(D.NAME))
+
+
+def test_profile_quick_cpu_and_gpu():
+    p = D.profile(dict(_defaults(), quick=True), torch.device("cpu"))
+    assert (p["size"], p["image_size"], p["batch_sizes"], p["dtypes"], p["compile"]) == ("tiny", 64, [1, 2], ["fp32"], False)
+    assert p["headline_batch"] == 2 and p["latent_hw"] == 8 and not p["full_size"] and p["threads"] == 1
+    assert p["autotune"] is False and "compile_subpixel_autotune" not in p["variants"] and len(p["photos"]) == 3
+    cpu = D.profile(_defaults(), torch.device("cpu"))  # a full run without a GPU: capped batches, fp32
+    assert cpu["batch_sizes"] == [1, 2, 4] and cpu["dtypes"] == ["fp32"] and cpu["headline_batch"] == 4
+    assert cpu["profile"] == "cpu" and cpu["size"] == "full"
+    gpu = D.profile(_defaults(), torch.device("cuda"))  # decides sizes only: needs no GPU to test
+    assert gpu["batch_sizes"] == _defaults()["batch_sizes"] and gpu["headline_batch"] == 16 and gpu["full_size"]
+    assert gpu["autotune"] is True and gpu["variants"][-1] == "compile_subpixel_autotune"
+    off = D.profile(dict(_defaults(), autotune=False), torch.device("cuda"))
+    assert "compile_subpixel_autotune" not in off["variants"]
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("image_size", 60, "image_size=60.*multiple of 8"),
+    ("image_size", "256", "image_size='256'"),
+    ("batch_sizes", [1, 0], r"batch_sizes\[1\]=0"),
+    ("batch_sizes", 16, "batch_sizes=16.*list"),
+    ("dtypes", ["fp8"], r"dtypes\[0\]='fp8'"),
+    ("variants", ["eager", "tensorrt"], r"variants\[1\]='tensorrt'"),
+    ("autotune", "yes", "autotune='yes'"),
+    ("compile", "none", "compile='none'"),
+    ("photos", ["lena"], r"photos\[0\]='lena'"),
+    ("headline_dtype", "float16", "headline_dtype='float16'"),
+    ("iters", 0, "iters=0"),
+    ("compile_budget_s", -1, "compile_budget_s=-1"),
+    ("size", "small", "size='small'"),
+    ("weights_sd", 3, "weights_sd=3"),
+    ("batch_szes", [1], "did you mean 'batch_sizes'"),
+])
+def test_bad_parameters_are_refused_naming_them(name, value, match):
+    from lab.experiments.common import notebook_path
+    from lab.runner import check_parameters
+
+    with pytest.raises(InputError, match=match):
+        check_parameters(notebook_path(D.NAME), {name: value})
+    check_parameters(notebook_path(D.NAME), {"image_size": 128, "autotune": True, "compile_budget_s": None})

@@ -14,6 +14,11 @@ artifacts on UNet-inpainted latents. This module holds what notebook 02 needs to
   UNet's "generated" mouth) and whose upper half is the reference, decoded by each decoder:
   seam energy at the boundary and colour drift.
 - `flicker_experiment`: a slowly panned face through each decoder: temporal flicker in the mouth.
+
+The notebook's sections call the layer at the end of this file: `start` (parameters, profile,
+decoders), then per section one function that measures and keeps its table (`throughput`,
+`exact_variants`, `round_trips`, `inpainting`, `flicker`) and one that shows it (`show_*`, returning
+the saved figure), the comparator widget, `compare` and `finish`.
 """
 from __future__ import annotations
 
@@ -21,13 +26,17 @@ import copy
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
+from lab import params
 from lab.errors import BackendUnavailable, InputError
+from lab.experiments import common
+from lab.experiments.common import Run, batched, row, to_uint8, weights_label
 from lab.models.vae import KINDS, VAE
 from lab.models.weights import quiet_diffusers
 from lab.timing import bench, count_flops, matmul_ceiling, sync
@@ -300,7 +309,7 @@ def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor) -> 
 # the benchmark
 
 
-def _row(**kw: Any) -> dict[str, Any]:
+def _bench_row(**kw: Any) -> dict[str, Any]:
     base = dict(decoder=None, batch=None, dtype=None, variant=None, status="ok", reason="", fps=None,
                 ms_per_batch=None, ms_per_frame=None, gflops_per_frame=None, tflops=None, ceiling=None,
                 ceiling_tflops=None, pct_of_ceiling=None, psnr_vs_fp32=None, max_abs_vs_fp32=None,
@@ -331,9 +340,8 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
     fails is a row with status "failed" and the error. Compiled variants stop being attempted once
     `compile_budget_s` seconds were spent compiling + timing them (status "skipped", reason says so).
     """
-    from tqdm.auto import tqdm
-
     from lab import metrics
+    from lab.progress import tqdm
 
     if not vaes:
         raise InputError("no decoders given; pass {'sd-vae': load_vae('sd-vae'), 'taesd': load_vae('taesd')}")
@@ -367,7 +375,7 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
         if reason is None and variant in COMPILED and compile_budget_s is not None and compile_spent > compile_budget_s:
             reason = f"compile budget of {compile_budget_s:.0f} s spent ({compile_spent:.0f} s); raise compile_budget_s"
         if reason:
-            rows.append(_row(**info, status="skipped", reason=reason))
+            rows.append(_bench_row(**info, status="skipped", reason=reason))
             continue
         # the same fp32 latents for every dtype and variant; the cast is part of a half-precision path
         sets = [z.to(DTYPES[dtype]) for z in random_latents(batch, latent_hw, n_sets, seed=seed + batch, device=dev)]
@@ -391,7 +399,7 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
                 r = bench(fn, inputs=[(z,) for z in sets], warmup=warmup, iters=iters, device=dev,
                           flops=fpf * batch, ceiling_tflops=ceil)
             ref = refs[kind, batch]
-            rows.append(_row(**info, fps=r.throughput(batch), ms_per_batch=1e3 * r.median_s,
+            rows.append(_bench_row(**info, fps=r.throughput(batch), ms_per_batch=1e3 * r.median_s,
                              ms_per_frame=1e3 * r.median_s / batch, gflops_per_frame=fpf / 1e9, tflops=r.tflops,
                              ceiling=ceil_label, ceiling_tflops=ceil, pct_of_ceiling=r.pct_of_ceiling,
                              psnr_vs_fp32=float(metrics.psnr(out, ref, data_range=1.0)),
@@ -399,7 +407,7 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
                              peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
                              iters=r.iters))
         except Exception as e:  # one variant failing (a compile error, OOM) must not sink the sweep
-            rows.append(_row(**info, status="failed", reason=f"{type(e).__name__}: {str(e).strip()[:300]}"))
+            rows.append(_bench_row(**info, status="failed", reason=f"{type(e).__name__}: {str(e).strip()[:300]}"))
         finally:
             del fn
             if variant in COMPILED:
@@ -412,15 +420,10 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
     return rows
 
 
-def ok_rows(rows: Sequence[dict], **match: Any) -> list[dict]:
-    """Rows with status ok whose fields equal `match`."""
-    return [r for r in rows if r["status"] == "ok" and all(r.get(k) == v for k, v in match.items())]
-
-
 def best_rows(rows: Sequence[dict], batch: int, dtype: str) -> dict[str, dict]:
     """Fastest ok row per decoder at (batch, dtype): {decoder: row}."""
     best: dict[str, dict] = {}
-    for r in ok_rows(rows, batch=batch, dtype=dtype):
+    for r in (r for r in rows if r["status"] == "ok" and r["batch"] == batch and r["dtype"] == dtype):
         if r["decoder"] not in best or r["fps"] > best[r["decoder"]]["fps"]:
             best[r["decoder"]] = r
     return best
@@ -433,8 +436,8 @@ def speed_ratio(rows: Sequence[dict], batch: int, dtype: str, variant: str | Non
         b = best_rows(rows, batch, dtype)
         f, s = b.get(fast), b.get(slow)
     else:
-        f = next(iter(ok_rows(rows, decoder=fast, batch=batch, dtype=dtype, variant=variant)), None)
-        s = next(iter(ok_rows(rows, decoder=slow, batch=batch, dtype=dtype, variant=variant)), None)
+        f = row(rows, status="ok", decoder=fast, batch=batch, dtype=dtype, variant=variant)
+        s = row(rows, status="ok", decoder=slow, batch=batch, dtype=dtype, variant=variant)
     if not f or not s:
         return None
     return f["fps"] / s["fps"]
@@ -501,11 +504,6 @@ def to_tensor(images: Sequence[np.ndarray] | np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr)).permute(0, 3, 1, 2).float() / 255.0
 
 
-def to_uint8(x: torch.Tensor) -> np.ndarray:
-    """(N, 3, H, W) in [0, 1] → uint8 (N, H, W, 3)."""
-    return (x.detach().float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy()
-
-
 # ----------------------------------------------------------------------------------------------
 # fidelity
 
@@ -516,9 +514,9 @@ PATHS: dict[str, tuple[str, str]] = {"sd-vae": ("sd-vae", "sd-vae"), "taesd": ("
                                      "sd-vae→taesd": ("sd-vae", "taesd")}
 
 
-def _batched(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch: int = 8) -> torch.Tensor:
-    with torch.inference_mode():
-        return torch.cat([fn(x[i:i + batch]).float().cpu() for i in range(0, len(x), batch)])
+def _on_host(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch: int = 8) -> torch.Tensor:
+    """`fn` over `x` in batches, results as float32 on the host (photos and their decodes are small)."""
+    return batched(lambda xb: fn(xb).float().cpu(), x, batch)
 
 
 def round_trip(vaes: dict[str, VAE], images: torch.Tensor, paths: Sequence[str] = tuple(PATHS)) -> dict[str, torch.Tensor]:
@@ -534,8 +532,8 @@ def round_trip(vaes: dict[str, VAE], images: torch.Tensor, paths: Sequence[str] 
         if enc not in vaes or dec not in vaes:
             continue
         if enc not in latents:
-            latents[enc] = _batched(vaes[enc].encode, images)
-        out[p] = _batched(vaes[dec].decode, latents[enc])
+            latents[enc] = _on_host(vaes[enc].encode, images)
+        out[p] = _on_host(vaes[dec].decode, latents[enc])
     return out
 
 
@@ -643,14 +641,14 @@ def inpaint_experiment(vaes: dict[str, VAE], reference: torch.Tensor, generated:
     if reference.shape != generated.shape:
         raise InputError(f"reference {tuple(reference.shape)} and generated {tuple(generated.shape)} must match")
     enc = vaes["sd-vae"]
-    z = splice_latents(_batched(enc.encode, reference), _batched(enc.encode, generated))
+    z = splice_latents(_on_host(enc.encode, reference), _on_host(enc.encode, generated))
     h, w = reference.shape[2:]
     mask = lower_half_mask(h, w)
     composite = reference.clone()
     composite[:, :, h // 2:] = generated[:, :, h // 2:]
     images = {"composite": composite}
     for kind, vae in vaes.items():
-        images[kind] = _batched(vae.decode, z)
+        images[kind] = _on_host(vae.decode, z)
     rows = []
     for kind in vaes:
         for i, name in enumerate(names):
@@ -688,10 +686,10 @@ def flicker_experiment(vaes: dict[str, VAE], frames: torch.Tensor) -> tuple[list
     check_images(frames)
     h, w = frames.shape[2:]
     roi = metrics.mouth_roi(h, w)
-    z = _batched(vaes["sd-vae"].encode, frames)
+    z = _on_host(vaes["sd-vae"].encode, frames)
     images = {"source": frames}
     for kind, vae in vaes.items():
-        images[kind] = _batched(vae.decode, z)
+        images[kind] = _on_host(vae.decode, z)
     rows = [{"frames": k, "flicker": float(metrics.flicker(v, roi))} for k, v in images.items()]
     return rows, images
 
@@ -706,12 +704,12 @@ WRITEUP = dict(source="write-up 000 §4.1 (Accelerating Real-Time Lip-Sync, Part
 
 
 def headline(rows: Sequence[dict], batch: int, dtype: str) -> dict[str, Any]:
-    """The numbers the issue asks for at (batch, dtype): each decoder's eager and best exact FPS,
+    """The speed headline at (batch, dtype): each decoder's eager and best exact FPS,
     the variant that got there, its % of the matmul ceiling and quality vs fp32; both ratios."""
     h: dict[str, Any] = {}
     best = best_rows(rows, batch, dtype)
     for kind in ("sd-vae", "taesd"):
-        eager = next(iter(ok_rows(rows, decoder=kind, batch=batch, dtype=dtype, variant="eager")), None)
+        eager = row(rows, status="ok", decoder=kind, batch=batch, dtype=dtype, variant="eager")
         if eager:
             h[f"{kind} eager FPS b{batch} {dtype}"] = round(eager["fps"], 1)
         r = best.get(kind)
@@ -722,7 +720,8 @@ def headline(rows: Sequence[dict], batch: int, dtype: str) -> dict[str, Any]:
                 h[f"{kind} best % of {r['ceiling']} ceiling"] = round(r["pct_of_ceiling"], 1)
             h[f"{kind} best PSNR vs fp32 (dB)"] = round(r["psnr_vs_fp32"], 1)
             if r["variant"] in _SUBPIXEL:  # also the best that kept the original layer structure
-                plain = [x for x in ok_rows(rows, decoder=kind, batch=batch, dtype=dtype) if x["variant"] not in _SUBPIXEL]
+                plain = [x for x in rows if x["status"] == "ok" and x["decoder"] == kind and x["batch"] == batch
+                         and x["dtype"] == dtype and x["variant"] not in _SUBPIXEL]
                 if plain:
                     p = max(plain, key=lambda x: x["fps"])
                     h[f"{kind} best FPS without folding b{batch} {dtype}"] = round(p["fps"], 1)
@@ -766,7 +765,7 @@ def compare_speed(result: Any, rows: Sequence[dict], machine: str, full_size: bo
                    their_value=w["ratio"], their_hardware=w["hardware"], our_value=ours_v, our_hardware=machine,
                    unit="× (FPS ratio)", verdict=verdict, reason=reason)
     for kind, theirs in (("sd-vae", w["sd_fps"]), ("taesd", w["taesd_fps"])):
-        r = next(iter(ok_rows(rows, decoder=kind, batch=batch, dtype=dtype, variant="eager")), None)
+        r = row(rows, status="ok", decoder=kind, batch=batch, dtype=dtype, variant="eager")
         result.compare(source=w["source"], claim=f"{kind} decode throughput, fp16 batch 16", their_value=theirs,
                        their_hardware=w["hardware"], our_value=round(r["fps"], 1) if r else None,
                        our_hardware=machine, unit="frames/s", verdict="not comparable",
@@ -815,3 +814,331 @@ def compare_quality(result: Any, seam_rows: Sequence[dict], fidelity_rows: Seque
         v, reason = verdict(ok, why)
         result.compare(source=w["source"], claim=claim, their_value="visual (figure)", their_hardware=w["hardware"],
                        our_value=ours, our_hardware=machine, unit=unit, verdict=v, reason=reason)
+
+
+# ----------------------------------------------------------------------------------------------
+# the notebook: parameters, profile, one function per section
+
+NAME = "02_taesd_vs_vae"
+TARGET_FPS = 800.0  # SD-VAE decode at 256², batch 16 fp16, on an H200
+TARGET_KEY = f"sd-vae ≥ {TARGET_FPS:.0f} FPS target"
+FIDELITY_FIELDS = ("psnr_db", "mouth_psnr_db", "ssim", "lpips", "d_sat", "da", "db", "delta_e")
+
+
+def _image_size(name: str, v: Any) -> Any:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 8 or v % 8:
+        raise InputError(f"parameter {name}={v!r}: must be an integer multiple of 8 (≥ 8); the autoencoders "
+                         f"downsample by 8")
+    return v
+
+
+def _auto_or_flag(name: str, v: Any) -> Any:
+    if v != "auto" and not isinstance(v, bool):
+        raise InputError(f"parameter {name}={v!r}: must be 'auto', True or False")
+    return v
+
+
+RULES: dict[str, params.Rule] = {
+    "batch_sizes": params.list_of(params.positive(integer=True)),
+    "dtypes": params.list_of(params.one_of(*DTYPES)),
+    "compile": params.flag,
+    "size": params.one_of("full", "tiny"),
+    "image_size": _image_size,
+    "headline_batch": params.positive(integer=True),
+    "headline_dtype": params.one_of(*DTYPES),
+    "variants": params.list_of(params.one_of(*VARIANTS)),
+    "autotune": _auto_or_flag,
+    "graph_curve": params.flag,
+    "compile_curve": params.flag,
+    "iters": params.positive(integer=True),
+    "compile_budget_s": params.positive(optional=True),
+    "photos": params.list_of(params.one_of(*PHOTOS)),
+}
+
+
+def profile(p: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Sizes from `quick` and the device. quick: tiny decoders, 64² crops, batches 1-2, fp32, no
+    compile, three photos. A full run without a GPU keeps batches ≤ 4 in fp32 (the whole sweep would
+    take hours on a CPU). `autotune="auto"` turns the max-autotune variant on for a full GPU run."""
+    p = dict(p)
+    cuda = torch.device(device).type == "cuda"
+    if p["quick"]:
+        p.update(size="tiny", image_size=64, batch_sizes=[1, 2], dtypes=["fp32"], compile=False, headline_batch=2,
+                 headline_dtype="fp32", iters=3, photos=list(p["photos"][:3]), profile="quick")
+        if not cuda:
+            p["threads"] = 1  # tiny decoders: extra threads only add sync cost (and thrash shared CI runners)
+    elif not cuda:
+        bs = [b for b in p["batch_sizes"] if b <= 4] or [1]
+        p.update(batch_sizes=bs, dtypes=["fp32"], headline_batch=max(bs), headline_dtype="fp32", profile="cpu")
+    else:
+        p["profile"] = "full"
+    if p["autotune"] == "auto":
+        p["autotune"] = cuda and not p["quick"] and p["compile"]
+    if p["autotune"] and "compile_subpixel_autotune" not in p["variants"]:
+        p["variants"] = [*p["variants"], "compile_subpixel_autotune"]
+    p.update(latent_hw=p["image_size"] // 8, full_size=p["size"] == "full" and p["image_size"] == 256,
+             warmup=1 if p["quick"] else 3, n_sets=2 if p["quick"] else 4, flicker_frames=4 if p["quick"] else 12)
+    return p
+
+
+def start(namespace: dict[str, Any]) -> Run:
+    """Check the notebook's parameters, apply the profile, open the run folder and load both
+    autoencoders in fp32 (`run.vaes`; each speed variant makes its own dtype copy)."""
+    from lab.models.vae import load_vae
+
+    run = common.start(NAME, namespace, RULES, profile)
+    if run.p.get("threads"):
+        torch.set_num_threads(run.p["threads"])
+    run.vaes = {k: load_vae(k, run.p[f"weights_{w}"], size=run.size, device=run.device, seed=run.seed)
+                for k, w in (("sd-vae", "sd"), ("taesd", "taesd"))}
+    run.result.weights = {k: v.weights for k, v in run.vaes.items()}
+    run.result.params["threads"] = torch.get_num_threads()
+    return run
+
+
+def describe(run: Run) -> str:
+    note = ("No GPU: the full sweep would take hours on this CPU; capped to batch ≤ 4, fp32 "
+            "(quick=True gives a smoke test in seconds).\n") if run.p.get("profile") == "cpu" else ""
+    return (f"{note}device {run.device} | {run.machine} | {run.size} decoders at {run.image_size}² | "
+            f"weights {run.result.weights} | run folder {run.folder}")
+
+
+def _bench(run: Run, batch_sizes: Sequence[int], dtypes: Sequence[str], variants: Sequence[str], iters: int,
+           **kw: Any) -> list[dict[str, Any]]:
+    return bench_decoders(run.vaes, batch_sizes, dtypes, variants, latent_hw=run.latent_hw, device=run.device,
+                          quick=run.quick, compile=run.compile, iters=iters, warmup=run.warmup, n_sets=run.n_sets,
+                          seed=run.seed, **kw)
+
+
+def _show(*objs: Any) -> None:
+    from IPython.display import display
+
+    for o in objs:
+        display(o)
+
+
+def _md(title: str, rows: Sequence[dict], cols: Sequence[str] | None = None, note: str = "") -> Any:
+    from IPython.display import Markdown
+
+    from lab.plots import table_markdown
+
+    return Markdown(f"**{title}**{note}\n\n" + table_markdown(rows, cols))
+
+
+def throughput(run: Run) -> list[dict[str, Any]]:
+    """Both decoders eager over batch sizes × dtypes (half the timed runs of the variants); on a GPU
+    also the CUDA-graph curve and, if asked, the compiled one, at the headline dtype. Table "throughput"."""
+    t0 = time.perf_counter()
+    iters = max(3, run.iters // 2)
+    rows = _bench(run, run.batch_sizes, run.dtypes, ["eager"], iters)
+    if run.device.type == "cuda" and run.graph_curve:
+        rows += _bench(run, run.batch_sizes, [run.headline_dtype], ["cuda_graph"], iters)
+    if run.device.type == "cuda" and run.compile_curve and run.compile:
+        rows += _bench(run, run.batch_sizes, [run.headline_dtype], ["compile_cudagraphs"], iters)
+    run.result.timings["grid_s"] = time.perf_counter() - t0
+    run.table("throughput", rows, show=False)
+    return rows
+
+
+def show_throughput(run: Run, rows: Sequence[dict]) -> Any:
+    """The throughput table, and the figure fps_vs_batch (FPS vs batch, TAESD/SD-VAE ratio)."""
+    from lab.plots import fps_and_ratio_vs_batch
+
+    cols = ["decoder", "dtype", "variant", "batch", "fps", "ms_per_frame", "gflops_per_frame", "tflops",
+            "pct_of_ceiling", "ceiling", "psnr_vs_fp32", "max_abs_vs_fp32", "status"]
+    _show(_md(f"Decoder throughput at {run.image_size}²{run.suffix()}", rows, cols))
+    fig = fps_and_ratio_vs_batch(rows, title=f"decoder throughput at {run.image_size}²{run.suffix()}")
+    return run.figure(fig, "fps_vs_batch")
+
+
+def exact_variants(run: Run) -> list[dict[str, Any]]:
+    """Every variant of `variants` at the headline batch and dtype (compiled ones within
+    compile_budget_s). Table "variants"."""
+    t0 = time.perf_counter()
+    rows = _bench(run, [run.headline_batch], [run.headline_dtype], run.variants, run.iters,
+                  compile_budget_s=run.compile_budget_s)
+    run.result.timings["variants_s"] = time.perf_counter() - t0
+    run.table("variants", rows, show=False)
+    return rows
+
+
+def show_variants(run: Run, rows: Sequence[dict]) -> None:
+    """What each variant does, the variants table, and per decoder a waterfall of its variants that
+    ran (figures variants_sd-vae, variants_taesd)."""
+    from IPython.display import Markdown
+
+    from lab.plots import waterfall
+
+    b, d = run.headline_batch, run.headline_dtype
+    cols = ["decoder", "variant", "fps", "ms_per_batch", "tflops", "pct_of_ceiling", "psnr_vs_fp32",
+            "max_abs_vs_fp32", "setup_s", "peak_mem_gib", "status", "reason"]
+    _show(Markdown("\n".join(f"* `{k}`: {v}" for k, v in VARIANTS.items() if k in run.variants)),
+          _md(f"Batch {b}, {d}{run.suffix()}", rows, cols, note=" (`setup_s` includes compilation)"))
+    for kind in run.vaes:
+        ok = [{"step": r["variant"], "fps": r["fps"]} for r in rows if r["decoder"] == kind and r["status"] == "ok"]
+        if ok:
+            fig = waterfall(ok, value="fps", label="step", title=f"{kind}: exact variants, batch {b} {d}{run.suffix()}")
+            _show(run.figure(fig, f"variants_{kind}"))
+
+
+def speed_headline(run: Run, rows: Sequence[dict]) -> Any:
+    """`headline` at the headline batch and dtype, plus the SD-VAE FPS target on a full-size GPU run;
+    kept in the Result's headline."""
+    from IPython.display import Markdown
+
+    from lab.plots import table_markdown
+
+    hl = headline(rows, run.headline_batch, run.headline_dtype)
+    best = hl.get(f"sd-vae best FPS b{run.headline_batch} {run.headline_dtype}")
+    if run.full_size and run.device.type == "cuda" and best is not None:
+        hl[TARGET_KEY] = "met" if best >= TARGET_FPS else f"not met ({best:.0f})"
+    run.headline(**hl)
+    return Markdown(table_markdown([{"headline": k, "value": v} for k, v in hl.items()]))
+
+
+@dataclass
+class RoundTrips:
+    """The photos (uint8 and as a tensor), their reconstructions per path, and the scored rows."""
+    names: list[str]
+    photos: dict[str, np.ndarray]
+    x: torch.Tensor
+    recon: dict[str, torch.Tensor]
+    rows: list[dict]
+    mean: list[dict]
+    lpips: str  # "available" or why not
+
+
+def round_trips(run: Run) -> RoundTrips:
+    """The photos through each path (`round_trip`), scored (`fidelity_table`) and averaged per path.
+    Tables "fidelity" and "fidelity_mean"."""
+    from lab import metrics
+
+    imgs = load_photos(run.image_size, run.photos)
+    x = to_tensor(list(imgs.values()))
+    recon = round_trip(run.vaes, x)
+    rows = fidelity_table(x, recon, list(imgs))
+    mean = mean_by(rows, "path", FIDELITY_FIELDS)
+    ok, why = metrics.lpips_available()
+    run.result.metrics["lpips"] = "available" if ok else why
+    run.table("fidelity", rows, show=False)
+    run.table("fidelity_mean", mean, show=False)
+    return RoundTrips(list(imgs), imgs, x, recon, rows, mean, "available" if ok else why)
+
+
+def show_round_trips(run: Run, rt: RoundTrips) -> Any:
+    """Both fidelity tables (LPIPS column when it can run), and the figure round_trip."""
+    from IPython.display import Markdown
+
+    from lab.plots import labelled_image_grid, table_markdown
+
+    lp = rt.lpips == "available"
+    cols = ["path", "photo", "psnr_db", "mouth_psnr_db", "ssim"] + (["lpips"] if lp else []) + ["d_sat", "da", "db", "delta_e"]
+    note = "" if lp else f"\n\nLPIPS unavailable: {rt.lpips}"
+    _show(Markdown(f"**Round-trip fidelity{run.suffix()}**{note}\n\n" + table_markdown(rt.rows, cols)
+                   + "\n\n**Mean over photos**\n\n" + table_markdown(rt.mean, ["path", "n"] + cols[2:])))
+    if weights_label(run.result.weights) == "random weights":
+        _show(Markdown("> **Random weights:** these reconstructions are noise by construction (a randomly "
+                       "initialised TAESD decodes to near-black). The table shows the pipeline runs end to end; it "
+                       "says nothing about SD-VAE or TAESD. Fidelity needs real weights (section 6)."))
+    grid = [[rt.photos[n]] + [to_uint8(rt.recon[p][i:i + 1])[0] for p in rt.recon] for i, n in enumerate(rt.names)]
+    fig = labelled_image_grid(grid, rt.names, ["photo"] + list(rt.recon), suptitle=f"round trips{run.suffix()}")
+    return run.figure(fig, "round_trip")
+
+
+@dataclass
+class Inpainting:
+    """Seam rows per (source, decoder, photo) and the decoded images per source as uint8."""
+    names: list[str]
+    rows: list[dict]
+    images: dict[str, dict[str, np.ndarray]]
+
+
+def inpainting(run: Run, rt: RoundTrips) -> Inpainting:
+    """`inpaint_experiment` with two lower halves: the same photo shifted by a few pixels (a
+    plausible re-generated mouth) and another photo (a hard mismatch). Table "inpainting"."""
+    s = run.image_size
+    sources = {"shifted crop": to_tensor(list(load_photos(s, run.photos, shift=(s // 16, s // 32)).values())),
+               "other photo": torch.roll(rt.x, 1, dims=0)}
+    rows: list[dict] = []
+    images: dict[str, dict[str, np.ndarray]] = {}
+    for src, lower in sources.items():
+        rs, ims = inpaint_experiment(run.vaes, rt.x, lower, rt.names)
+        rows += [{"source": src, **r} for r in rs]
+        images[src] = {k: to_uint8(v) for k, v in ims.items()}
+    run.table("inpainting", rows, show=False)
+    return Inpainting(rt.names, rows, images)
+
+
+def _inpaint_title(run: Run, src: str) -> str:
+    return f"inpainted latents ({src} lower half){run.suffix()}"
+
+
+def show_inpainting(run: Run, seam: Inpainting) -> Any:
+    """The seam table, and the static comparison of the 'other photo' latents (inpaint_other_photo)."""
+    from lab.widgets import comparison_figure
+
+    cols = ["source", "decoder", "photo", "seam", "seam_composite", "psnr_vs_composite_db", "d_sat", "da", "delta_e",
+            "vs_sdvae_d_sat", "vs_sdvae_da", "vs_sdvae_delta_e"]
+    _show(_md(f"Inpainting seam{run.suffix()}", seam.rows, cols))
+    frames = seam.images["other photo"]
+    fig = comparison_figure(frames, "sd-vae", "taesd", range(len(seam.names)), seam.names,
+                            suptitle=_inpaint_title(run, "other photo"))
+    return run.figure(fig, "inpaint_other_photo")
+
+
+def comparator(run: Run, seam: Inpainting) -> Any:
+    """The A/B comparator over the 'shifted crop' latents: a widget with a front end (or
+    interactive=True), else its static figure. Either way the static figure is saved
+    (inpaint_shifted_crop)."""
+    from lab import widgets
+
+    frames, title = seam.images["shifted crop"], _inpaint_title(run, "shifted crop")
+    view = widgets.decoder_comparator(frames, labels=seam.names, a="sd-vae", b="taesd", suptitle=title,
+                                      interactive=run.interactive)
+    if hasattr(view, "savefig"):
+        return run.figure(view, "inpaint_shifted_crop")
+    run.figure(widgets.comparison_figure(frames, "sd-vae", "taesd", range(len(seam.names)), seam.names, suptitle=title),
+               "inpaint_shifted_crop")
+    return view
+
+
+def flicker(run: Run) -> list[dict[str, Any]]:
+    """`flicker_experiment` on the avatar's face panned 1 px per frame. Table "flicker"."""
+    frames = to_tensor(pan_frames("astronaut-face", run.image_size, n=run.flicker_frames, step=1))
+    rows, _ = flicker_experiment(run.vaes, frames)
+    run.table("flicker", rows, show=False)
+    return rows
+
+
+def show_flicker(run: Run, rows: Sequence[dict]) -> Any:
+    return _md(f"Mouth-box flicker over {run.flicker_frames} frames{run.suffix()}", rows)
+
+
+def compare(run: Run, speed_rows: Sequence[dict], seam: Inpainting, rt: RoundTrips) -> Any:
+    """The write-up's figures and claims beside ours (`compare_speed`, `compare_quality`), replacing
+    this run's earlier comparison rows; returns them as a table."""
+    from IPython.display import Markdown
+
+    from lab.plots import table_markdown
+
+    run.result.comparisons = []
+    compare_speed(run.result, speed_rows, run.machine, run.full_size, batch=run.headline_batch, dtype=run.headline_dtype)
+    compare_quality(run.result, seam.rows, rt.rows, run.result.weights, run.machine)
+    return Markdown(table_markdown([c.__dict__ for c in run.result.comparisons],
+                                   ["claim", "their_value", "our_value", "unit", "verdict", "reason"]))
+
+
+def finish(run: Run) -> Any:
+    """Summary metrics from the kept tables, then results.json; returns the headline table."""
+    from IPython.display import Markdown
+
+    t = run.result.tables
+    run.result.metrics.update(latent_std=LATENT_STD,
+                              flops_per_frame={k: flops_per_frame(v, run.latent_hw) for k, v in run.vaes.items()})
+    if "fidelity_mean" in t:
+        run.result.metrics["fidelity_mean"] = t["fidelity_mean"]
+    if "inpainting" in t:
+        run.result.metrics["inpainting_mean"] = mean_by(t["inpainting"], "decoder", ["seam", "seam_composite", "d_sat", "da",
+                                                                                     "vs_sdvae_d_sat", "vs_sdvae_da"])
+    path = run.save()
+    return Markdown(run.show_headline().data + f"\n\nsaved {path} in {run.result.timings['total_s']:.1f} s")
