@@ -24,8 +24,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from lab.progress import tqdm
 
+from lab.data import MIN_IMAGE_SIDE, check_image_size
 from lab.errors import InputError, WeightsError
 
 Box = tuple[int, int, int, int]  # x0, y0, x1, y1; x1/y1 exclusive
@@ -73,6 +74,7 @@ def _check_frames(frames: np.ndarray, source_name: str = "frames") -> np.ndarray
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or 0 in frames.shape:
         raise InputError(f"{source_name}: frames of shape {frames.shape} and dtype {frames.dtype} are not usable; "
                          f"expected RGB uint8 (N, H, W, 3) or (H, W, 3)")
+    check_image_size(*frames.shape[1:3], source_name)
     return frames
 
 
@@ -161,21 +163,24 @@ def _cascade():
 
 
 def detect_faces(image: np.ndarray, scale_factor: float = 1.2, step_ratio: float = 1.0,
-                 min_size: int | None = None, min_neighbors: int = 4) -> list[Box]:
+                 min_size: int | None = None, min_neighbors: int = 4, source_name: str = "image") -> list[Box]:
     """Frontal faces in an RGB/grey image → boxes (x0, y0, x1, y1), largest first.
 
     scikit-image's LBP cascade; `min_size` defaults to a tenth of the shorter side (a talking
-    head fills much of the frame, and smaller windows mostly add false positives).
+    head fills much of the frame, and smaller windows mostly add false positives), and never
+    below the cascade's 24×24 window (lab.data.MIN_IMAGE_SIDE, which the loaders enforce).
     """
     img = np.asarray(image)
-    if img.ndim not in (2, 3) or min(img.shape[:2]) < 24:
-        raise InputError(f"image of shape {img.shape} is not usable for face detection; expected (H, W, 3) of at least 24×24")
+    if img.ndim not in (2, 3):
+        raise InputError(f"{source_name}: image of shape {img.shape} is not usable for face detection; "
+                         f"expected (H, W, 3) or (H, W)")
+    check_image_size(*img.shape[:2], source_name)
     if img.ndim == 3:
         from skimage.color import rgb2gray
 
         img = rgb2gray(img[..., :3])
     short = min(img.shape[:2])
-    ms = max(24, short // 10) if min_size is None else int(min_size)
+    ms = max(MIN_IMAGE_SIDE, short // 10) if min_size is None else int(min_size)
     found = _cascade().detect_multi_scale(img=img, scale_factor=scale_factor, step_ratio=step_ratio,
                                           min_size=(ms, ms), max_size=(short, short),
                                           min_neighbor_number=min_neighbors)
@@ -185,7 +190,7 @@ def detect_faces(image: np.ndarray, scale_factor: float = 1.2, step_ratio: float
 
 def detect_face_or_raise(image: np.ndarray, source_name: str) -> Box:
     """The largest face box, or InputError naming `source_name`."""
-    boxes = detect_faces(image)
+    boxes = detect_faces(image, source_name=source_name)
     if not boxes:
         raise InputError(f"no face found in {source_name}; expected a frontal face, roughly upright and at least "
                          f"a tenth of the image's shorter side")
@@ -322,3 +327,223 @@ def prepare_avatar(frames: np.ndarray, source_name: str, cache_dir: str | Path |
         except FileExistsError:
             pass  # another process cached the same avatar meanwhile: same key, same content
     return avatar
+
+
+# ---------------------------------------------------------------- MuseTalk v1.5 crop: FAN landmarks
+
+FAN_SCALE = 200.0          # face-alignment: a face of `scale` spans 200·scale pixels in its crop frame
+FAN_REFERENCE_SCALE = 195.0  # face-alignment's SFD box → scale: (w + h) / 195
+FAN_CENTER_Y_OFFSET = 0.12   # the crop centre sits 12 % of the box height above the box centre
+FAN_RES = 256
+JAW = slice(0, 17)           # 68-point scheme: jaw contour, ear to ear under the chin
+NOSE = 29                    # the landmark MuseTalk v1.5 splits the face box at
+CROP_PATHS = ("landmarks", "detector box")
+
+
+def load_fan(weights: str = "random", modules: int = 4, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.nn.Module, str]:
+    """face-alignment's 2D FAN (68 landmarks; `modules` = 4 stacked hourglasses as in 2DFAN-4)
+    and where its weights came from.
+
+    "random": initialized under `seed` (landmarks are meaningless: say so wherever they are used).
+    A .pth/.pt state dict in FAN's key layout, or face-alignment's TorchScript archive (2DFAN4-*.zip),
+    whose state dict is read and loaded into this module.
+    """
+    from face_alignment.models.fan import FAN
+
+    from lab.models.weights import load_into
+
+    if int(modules) < 1:
+        raise InputError(f"modules must be >= 1, got {modules}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = FAN(int(modules))
+    if weights == "random":
+        source = f"random (seed {seed})"
+    else:
+        p = Path(weights).expanduser()
+        if not p.is_file():
+            raise WeightsError(f"{p}: FAN weights file not found; expected face-alignment's 2DFAN4 archive "
+                               f"(2DFAN4-cd938726ad.zip) or a state dict of face_alignment.models.fan.FAN")
+        if p.suffix == ".zip":
+            try:
+                sd = torch.jit.load(str(p), map_location="cpu").state_dict()
+            except Exception as e:
+                raise WeightsError(f"{p}: not a TorchScript FAN archive ({str(e).splitlines()[0][:200]})") from None
+            missing, unexpected = net.load_state_dict(sd, strict=False)
+            if missing or unexpected:
+                raise WeightsError(f"{p}: does not match FAN({modules}): {len(missing)} missing keys "
+                                   f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})")
+        else:
+            net = load_into(net, p)
+        source = f"local file {p}"
+    return net.to(device=device, dtype=dtype).eval().requires_grad_(False), source
+
+
+def fan_landmarks(net: torch.nn.Module, frame: np.ndarray, box: Box) -> np.ndarray:
+    """68 (x, y) landmarks in frame pixels for the face in `box`, as face-alignment computes them:
+    a 256² crop around the box (centre raised 12 % of its height, scale (w + h) / 195), the last
+    hourglass's heatmaps, each peak nudged a quarter pixel towards its larger neighbour, mapped back."""
+    from face_alignment.utils import crop as fa_crop
+
+    x0, y0, x1, y1 = (float(v) for v in box)
+    centre = np.array([(x0 + x1) / 2, (y0 + y1) / 2 - (y1 - y0) * FAN_CENTER_Y_OFFSET])
+    scale = ((x1 - x0) + (y1 - y0)) / FAN_REFERENCE_SCALE
+    inp = fa_crop(np.ascontiguousarray(frame), centre, scale, FAN_RES)
+    p = next(net.parameters())
+    x = torch.from_numpy(inp.transpose(2, 0, 1).astype(np.float32) / 255.0)[None].to(p.device, p.dtype)
+    with torch.inference_mode():
+        out = net(x)
+    hm = (out[-1] if isinstance(out, (list, tuple)) else out)[0].float().cpu().numpy()  # (68, 64, 64)
+    n, h, w = hm.shape
+    flat = hm.reshape(n, -1).argmax(1)
+    py, px = flat // w, flat % w
+    pts = np.stack([px, py], 1).astype(np.float64)
+    inner = (px > 0) & (px < w - 1) & (py > 0) & (py < h - 1)
+    k = np.arange(n)[inner]
+    dx = hm[k, py[inner], px[inner] + 1] - hm[k, py[inner], px[inner] - 1]
+    dy = hm[k, py[inner] + 1, px[inner]] - hm[k, py[inner] - 1, px[inner]]
+    pts[inner] += 0.25 * np.sign(np.stack([dx, dy], 1))
+    # heatmap pixel centres → the 256² crop frame → the image (face-alignment's inverse transform)
+    size = FAN_SCALE * scale
+    return (pts + 0.5) / h * size - size / 2 + centre  # (68, 2) float
+
+
+def upstream_face_box(landmarks: np.ndarray, image_hw: tuple[int, int], extra_margin: int = 10) -> Box | None:
+    """MuseTalk v1.5's UNet input box from 68 landmarks, or None when it is unusable.
+
+    x spans the landmarks' min to max; the top is as far above landmark 29 (the nose) as the
+    chin (the lowest landmark) is below it; the bottom is the chin plus `extra_margin` pixels,
+    clipped to the image. Not square. None (use the detector box) when the box is empty or
+    leaves the image at the left, top or right.
+    """
+    lm = np.asarray(landmarks, dtype=np.float64)
+    if lm.shape != (68, 2) or not np.isfinite(lm).all():
+        raise InputError(f"landmarks of shape {lm.shape}; expected 68 finite (x, y) points")
+    h, w = image_hw
+    chin = lm[:, 1].max()
+    nose = lm[NOSE, 1]
+    x0, x1 = int(lm[:, 0].min()), int(lm[:, 0].max())
+    y0 = int(nose - (chin - nose))
+    y1 = min(int(chin) + int(extra_margin), h)
+    if x1 <= x0 or y1 <= y0 or x0 < 0 or y0 < 0 or x1 > w:
+        return None
+    return x0, y0, x1, y1
+
+
+def with_margin(box: Box, image_hw: tuple[int, int], extra_margin: int = 10) -> Box:
+    """The detector box with v1.5's extra bottom margin (what upstream crops when it falls back)."""
+    x0, y0, x1, y1 = box
+    return x0, y0, x1, min(y1 + int(extra_margin), image_hw[0])
+
+
+def crop_resize_lanczos(frame: np.ndarray, box: Box, size: int) -> np.ndarray:
+    """Crop `box` and resize to size×size with OpenCV's LANCZOS4 (upstream v1.5's resize)."""
+    import cv2
+
+    x0, y0, x1, y1 = box
+    return cv2.resize(np.ascontiguousarray(frame[y0:y1, x0:x1]), (size, size), interpolation=cv2.INTER_LANCZOS4)
+
+
+def blend_square(box: Box, expand: float = 1.5) -> Box:
+    """Upstream's blending square: `expand` × the box's longer half-side around its centre."""
+    x0, y0, x1, y1 = box
+    cx, cy = (x0 + x1) // 2, (y0 + y1) // 2
+    s = int(max(x1 - x0, y1 - y0) // 2 * expand)
+    return cx - s, cy - s, cx + s, cy + s
+
+
+def jaw_blend_mask(landmarks: np.ndarray | None, box: Box, size: int = 256, expand: float = 1.5,
+                   upper_boundary_ratio: float = 0.5) -> np.ndarray:
+    """Blend mask (size, size) in the face box's coordinates, built as upstream v1.5 builds its
+    "jaw" mask, with the region taken from the landmarks instead of a face-parsing network
+    (BiSeNet is not available here): the polygon of the jaw contour (landmarks 0–16, closed
+    across the top), kept inside the face box and below `upper_boundary_ratio` of the 1.5×
+    blending square, then Gaussian-blurred over the square with a kernel of 5 % of its width.
+    Without landmarks (detector-box path) the geometric `lower_face_mask` is returned.
+    """
+    import cv2
+
+    if landmarks is None:
+        return lower_face_mask(size)
+    x0, y0, x1, y1 = box
+    sx0, sy0, sx1, sy1 = blend_square(box, expand)
+    side = sx1 - sx0
+    m = np.zeros((sy1 - sy0, side), np.uint8)
+    poly = np.round(np.asarray(landmarks, np.float64)[JAW] - [sx0, sy0]).astype(np.int32)
+    cv2.fillPoly(m, [poly], 255)
+    keep = np.zeros_like(m)
+    keep[y0 - sy0:y1 - sy0, x0 - sx0:x1 - sx0] = 1   # the face box only
+    keep[: int(m.shape[0] * upper_boundary_ratio)] = 0  # the lower part of the square only
+    k = int(0.05 * side // 2 * 2) + 1
+    m = cv2.GaussianBlur(m * keep, (k, k), 0)
+    inbox = m[y0 - sy0:y1 - sy0, x0 - sx0:x1 - sx0].astype(np.float32) / 255.0
+    return cv2.resize(inbox, (size, size), interpolation=cv2.INTER_LINEAR)
+
+
+def prepare_avatar_upstream(frames: np.ndarray, source_name: str, fan: torch.nn.Module | None = None,
+                            fan_weights: str = "none", cache_dir: str | Path | None = None, crop: int = 256,
+                            extra_margin: int = 10, per_frame: bool = False,
+                            detector: Callable[[np.ndarray, str], Box] | None = None,
+                            progress: bool = False) -> Avatar:
+    """Avatar cropped as MuseTalk v1.5 crops it: the landmark box (`upstream_face_box`) resized
+    with LANCZOS4, blended through `jaw_blend_mask`.
+
+    Landmarks come from `fan` (see `load_fan`; `fan_weights` names its weights for the record).
+    With no FAN, or where its landmarks give no usable box, the detector box (LBP cascade unless
+    `detector` is given) plus `extra_margin` is used, as upstream falls back to its detector's
+    box. `avatar.params["crop_path"]` says which path each frame took ("landmarks",
+    "detector box" or "mixed"), `avatar.params["fallback_frames"]` how many fell back.
+    """
+    frames = _check_frames(frames, source_name)
+    if crop < 16:
+        raise InputError(f"crop must be at least 16 pixels, got {crop}")
+    detect = detector or detect_face_or_raise
+    params = {"crop": int(crop), "per_frame": bool(per_frame), "recipe": "musetalk-v1.5",
+              "extra_margin": int(extra_margin), "fan": fan_weights if fan is not None else "none",
+              "detector": "lbp_cascade" if detector is None else getattr(detector, "__qualname__", repr(detector))}
+    key = avatar_cache_key(frames, params)
+    path = Path(cache_dir) / f"avatar-{key}.npz" if cache_dir is not None else None
+    if path is not None and path.exists():
+        try:
+            with np.load(path) as z:
+                c = {k: z[k] for k in ("boxes", "crops", "masks", "fallback")}
+            if len(c["boxes"]) == len(frames):
+                return Avatar(source_name, frames, c["boxes"], c["crops"], c["masks"], key, from_cache=True,
+                              params={**params, **_path_summary(c["fallback"])})
+        except Exception:  # a damaged cache file is recomputed, not fatal
+            pass
+    n, hgt, wid = frames.shape[:3]
+    boxes = np.zeros((n, 4), np.int64)
+    crops = np.zeros((n, crop, crop, 3), np.uint8)
+    masks = np.zeros((n, crop, crop), np.float32)
+    fallback = np.zeros(n, bool)
+    for i in tqdm(range(n), desc="avatar", disable=not progress):
+        if i == 0 or per_frame:
+            name = source_name if n == 1 else f"{source_name} (frame {i})"
+            det = detect(frames[i], name)
+            lm = fan_landmarks(fan, frames[i], det) if fan is not None else None
+            box = upstream_face_box(lm, (hgt, wid), extra_margin) if lm is not None else None
+            if box is None:
+                box, lm = with_margin(det, (hgt, wid), extra_margin), None
+            mask = jaw_blend_mask(lm, box, crop)
+            fb = lm is None
+        boxes[i], masks[i], fallback[i] = box, mask, fb
+        crops[i] = crop_resize_lanczos(frames[i], box, crop)
+    avatar = Avatar(source_name, frames, boxes, crops, masks, key, params={**params, **_path_summary(fallback)})
+    if path is not None:
+        from lab.results import atomic_write_bytes
+
+        buf = io.BytesIO()
+        np.savez_compressed(buf, boxes=boxes, crops=crops, masks=masks, fallback=fallback)
+        try:
+            atomic_write_bytes(path, buf.getvalue(), overwrite=path.exists())
+        except FileExistsError:
+            pass
+    return avatar
+
+
+def _path_summary(fallback: np.ndarray) -> dict[str, Any]:
+    k = int(np.sum(fallback))
+    path = "landmarks" if k == 0 else "detector box" if k == len(fallback) else "mixed"
+    return {"crop_path": path, "fallback_frames": k}

@@ -63,6 +63,10 @@ class Config:
     stride: int | str = 1                   # 1 = every frame; k = keyframe every k; "adaptive" (lab.accel.stride)
     max_gap: int = 3                        # adaptive stride: largest keyframe interval
     allow_silence: bool = False
+    audio_windows: str = "upstream"         # "upstream": v1.5's window placement, zero-padded | "centred": centred, edges repeated
+    face_crop: str = "upstream"             # "upstream": v1.5 landmark box, LANCZOS4, jaw blend mask | "geometric": 1.5× detector square, bicubic, feathered lower half
+    landmarks: str = "random"               # 2D FAN weights for the upstream crop: "random" | a path | "none" (detector box)
+    extra_margin: int = 10                  # v1.5: pixels added below the chin
     weights: dict[str, str] = field(default_factory=lambda: {"whisper": "random", "unet": "random", "vae": "random"})
     seed: int = 0
 
@@ -83,6 +87,12 @@ class Config:
             raise InputError(f"batch_size and queue_depth must be >= 1, got {self.batch_size}, {self.queue_depth}")
         if self.fps <= 0:
             raise InputError(f"fps must be > 0, got {self.fps}")
+        if self.audio_windows not in ("upstream", "centred"):
+            raise InputError(f"audio_windows must be 'upstream' or 'centred', got {self.audio_windows!r}")
+        if self.face_crop not in ("upstream", "geometric"):
+            raise InputError(f"face_crop must be 'upstream' or 'geometric', got {self.face_crop!r}")
+        if not isinstance(self.extra_margin, int) or self.extra_margin < 0:
+            raise InputError(f"extra_margin must be an int >= 0 (pixels), got {self.extra_margin!r}")
         if not (self.stride == "adaptive" or (isinstance(self.stride, int) and self.stride >= 1)):
             raise InputError(f"stride must be a positive int or 'adaptive', got {self.stride!r}")
         return self
@@ -214,14 +224,32 @@ def pingpong(i: np.ndarray | int, n: int) -> np.ndarray:
 
 def prepare(engine: Engine, frames: np.ndarray | None = None, source_name: str = "default avatar",
             cache_dir: str | Path | None = None) -> Engine:
-    """Detect + crop + mask the avatar (cached in the vault) and VAE-encode its latents once."""
-    from lab.models.face import prepare_avatar
+    """Detect + crop + mask the avatar (cached in the vault) and VAE-encode its latents once.
+
+    face_crop="upstream": MuseTalk v1.5's crop from 2D FAN landmarks (weights cfg.landmarks; with
+    "random" the landmarks, hence the box and mask, are meaningless) or, when there are none or
+    they give no usable box, the detector box; `engine.avatar.params["crop_path"]` says which.
+    face_crop="geometric": a 1.5× square around the detector box, bicubic, a feathered lower half.
+    """
+    from lab.models.face import load_fan, prepare_avatar, prepare_avatar_upstream
     from lab.models.musetalk import masked_latent_input
 
     cfg = engine.cfg
     if frames is None:
         frames = avatar_loop(cfg.loop_frames, cfg.frame_size, seed=cfg.seed)
-    av = prepare_avatar(frames, source_name, cache_dir=cache_dir, crop=cfg.crop)
+    if cfg.face_crop == "upstream":
+        fan, fan_src = None, "none"
+        if cfg.landmarks != "none":
+            # 2DFAN-4 at full size; one hourglass for the CPU test size (same code path)
+            fan, fan_src = load_fan(cfg.landmarks, modules=4 if cfg.size == "full" else 1,
+                                    device=engine.device, seed=cfg.seed)
+        av = prepare_avatar_upstream(frames, source_name, fan=fan, fan_weights=fan_src, cache_dir=cache_dir,
+                                     crop=cfg.crop, extra_margin=cfg.extra_margin)
+        engine.weights["fan"] = fan_src
+    else:
+        av = prepare_avatar(frames, source_name, cache_dir=cache_dir, crop=cfg.crop)
+        av.params["crop_path"] = "geometric"
+        engine.weights.pop("fan", None)
     faces = torch.from_numpy(av.crops).permute(0, 3, 1, 2).float().div(255)
     m, r = [], []
     with torch.inference_mode():
@@ -239,6 +267,11 @@ def prepare(engine: Engine, frames: np.ndarray | None = None, source_name: str =
     return engine
 
 
+def _recipe(cfg: Config) -> tuple:
+    """What decides the avatar's crops and masks (a change re-prepares the avatar)."""
+    return (cfg.face_crop, cfg.landmarks, cfg.extra_margin, cfg.crop)
+
+
 def _blend_on_gpu(engine: Engine) -> bool:
     return engine.cfg.blend == "gpu" or (engine.cfg.blend == "auto" and engine.device.type == "cuda")
 
@@ -246,31 +279,75 @@ def _blend_on_gpu(engine: Engine) -> bool:
 # ---------------------------------------------------------------- stages
 
 def prepare_audio(engine: Engine, audio: np.ndarray, sr: int, timer: StageTimer) -> tuple[np.ndarray, torch.Tensor]:
-    """Resample + silence check + Whisper features → (audio at 16 kHz, features (T, 50, D))."""
+    """The whole clip at once: resample + silence check + Whisper features → (audio at 16 kHz,
+    features (T, 50, D)), the same windows `run` streams (for analyses that need every frame's
+    features together; `run` itself never holds them all)."""
     from lab.models.whisper import musetalk_audio_features
 
     cfg = engine.cfg
-    audio = np.asarray(audio, dtype=np.float32)
-    if audio.ndim != 1:
-        raise InputError(f"audio of shape {audio.shape}; expected mono (n,) samples (lab.data.load_audio gives that)")
-    if len(audio) < sr / cfg.fps:
-        raise InputError(f"audio of {len(audio)} samples ({1e3 * len(audio) / sr:.1f} ms) is shorter than one video "
-                         f"frame at {cfg.fps} fps ({1e3 / cfg.fps:.1f} ms)")
-    backend = cfg.resampler
-    if backend == "torchaudio_gpu" and engine.device.type != "cuda":
-        backend = "torchaudio_cpu"
+    audio = _check_audio(engine, audio, sr)
     with timer.stage("resample"):
-        a16 = lab_audio.resample(audio, sr, 16000, backend=backend) if sr != 16000 else audio
-    rms = lab_audio.rms_per_frame(a16, 16000, cfg.fps)
-    if lab_audio.is_silent(rms).all() and not cfg.allow_silence:
-        raise InputError(f"the audio is silent throughout (peak RMS {20 * np.log10(max(rms.max(), 1e-12)):.1f} dBFS "
-                         f"< -40 dBFS): there is nothing to lip-sync. Pass allow_silence=True to render anyway.")
+        a16 = lab_audio.resample(audio, sr, 16000, backend=_backend(engine)) if sr != 16000 else audio
     with timer.stage("whisper"), torch.inference_mode():
-        feats = musetalk_audio_features(engine.whisper, a16, fps=cfg.fps, batch_size=4)
+        feats = musetalk_audio_features(engine.whisper, a16, fps=cfg.fps, batch_size=4, **_window_kw(cfg))
     return a16, feats
 
 
-def keyframe_plan(engine: Engine, a16: np.ndarray, n_frames: int) -> np.ndarray:
+def _window_kw(cfg: Config) -> dict:
+    return {"align": "upstream", "pad": "zeros"} if cfg.audio_windows == "upstream" else {"align": "centred", "pad": "repeat"}
+
+
+def _backend(engine: Engine) -> str:
+    b = engine.cfg.resampler
+    return "torchaudio_cpu" if b == "torchaudio_gpu" and engine.device.type != "cuda" else b
+
+
+def _check_audio(engine: Engine, audio: np.ndarray, sr: int) -> np.ndarray:
+    """Mono, at least one frame long, not silent throughout (unless allowed): checked on the
+    input at its own rate, a block of frames at a time (no whole-clip temporaries)."""
+    cfg = engine.cfg
+    audio = np.asarray(audio)
+    if audio.ndim != 1:
+        raise InputError(f"audio of shape {audio.shape}; expected mono (n,) samples (lab.data.load_audio gives that)")
+    if audio.dtype != np.float32:
+        audio = audio.astype(np.float32)
+    if len(audio) < sr / cfg.fps:
+        raise InputError(f"audio of {len(audio)} samples ({1e3 * len(audio) / sr:.1f} ms) is shorter than one video "
+                         f"frame at {cfg.fps} fps ({1e3 / cfg.fps:.1f} ms)")
+    peak = _peak_frame_rms(audio, sr, cfg.fps)
+    if lab_audio.is_silent(peak) and not cfg.allow_silence:
+        raise InputError(f"the audio is silent throughout (peak RMS {20 * np.log10(max(peak, 1e-12)):.1f} dBFS "
+                         f"< -40 dBFS): there is nothing to lip-sync. Pass allow_silence=True to render anyway.")
+    return audio
+
+
+def _peak_frame_rms(audio: np.ndarray, sr: int, fps: float, block_s: float = 30.0) -> float:
+    """Loudest video frame's RMS, computed over blocks of whole frames (memory O(block))."""
+    n = lab_audio.n_video_frames(len(audio), sr, fps)
+    per = max(1, int(block_s * fps))
+    peak = 0.0
+    for f0 in range(0, n, per):
+        f1 = min(n, f0 + per)
+        s0, s1 = int(f0 * sr / fps), int(round(f1 * sr / fps)) if f1 < n else len(audio)
+        rms = lab_audio.rms_per_frame(audio[s0:s1], sr, fps)
+        if len(rms):
+            peak = max(peak, float(rms.max()))
+    return peak
+
+
+def audio_stream(engine: Engine, audio: np.ndarray, sr: int, timer: StageTimer | None = None):
+    """Checked audio → an AudioFeatureStream: 16 kHz resampling and Whisper, 30 s at a time, as
+    the frames that need them come up (memory does not grow with the audio's length)."""
+    from lab.models.whisper import AudioFeatureStream
+
+    audio = _check_audio(engine, audio, sr)
+    backend = _backend(engine)
+    kw = _window_kw(engine.cfg)
+    return AudioFeatureStream(engine.whisper, audio, sr, engine.cfg.fps, timer=timer,
+                              resample=lambda x, a, b: lab_audio.resample(x, a, b, backend=backend), **kw)
+
+
+def keyframe_plan(engine: Engine, a16: np.ndarray | None, n_frames: int) -> np.ndarray:
     """Frames the UNet runs on: all (stride 1), every k-th, or chosen from the audio ('adaptive')."""
     from lab.accel import stride as st
 
@@ -281,12 +358,24 @@ def keyframe_plan(engine: Engine, a16: np.ndarray, n_frames: int) -> np.ndarray:
 
 
 class _Latents:
-    """Keyframe latents computed on demand, batch by batch, and expanded by SLERP in between."""
+    """Keyframe latents computed on demand, batch by batch, and expanded by SLERP in between.
 
-    def __init__(self, engine: Engine, feats: torch.Tensor, keys: np.ndarray):
+    `feats` is an AudioFeatureStream (or anything with `windows(frames)`): each UNet call takes the
+    audio prompts of its frames from it, so the clip's features are never held at once."""
+
+    def __init__(self, engine: Engine, feats: Any, keys: np.ndarray):
         self.e, self.feats, self.keys = engine, feats, np.asarray(keys)
         self.cache: dict[int, torch.Tensor] = {}
         self.unet_frames = 0
+
+    def prefetch_audio(self, s: int, t: int) -> None:
+        """Release the audio behind frame s and encode what batch(s, t) can reach: up to the
+        batch_size-th keyframe past t (the look-ahead in `batch`)."""
+        if not hasattr(self.feats, "prefetch"):
+            return
+        j = min(int(np.searchsorted(self.keys, t - 1, side="right")) + self.e.cfg.batch_size, len(self.keys) - 1)
+        self.feats.release_before(s)
+        self.feats.prefetch(max(int(self.keys[j]), t - 1))
 
     def _run_unet(self, idx: list[int]) -> None:
         """UNet calls on exactly batch_size keyframes each (the last chunk padded by repetition), so
@@ -300,7 +389,9 @@ class _Latents:
             x = torch.cat([e.masked_latents[j], e.ref_latents[j]], dim=1)
             if e.cfg.channels_last and e.device.type == "cuda":
                 x = x.contiguous(memory_format=torch.channels_last)
-            out = e.gen_fn(x, self.feats[torch.as_tensor(pad, device=self.feats.device)]).clone()  # graphs reuse their output memory
+            audio = self.feats.windows(np.asarray(pad)) if hasattr(self.feats, "windows") else \
+                self.feats[torch.as_tensor(pad, device=self.feats.device)]
+            out = e.gen_fn(x, audio.to(e.device, e.dtype)).clone()  # graphs reuse their output memory
             for k, z in zip(chunk, out):
                 self.cache[k] = z
             self.unet_frames += len(chunk)
@@ -355,18 +446,18 @@ def _faces_uint8(images: torch.Tensor) -> torch.Tensor:
     return images.mul(255).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
-def _open_writer(engine: Engine, out_path: str | Path | None, audio16: np.ndarray):
+def _open_writer(engine: Engine, out_path: str | Path | None, audio: tuple[np.ndarray, int]):
     from lab import video
 
     cfg = engine.cfg
     if cfg.writer == "null" or out_path is None:
         return None
     if cfg.writer == "ffmpeg":
-        return video.FFmpegWriter(out_path, cfg.fps, cfg.frame_size, audio=(audio16, 16000), crf=cfg.crf,
+        return video.FFmpegWriter(out_path, cfg.fps, cfg.frame_size, audio=audio, crf=cfg.crf,
                                   preset=cfg.preset, pix_fmt=_pipe_format(engine))
     if _pipe_format(engine) != "rgb24":
         raise InputError("pipe_format='yuv420p' needs writer='ffmpeg' (PyAV takes RGB frames)")
-    return video.PyAVWriter(out_path, cfg.fps, cfg.frame_size, audio=(audio16, 16000), crf=cfg.crf, preset=cfg.preset)
+    return video.PyAVWriter(out_path, cfg.fps, cfg.frame_size, audio=audio, crf=cfg.crf, preset=cfg.preset)
 
 
 def _blend_cpu(engine: Engine, faces: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -440,20 +531,26 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
         raise InputError("engine has no avatar: call prepare(engine, frames) first")
     timer = StageTimer(engine.device)
     t0 = time.perf_counter()
-    a16, feats = prepare_audio(engine, audio, sr, timer)
-    T = feats.shape[0] if n_frames is None else min(int(n_frames), feats.shape[0])
-    keys = keyframe_plan(engine, a16, T)
-    lat = _Latents(engine, feats, keys)
+    stream = audio_stream(engine, audio, sr, timer)
+    T = len(stream) if n_frames is None else min(int(n_frames), len(stream))
+    if cfg.stride == "adaptive":  # the plan reads the whole 16 kHz clip (4 bytes a sample)
+        keys = keyframe_plan(engine, lab_audio.resample(stream.audio, sr, 16000, backend=_backend(engine))
+                             if sr != 16000 else stream.audio, T)
+    else:
+        keys = keyframe_plan(engine, None, T)
+    lat = _Latents(engine, stream, keys)
     gpu_blend = _blend_on_gpu(engine)
     yuv = _pipe_format(engine) == "yuv420p"
     if yuv and not gpu_blend:
         raise InputError("pipe_format='yuv420p' needs blend='gpu' (the conversion runs after the GPU blend)")
-    writer = _open_writer(engine, out_path, a16[: int(round(T / cfg.fps * 16000))])
+    # the input itself is muxed (its own rate; a view, not a copy): no 16 kHz clip is ever held
+    writer = _open_writer(engine, out_path, (stream.audio[: int(round(T / cfg.fps * sr))], sr))
     batches = [(s, min(s + cfg.batch_size, T)) for s in range(0, T, cfg.batch_size)]
     first = [None]
     post_busy = [0.0]
 
     def gpu_work(s: int, t: int, tm: StageTimer) -> torch.Tensor:
+        lat.prefetch_audio(s, t)  # timed as "resample" and "whisper", once per 30 s of audio
         if cfg.compile == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
         with tm.stage("unet"):
@@ -610,7 +707,8 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
     v.setdefault(("core", engine.dtype), (engine.whisper, engine.generator))
     v.setdefault(("vae", engine.cfg.decoder, _folded(engine.cfg), engine.dtype), (engine.vae, engine.decoder))
     if engine.masked_latents is not None:
-        v.setdefault(("latents", engine.cfg.decoder, engine.dtype), (engine.masked_latents, engine.ref_latents))
+        v.setdefault(("latents", engine.cfg.decoder, engine.dtype, _recipe(engine.cfg)),
+                     (engine.masked_latents, engine.ref_latents, engine.avatar))
     cl = cfg.channels_last and engine.device.type == "cuda"
     if ("core", dt) not in v:
         w0, g0 = v[("core", engine.dtype)]
@@ -643,12 +741,18 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
     new = Engine(cfg, engine.device, dt, whisper, gen, dec, vae, weights, engine.avatar, None, None,
                  engine.frames_gpu, engine.mask_gpu, variants=v)
     if engine.avatar is not None:
-        lat = v.get(("latents", cfg.decoder, dt))
+        lat = v.get(("latents", cfg.decoder, dt, _recipe(cfg)))
         if lat is None:
             prepare(new, engine.avatar.frames, engine.avatar.source_name)
-            v[("latents", cfg.decoder, dt)] = (new.masked_latents, new.ref_latents)
+            v[("latents", cfg.decoder, dt, _recipe(cfg))] = (new.masked_latents, new.ref_latents, new.avatar)
         else:
-            new.masked_latents, new.ref_latents = lat
+            new.masked_latents, new.ref_latents, new.avatar = lat
+            if _recipe(cfg) != _recipe(engine.cfg) and _blend_on_gpu(new):
+                new.mask_gpu = torch.from_numpy(new.avatar.masks[0]).to(engine.device)
+        if cfg.face_crop == "upstream":
+            new.weights["fan"] = new.avatar.params.get("fan", "none")
+        else:
+            new.weights.pop("fan", None)
         if new.frames_gpu is None and _blend_on_gpu(new):
             new.frames_gpu = torch.from_numpy(engine.avatar.frames).to(engine.device)
             new.mask_gpu = torch.from_numpy(engine.avatar.masks[0]).to(engine.device)
