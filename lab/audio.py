@@ -205,3 +205,22 @@ def rms_per_frame(audio: np.ndarray | torch.Tensor, sr: int, fps: float) -> np.n
 def is_silent(rms: np.ndarray | float, threshold_db: float = -40.0) -> np.ndarray:
     """True where the RMS is at or below `threshold_db` dB full scale (-40 dB ≈ 0.01 RMS)."""
     return np.asarray(rms) <= 10.0 ** (threshold_db / 20.0)
+
+
+SILENCE_DB = -40.0  # a video frame this quiet or quieter has nothing to lip-sync
+
+
+def check_not_silent(audio: np.ndarray | torch.Tensor, sr: int, source_name: str, fps: float = 25.0,
+                     allow_silence: bool = False, threshold_db: float = SILENCE_DB) -> None:
+    """InputError naming `source_name` when every video frame of the audio is silent (RMS at or
+    below `threshold_db` dBFS): a lip-sync render of it would be a still face, almost always a
+    wrong file. `allow_silence=True` skips the check (the switch the message names)."""
+    if allow_silence:
+        return
+    rms = rms_per_frame(audio, sr, fps)
+    if rms.size and not is_silent(rms, threshold_db).all():
+        return
+    loudest = 20 * math.log10(max(float(rms.max()) if rms.size else 0.0, 1e-12))
+    raise InputError(f"{source_name}: the audio is silent throughout (loudest frame {loudest:.1f} dBFS, at or below "
+                     f"{threshold_db:.0f} dBFS): there is nothing to lip-sync. To render it anyway, set "
+                     f"allow_silence = True (in a notebook's parameters, or `-p allow_silence True`).")

@@ -17,12 +17,13 @@ MIN_AUDIO_SECONDS = 0.1
 AUDIO_EXPECTED = "a WAV/FLAC/OGG file of at least 0.1 s of finite samples (mono or stereo, any rate)"
 
 
-def load_audio(path: str | Path, sr: int | None = None) -> tuple[np.ndarray, int]:
+def load_audio(path: str | Path, sr: int | None = None, allow_silence: bool = True) -> tuple[np.ndarray, int]:
     """Read an audio file → (mono float32 in [-1, 1], sample rate).
 
     Stereo/multichannel is averaged to mono. With `sr`, resample (torchaudio's polyphase sinc)
     to that rate. Raises InputError for a missing, empty, truncated or non-audio file, NaN/inf
-    samples, or less than 0.1 s of audio.
+    samples, or less than 0.1 s of audio; with `allow_silence=False` also for audio that is
+    silent throughout (every 40 ms at or below -40 dBFS: nothing to lip-sync).
     """
     import soundfile as sf
 
@@ -53,6 +54,10 @@ def load_audio(path: str | Path, sr: int | None = None) -> tuple[np.ndarray, int
     if dur < MIN_AUDIO_SECONDS:
         raise InputError(f"{path}: only {dur * 1e3:.1f} ms of audio; at least {MIN_AUDIO_SECONDS * 1e3:.0f} ms needed")
     mono = x.mean(axis=1).astype(np.float32)
+    if not allow_silence:
+        from lab.audio import check_not_silent
+
+        check_not_silent(mono, int(rate), str(path))
     if sr is not None and sr != rate:
         mono = resample(mono, rate, sr)
         rate = sr
@@ -94,25 +99,148 @@ def default_avatar() -> np.ndarray:
     return np.ascontiguousarray(skdata.astronaut())
 
 
+# The smallest image side the face detector can search (its cascade's window is 24×24): the
+# loaders refuse anything smaller, so an image never passes here and then fails in the detector.
+MIN_IMAGE_SIDE = 24
+IMAGE_EXPECTED = (f"a PNG/JPEG/TIFF/WebP/BMP/GIF image (any colour mode, 8 or 16 bits) of at least "
+                  f"{MIN_IMAGE_SIDE}×{MIN_IMAGE_SIDE} pixels")
+ALPHA_BACKGROUND = 255  # transparent pixels are composited over white: their colour is undefined
+
+
+def check_image_size(height: int, width: int, source_name: str) -> None:
+    """InputError naming `source_name` unless both sides are at least MIN_IMAGE_SIDE."""
+    if min(height, width) < MIN_IMAGE_SIDE:
+        raise InputError(f"{source_name}: {width}×{height} pixels is too small; at least "
+                         f"{MIN_IMAGE_SIDE}×{MIN_IMAGE_SIDE} needed (the face detector's smallest window)")
+
+
 def load_image(path: str | Path) -> np.ndarray:
-    """Read an image → RGB uint8 (H, W, 3). Grey is stacked to RGB, alpha dropped."""
-    import imageio.v3 as iio
+    """Read an image → RGB uint8 (H, W, 3), upright.
+
+    Every mode Pillow opens is converted by its meaning: EXIF orientation applied; an embedded
+    ICC profile converted to sRGB; CMYK, YCbCr, LAB, palette and 1-bit via Pillow's conversions;
+    16- and 32-bit integer grey scaled from its bit depth (not clipped); float grey read as 0..1
+    (or 0..255 when it exceeds 1); grey stacked to RGB; alpha (straight or premultiplied)
+    composited over white. The first frame of an animation or multi-page file.
+    """
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     path = Path(path)
     if not path.exists():
-        raise InputError(f"{path}: image file not found; expected a PNG/JPEG image")
+        raise InputError(f"{path}: image file not found; expected {IMAGE_EXPECTED}")
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder, not an image; expected {IMAGE_EXPECTED}")
+    if path.stat().st_size == 0:
+        raise InputError(f"{path}: file is empty (0 bytes); expected {IMAGE_EXPECTED}")
     try:
-        img = np.asarray(iio.imread(path))
-    except Exception as e:  # imageio raises many types for non-images
-        raise InputError(f"{path}: not readable as an image ({type(e).__name__}: {e}); expected a PNG/JPEG image") from None
-    if img.ndim == 2:
-        img = np.stack([img] * 3, -1)
-    if img.ndim != 3 or img.shape[2] not in (3, 4) or min(img.shape[:2]) < 16:
-        raise InputError(f"{path}: image of shape {img.shape} is not usable; expected an RGB image at least 16×16")
-    img = img[..., :3]
-    if img.dtype != np.uint8:
-        img = np.clip(img.astype(np.float64) / (np.iinfo(img.dtype).max if img.dtype.kind in "ui" else 1.0) * 255, 0, 255).astype(np.uint8)
-    return np.ascontiguousarray(img)
+        with Image.open(path) as im:
+            im.load()
+            check_image_size(im.height, im.width, str(path))
+            depth = _int_depth(im)  # read before exif_transpose, whose copy drops the TIFF tags
+            try:
+                im = ImageOps.exif_transpose(im)
+            except Exception as e:  # a damaged EXIF block: say so rather than guess the orientation
+                raise InputError(f"{path}: its EXIF orientation cannot be read ({type(e).__name__}: {e}); "
+                                 f"re-save the image without EXIF data") from None
+            rgb = _to_rgb8(im, path, depth)
+    except InputError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise InputError(f"{path}: {e}; expected an image of a sane size") from None
+    except UnidentifiedImageError:
+        raise InputError(f"{path}: not readable as an image (Pillow cannot identify it); "
+                         f"expected {IMAGE_EXPECTED}") from None
+    except Exception as e:  # truncated data, unsupported compression, broken palette, ...
+        raise InputError(f"{path}: not readable as an image ({type(e).__name__}: {e}); "
+                         f"expected {IMAGE_EXPECTED}") from None
+    check_image_size(*rgb.shape[:2], str(path))  # an EXIF rotation swaps the sides, never shrinks them
+    return rgb
+
+
+def _to_rgb8(im, path: Path, depth: tuple[int, bool] = (16, False)) -> np.ndarray:
+    """A loaded PIL image of any mode → RGB uint8 (H, W, 3); `depth` = (bits, signed) of integer grey."""
+    mode = im.mode
+    if mode.startswith("I;16") or mode == "I":
+        return _grey_to_rgb(_int_grey_to_u8(np.asarray(im), *depth, path))
+    if mode == "F":
+        return _grey_to_rgb(_float_grey_to_u8(np.asarray(im, dtype=np.float64), path))
+    icc = im.info.get("icc_profile")
+    if icc and mode in ("RGB", "RGBA", "CMYK", "L", "LA"):
+        im = _icc_to_srgb(im, icc, path)
+        mode = im.mode
+    if mode == "P":
+        im = im.convert("RGBA" if "transparency" in im.info else "RGB")
+    elif mode in ("PA", "LA", "RGBa"):
+        im = im.convert("RGBA")  # RGBa (premultiplied) is unpremultiplied here
+    elif mode not in ("RGB", "RGBA"):
+        im = im.convert("RGB")  # 1, L, CMYK, YCbCr, LAB, HSV, RGBX
+    if im.mode == "RGBA":
+        a = np.asarray(im, dtype=np.float32)
+        alpha = a[..., 3:] / 255.0
+        out = a[..., :3] * alpha + ALPHA_BACKGROUND * (1.0 - alpha)
+        return np.ascontiguousarray(np.clip(np.rint(out), 0, 255).astype(np.uint8))
+    if im.mode != "RGB":
+        raise InputError(f"{path}: colour mode {mode!r} could not be converted to RGB; expected {IMAGE_EXPECTED}")
+    return np.ascontiguousarray(np.asarray(im, dtype=np.uint8))
+
+
+def _icc_to_srgb(im, icc: bytes, path: Path):
+    """Convert through the embedded colour profile to sRGB (alpha kept); Pillow's plain conversion
+    where the profile is unusable (a broken profile is common and not worth refusing an image)."""
+    import io
+
+    from PIL import ImageCms
+
+    alpha = im.getchannel("A") if im.mode in ("RGBA", "LA") else None
+    base = im.convert("RGB" if im.mode == "RGBA" else "L") if alpha is not None else im
+    try:
+        src = ImageCms.ImageCmsProfile(io.BytesIO(icc))
+        out = ImageCms.profileToProfile(base, src, ImageCms.createProfile("sRGB"), outputMode="RGB")
+    except (ImageCms.PyCMSError, OSError, ValueError, TypeError):
+        return im
+    if out is None:
+        return im
+    if alpha is not None:
+        out.putalpha(alpha)
+    return out
+
+
+def _int_depth(im) -> tuple[int, bool]:
+    """(bits, signed) of an integer grey image: 16-bit unsigned unless a TIFF says otherwise
+    (Pillow holds 32-bit and signed 16-bit TIFFs alike in its int32 mode "I")."""
+    tags = getattr(im, "tag_v2", None)
+    if im.mode != "I" or tags is None:
+        return 16, False
+    b, f = tags.get(258), tags.get(339)
+    bits = int((b[0] if isinstance(b, tuple) else b) or 16)
+    return bits, (f[0] if isinstance(f, tuple) else f) == 2
+
+
+def _int_grey_to_u8(a: np.ndarray, bits: int, signed: bool, path: Path) -> np.ndarray:
+    """Integer grey → uint8, scaled by the file's bit depth (Pillow's own conversion clips at 255)."""
+    a = a.astype(np.int64)
+    if bits == 32 and not signed:
+        a = a & 0xFFFFFFFF  # unsigned 32-bit samples come back through Pillow's signed int32
+    if signed:
+        a = a + 2 ** (bits - 1)
+    top = 2 ** bits - 1
+    if a.min() < 0 or a.max() > top:
+        raise InputError(f"{path}: {bits}-bit grey image with values in [{a.min()}, {a.max()}]; expected 0..{top}")
+    return np.rint(a * (255.0 / top)).astype(np.uint8)
+
+
+def _float_grey_to_u8(a: np.ndarray, path: Path) -> np.ndarray:
+    if not np.isfinite(a).all():
+        raise InputError(f"{path}: {int((~np.isfinite(a)).sum())} pixels are NaN or infinite; expected finite values")
+    lo, hi = float(a.min()), float(a.max())
+    if lo < 0 or hi > 255:
+        raise InputError(f"{path}: floating-point image with values in [{lo:.3g}, {hi:.3g}]; expected 0..1 (or 0..255)")
+    scale = 255.0 if hi <= 1.0 else 1.0
+    return np.rint(a * scale).astype(np.uint8)
+
+
+def _grey_to_rgb(g: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.repeat(g[..., None], 3, axis=-1))
 
 
 def load_video(path: str | Path, max_frames: int | None = None) -> tuple[np.ndarray, float]:
@@ -133,6 +261,7 @@ def load_video(path: str | Path, max_frames: int | None = None) -> tuple[np.ndar
         raise InputError(f"{path}: not readable as a video ({type(e).__name__}: {e}); expected an MP4/MOV/AVI video") from None
     if not frames:
         raise InputError(f"{path}: video has no frames")
+    check_image_size(*frames[0].shape[:2], str(path))
     fps = float(meta.get("fps") or 25.0)
     return np.stack(frames), fps
 

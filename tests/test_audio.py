@@ -96,3 +96,34 @@ def test_rms_matches_per_frame_loop():
 def test_is_silent_threshold():
     assert is_silent(0.0) and is_silent(0.009) and not is_silent(0.011)
     assert not is_silent(0.009, threshold_db=-60)
+
+
+def test_check_not_silent_names_the_source_and_the_switch():
+    from lab.audio import check_not_silent
+
+    sr = 16000
+    quiet = (0.003 * np.random.default_rng(0).standard_normal(sr)).astype(np.float32)  # about -50 dBFS
+    with pytest.raises(InputError, match=r"take\.wav: the audio is silent throughout \(loudest frame -[45]\d\.\d dBFS"
+                                         r".*allow_silence = True"):
+        check_not_silent(quiet, sr, "take.wav")
+    with pytest.raises(InputError, match=r"zeros: .*loudest frame -240\.0 dBFS"):
+        check_not_silent(np.zeros(sr, np.float32), sr, "zeros", fps=30)
+    check_not_silent(quiet, sr, "take.wav", allow_silence=True)
+    speech = quiet.copy()
+    speech[8000:8640] += 0.1  # one loud frame is enough
+    check_not_silent(speech, sr, "take.wav")
+
+
+def test_load_audio_refuses_silence_only_when_asked(tmp_path):
+    import soundfile as sf
+
+    from lab.data import load_audio
+
+    p = tmp_path / "silent take.wav"
+    sf.write(p, np.zeros((24000, 2), np.float32), 24000)
+    x, sr = load_audio(p)  # a loader of audio does not judge it by default
+    assert sr == 24000 and not x.any()
+    with pytest.raises(InputError, match=r"silent take\.wav: the audio is silent throughout.*allow_silence = True"):
+        load_audio(p, sr=16000, allow_silence=False)
+    sf.write(p, 0.2 * np.sin(np.arange(24000) / 5)[:, None].repeat(2, 1), 24000)
+    assert load_audio(p, allow_silence=False)[0].shape == (24000,)

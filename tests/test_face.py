@@ -102,3 +102,20 @@ def test_sfd_weights_errors(tmp_path):
     torch.save({"conv1_1.weight": torch.zeros(1)}, tmp_path / "bad.pth")
     with pytest.raises(WeightsError, match=r"bad\.pth.*not match"):
         load_sfd(str(tmp_path / "bad.pth"))
+
+
+def test_detector_minimum_is_the_loaders_and_errors_name_the_source():
+    """A 16-px image must not pass one and then fail in the other with a nameless message."""
+    from lab import data
+
+    assert face.MIN_IMAGE_SIDE == data.MIN_IMAGE_SIDE == 24
+    tiny = np.full((16, 16, 3), 90, np.uint8)
+    with pytest.raises(InputError, match=r"tiny\.png: 16×16 pixels is too small; at least 24×24"):
+        detect_face_or_raise(tiny, "tiny.png")
+    with pytest.raises(InputError, match=r"tiny\.png: 16×16 pixels is too small"):
+        prepare_avatar(tiny, "tiny.png")
+    with pytest.raises(InputError, match=r"clip\.mp4: 40×20 pixels is too small"):
+        prepare_avatar(np.zeros((3, 20, 40, 3), np.uint8), "clip.mp4")
+    with pytest.raises(InputError, match=r"^image: image of shape \(4, 4, 4, 3\)"):
+        detect_faces(np.zeros((4, 4, 4, 3), np.uint8))
+    assert detect_faces(np.full((24, 24, 3), 90, np.uint8)) == []  # the smallest the loader passes
