@@ -36,6 +36,7 @@ WRITEUP = {"eager_s_per_s": 41.065, "optimized_s_per_s": 27.702, "faster_pct": 3
            "clip_faster_pct": {"exact20_fast": 56.17, "12": 65.74, "8": 71.76, "4": 78.38}}
 # upstream's own UNet3D on our H200 (random weights, fp16, guided 2 × 16 frames at 64² latents)
 ANCHOR_H200 = {"eager_ms_per_step": 175.5, "compile_ms_per_step": 119.9, "vae_s_per_s": 0.62}
+ESTIMATE_S = {"modes": 50, "loop": 15, "memory": 60}  # full size on an H200, for run_all's deadline
 TARGETS = {"exact_s_per_s": 2.5, "exact_cosine": 0.9999, "dpm8_s_per_s": 1.0, "memory_growth": 0.10}
 
 
@@ -61,7 +62,8 @@ def profile(quick: bool, device: torch.device) -> Profile:
     gpu = device.type == "cuda"
     modes = ["exact20", "ddim12", "ddim8", "ddim4", "dpm12", "dpm8", "dpm4"]
     if gpu and not quick:
-        return Profile("full", "fp16", 16, (1280, 720), 48, (10.0, 60.0), "ddim1", modes,
+        return Profile("full", "fp16", 16, (1280, 720), 32, (10.0, 60.0), "ddim1",
+                       ["exact20", "ddim8", "dpm12", "dpm8", "dpm4"],
                        ["channels_last", "cudagraph", "compile", "compile+cudagraph"],
                        ["auto", "flash", "efficient", "cudnn"], 10, 3, True)
     if gpu:
@@ -96,11 +98,26 @@ class Context:
         atomic_write_text(self.folder / "partial.json", self.res.to_json(), overwrite=True)
 
 
+def _read_wav(path: Path) -> tuple[np.ndarray, int]:
+    import wave
+
+    with wave.open(str(path)) as w:
+        raw, ch, width, rate = w.readframes(w.getnframes()), w.getnchannels(), w.getsampwidth(), w.getframerate()
+    if width != 2:
+        raise ImportError(f"{path}: {8 * width}-bit WAV needs soundfile")
+    x = np.frombuffer(raw, np.int16).reshape(-1, ch).mean(1).astype(np.float32) / 32768
+    return x, rate
+
+
 def speech(seconds: float, sr_out: int = 16000) -> tuple[np.ndarray, int]:
     """The bundled sentence at 16 kHz, looped to `seconds`."""
     from lab import data
 
-    a, sr = data.default_audio(sr_out)
+    try:
+        a, sr = data.default_audio(sr_out)
+    except ImportError:  # a host without soundfile: the bundled file is plain PCM WAV
+        a, sr = _read_wav(data.DEFAULT_AUDIO), None
+        a, sr = data.resample(a[0], a[1], sr_out), sr_out
     n = int(seconds * sr)
     return np.resize(a, n).astype(np.float32), sr
 
@@ -264,17 +281,32 @@ def _run(ctx: Context, mode: str, fast: str, keep: bool = True, **cfg: Any):
     return rep, (np.concatenate(out) if out else None)
 
 
-def _drift(rep, frames, ref_rep, ref_frames) -> dict:
+def _chunked(fn, a: torch.Tensor, b: torch.Tensor, dev: torch.device, chunk: int = 8) -> float:
+    """Mean of a per-batch image metric over equal chunks, computed on `dev` (frames at 720p add up)."""
+    vals, ns = [], []
+    for i in range(0, len(a), chunk):
+        vals.append(fn(a[i:i + chunk].to(dev), b[i:i + chunk].to(dev)))
+        ns.append(len(a[i:i + chunk]))
+    return float(np.average(vals, weights=ns))
+
+
+def _drift(rep, frames, ref_rep, ref_frames, dev: torch.device) -> dict:
     fa, fb = rep.faces, ref_rep.faces
     d = {"latent_cosine": metrics.cosine(rep.latents, ref_rep.latents),
-         "psnr_face_db": metrics.psnr(fa, fb), "ssim_face": metrics.ssim(fa, fb),
-         "ssim_mouth": metrics.ssim(P.mouth(fa), P.mouth(fb))}
+         "psnr_face_db": metrics.psnr(fa.to(dev), fb.to(dev)), "ssim_face": _chunked(metrics.ssim, fa, fb, dev),
+         "ssim_mouth": _chunked(metrics.ssim, P.mouth(fa), P.mouth(fb), dev)}
     if frames is not None and ref_frames is not None:
-        d["ssim_frame"] = metrics.ssim(torch.from_numpy(frames).permute(0, 3, 1, 2),
-                                       torch.from_numpy(ref_frames).permute(0, 3, 1, 2))
+        d["ssim_frame"] = _chunked(metrics.ssim, torch.from_numpy(frames).permute(0, 3, 1, 2),
+                                   torch.from_numpy(ref_frames).permute(0, 3, 1, 2), dev)
     ok, _why = metrics.lpips_available("alex")
-    d["lpips_alex"] = metrics.lpips_distance(fa, fb) if ok else None
+    d["lpips_alex"] = _chunked(metrics.lpips_distance, fa, fb, dev) if ok else None
     return d
+
+
+def _layout(ctx: Context) -> str:
+    w = ctx.engine.unet.model.conv_in.weight
+    return "eager, channels_last" if w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() \
+        else "eager"
 
 
 def mode_table(ctx: Context) -> list[dict]:
@@ -292,12 +324,12 @@ def mode_table(ctx: Context) -> list[dict]:
         else:
             rep, fr = _run(ctx, mode, how)
             ctx.runs[label] = (rep, fr)
-        row = {"mode": label, "steps": sampling.parse_mode(mode).steps, "runner": "eager" if how == "eager" else name,
+        row = {"mode": label, "steps": sampling.parse_mode(mode).steps, "runner": _layout(ctx) if how == "eager" else name,
                "wall_s": rep.wall_s, "s_per_output_s": rep.seconds_per_output_second,
                "change_vs_exact20_eager_pct": 100 * (1 - rep.wall_s / ref.wall_s),
                "unet_s": rep.stages.get("unet"), "vae_s": rep.stages.get("vae_encode", 0) + rep.stages.get("vae_decode", 0),
                "peak_vram_mb": rep.peak_gpu_mb, "host_rss_mb": rep.peak_rss_mb, "frames": rep.n_frames}
-        row |= _drift(rep, fr, ref, ref_frames) if label != "exact20 eager" else {"latent_cosine": 1.0}
+        row |= _drift(rep, fr, ref, ref_frames, ctx.dev) if label != "exact20 eager" else {"latent_cosine": 1.0}
         rows.append(row)
     ctx.res.tables["modes"] = rows
     ctx.partial()
@@ -460,6 +492,8 @@ def table(rows: list[dict], cols: list[str] | None = None, title: str = "") -> A
     """Rows as a Markdown table for display (the status column only when something did not run)."""
     from IPython.display import Markdown
 
+    cols = cols or list(dict.fromkeys(k for r in rows for k in r))
+    cols = [c for c in cols if any(c in r for r in rows)]
     return Markdown((f"**{title}**\n\n" if title else "") + plots.table_markdown(rows, cols, floatfmt=".4g"))
 
 
@@ -487,20 +521,33 @@ def save(ctx: Context) -> Path:
 
 
 def run_all(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str | None = None,
-            weights: Any = "random", steps: tuple[str, ...] = ("waterfall", "vae", "modes", "loop", "memory")) -> Context:
-    """The notebook's steps in order, headless (what the GPU reference run executes)."""
+            weights: Any = "random", steps: tuple[str, ...] = ("waterfall", "vae", "modes", "loop", "memory"),
+            deadline_s: float | None = None) -> Context:
+    """The notebook's steps in order, headless (what the GPU reference run executes). `deadline_s`: a step
+    whose full-size estimate (ESTIMATE_S) no longer fits is skipped, and the Result says so."""
     ctx = setup(device, quick, seed, out_dir, weights)
     for name, fn in (("waterfall", step_waterfall), ("vae", vae_cost), ("modes", mode_table),
-                     ("loop", block_loop_costs), ("memory", memory_scaling)):
+                     ("memory", memory_scaling), ("loop", block_loop_costs)):
         if name in steps:
+            left = None if deadline_s is None else deadline_s - (time.perf_counter() - ctx.t0)
+            if left is not None and left < ESTIMATE_S.get(name, 0):
+                ctx.res.metrics.setdefault("skipped", {})[name] = f"time budget: {left:.0f} s left, needs ~{ESTIMATE_S[name]} s"
+                print(f"skipped {name}: {ctx.res.metrics['skipped'][name]}", flush=True)
+                continue
             t0 = time.perf_counter()
-            fn(ctx)
+            try:
+                fn(ctx)
+            except Exception as e:  # headless: record the failure, run the remaining steps
+                import traceback
+
+                ctx.res.metrics.setdefault("failed", {})[name] = f"{type(e).__name__}: {str(e)[:300]}"
+                traceback.print_exc()
             ctx.res.timings[f"{name}_s"] = time.perf_counter() - t0
             print(f"[{time.perf_counter() - ctx.t0:7.1f} s] {name} done", flush=True)
     comparisons(ctx)
-    for name, fig in (("waterfall", waterfall_figure), ("speed_drift", speed_drift_figure)):
-        if name != "waterfall" or "step_waterfall" in ctx.res.tables:
-            if name != "speed_drift" or "modes" in ctx.res.tables:
-                save_figure(fig(ctx), ctx.folder, name, ctx.res)
+    for name, fig, table_name in (("waterfall", waterfall_figure, "step_waterfall"),
+                                  ("speed_drift", speed_drift_figure, "modes")):
+        if table_name in ctx.res.tables:
+            save_figure(fig(ctx), ctx.folder, name, ctx.res)
     save(ctx)
     return ctx
