@@ -61,6 +61,9 @@ def putback_gpu(background: torch.Tensor, renders: torch.Tensor, mask: torch.Ten
     return comp.clamp_(0, 255).round_().to(torch.uint8).permute(0, 2, 3, 1)
 
 
+_GRIDS: dict[tuple, torch.Tensor] = {}  # CPU fallback: the frame→crop grid of a matrix, reused per frame
+
+
 def _have_cv2() -> bool:
     try:
         import cv2  # noqa: F401
@@ -80,7 +83,12 @@ def putback_cpu(background: np.ndarray, render: np.ndarray, mask: np.ndarray, m_
         r = cv2.warpAffine(render.astype(np.float32), m, (w, h), flags=cv2.INTER_LINEAR)
         a = cv2.warpAffine(mask.astype(np.float32), m, (w, h), flags=cv2.INTER_LINEAR)[..., None]
     else:
-        grid = sampling_grid(torch.from_numpy(np.asarray(m_c2o, dtype=np.float64))[None], (h, w), render.shape[0])
+        key = (np.asarray(m_c2o, dtype=np.float64).tobytes(), h, w, render.shape[0])
+        if key not in _GRIDS:
+            if len(_GRIDS) > 8:
+                _GRIDS.clear()
+            _GRIDS[key] = sampling_grid(torch.from_numpy(np.asarray(m_c2o, dtype=np.float64))[None], (h, w), render.shape[0])
+        grid = _GRIDS[key]
         src = torch.cat([torch.from_numpy(render.astype(np.float32)).permute(2, 0, 1),
                          torch.from_numpy(mask.astype(np.float32))[None]])[None]
         out = F.grid_sample(src, grid, mode="bilinear", padding_mode="zeros", align_corners=False)[0]

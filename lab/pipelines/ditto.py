@@ -197,28 +197,14 @@ def stage_fn(engine: Engine, kind: str, batch: int):
     key = (kind, precision, cfg.fold_spectral_norm, cfg.channels_last, cfg.compile, cfg.cuda_graphs, batch)
     if key in engine.variants:
         return engine.variants[key]
-    warp = _module(engine, "warp_network", precision, cfg.fold_spectral_norm, False)
-    dec = _module(engine, "decoder", precision, cfg.fold_spectral_norm, cfg.channels_last)
-    module = {"render": D.Renderer(warp, dec), "warp": warp, "decode": dec}[kind]
-    dt = engine.dtype
-    if cfg.compile != "none":
-        t0 = time.perf_counter()
-        mode = None if cfg.compile == "default" else cfg.compile
-        module = torch.compile(module, mode=mode, dynamic=False)
-        engine.compile_s += time.perf_counter() - t0
-    autocast = precision == "autocast"
-
-    def eager(*xs: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", torch.float16, enabled=autocast):
-            return module(*xs)
-
-    fn = eager
     if cfg.cuda_graphs:
+        # capture the same callable the graph-free engine would run (a compiled one is compiled once)
         from lab.accel.backends import capture
 
+        base = stage_fn(reconfigure(engine, cuda_graphs=False), kind, batch)
         d = engine.dims
         hw = d.feature_hw
-        in_dt = torch.float32 if autocast else dt
+        in_dt = _in_dtype(engine)
         if kind == "decode":
             ex = [torch.randn(batch, d.warp_out, hw, hw, device=engine.device, dtype=in_dt)]
         else:
@@ -226,9 +212,23 @@ def stage_fn(engine: Engine, kind: str, batch: int):
                   0.3 * torch.randn(batch, D.NUM_KP, 3, device=engine.device, dtype=in_dt),
                   0.3 * torch.randn(batch, D.NUM_KP, 3, device=engine.device, dtype=in_dt)]
         t0 = time.perf_counter()
-        fn, keep = capture(eager, ex, warmup=3, clone_output=True)
+        fn, keep = capture(base, ex, warmup=3, clone_output=True)
         engine.compile_s += time.perf_counter() - t0
         engine.variants[key + ("keep",)] = keep
+        engine.variants[key] = fn
+        return fn
+    warp = _module(engine, "warp_network", precision, cfg.fold_spectral_norm, False)
+    dec = _module(engine, "decoder", precision, cfg.fold_spectral_norm, cfg.channels_last)
+    module = {"render": D.Renderer(warp, dec), "warp": warp, "decode": dec}[kind]
+    if cfg.compile != "none":
+        mode = None if cfg.compile == "default" else cfg.compile
+        module = torch.compile(module, mode=mode, dynamic=False)
+    autocast = precision == "autocast"
+
+    def fn(*xs: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", torch.float16, enabled=autocast):
+            return module(*xs)
+
     engine.variants[key] = fn
     return fn
 
@@ -353,7 +353,7 @@ def pool_view(engine: Engine, avatar: Avatar) -> Avatar:
     """The same avatar with f_s in the engine's configured pool (moves it once if needed)."""
     want = engine.cfg.source_pool
     if want == "vram" and avatar.f_s_dev is None:
-        avatar.f_s_dev = torch.from_numpy(np.asarray(avatar.f_s_host)).to(engine.device, _in_dtype(engine))
+        avatar.f_s_dev = torch.from_numpy(np.array(avatar.f_s_host)).to(engine.device, _in_dtype(engine))
         avatar.frames_dev = torch.from_numpy(avatar.frames).to(engine.device)
     if want == "vram" and avatar.f_s_dev.dtype != _in_dtype(engine):
         avatar.f_s_dev = avatar.f_s_dev.to(_in_dtype(engine))
@@ -651,7 +651,12 @@ def _open_writer(engine: Engine, out_path: str | Path | None, size: tuple[int, i
     else:
         from lab.video import FFmpegWriter
 
-        w = FFmpegWriter(out_path, cfg.fps, size, audio=(a16, D.AUDIO_SR), crf=cfg.crf, preset=cfg.preset,
+        try:
+            import soundfile  # noqa: F401  (the writer muxes the audio through a WAV file)
+            track = (a16, D.AUDIO_SR)
+        except ImportError:
+            track = None
+        w = FFmpegWriter(out_path, cfg.fps, size, audio=track, crf=cfg.crf, preset=cfg.preset,
                          pix_fmt="yuv420p" if cfg.putback == "gpu" else "rgb24")
     if cfg.async_writer:
         from lab.video import AsyncWriter
@@ -757,9 +762,15 @@ class RunReport:
 
 
 def _rss_mb() -> float:
-    import psutil
+    try:
+        import psutil
 
-    return psutil.Process().memory_info().rss / 2**20
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:  # Linux without psutil
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
 
 
 @torch.no_grad()
