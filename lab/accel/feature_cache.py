@@ -90,9 +90,11 @@ def window_starts(n_samples: int, sr: int, window_s: float = WINDOW_S, stride_s:
 
 @lru_cache(maxsize=8)
 def _mel_basis(sr: int, n_fft: int, n_mels: int) -> np.ndarray:
-    import librosa
+    """(n_mels, n_fft // 2 + 1) Slaney-scale, Slaney-normalized triangles (librosa's default filter bank)."""
+    import torchaudio.functional as AF
 
-    return librosa.filters.mel(sr=sr, n_fft=n_fft, n_mels=n_mels).astype(np.float32)
+    fb = AF.melscale_fbanks(n_fft // 2 + 1, 0.0, sr / 2, n_mels, sr, norm="slaney", mel_scale="slaney")
+    return fb.T.numpy().astype(np.float32)
 
 
 def quantized_mel(window: np.ndarray, sr: int = 16000, n_mels: int = N_MELS, levels: int = LEVELS,
