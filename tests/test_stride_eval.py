@@ -360,3 +360,57 @@ def test_figures_and_scrubber_headless(proxy, vae, feats):
         widgets.stride_scrubber({"dense": d.images["dense"]}, "dense", interactive=False)
     with pytest.raises(InputError):
         se.strip_figure(d.images, "dense", [N + 3])
+
+
+# ----------------------------------------------------------------------------- notebook parameters and profile
+
+def _defaults():
+    from lab.experiments.common import notebook_path
+    from lab.params import notebook_defaults
+
+    return notebook_defaults(notebook_path(se.NAME))
+
+
+def test_profile_sizes_from_quick_and_device():
+    quick = se.profile(dict(_defaults(), quick=True), torch.device("cpu"))
+    assert (quick["size"], quick["crop"], quick["batch_size"], quick["dtype"], quick["threads"]) == ("tiny", 64, 4, "fp32", 1)
+    assert (quick["n_frames"], quick["proxy_n"], quick["gen_n"], quick["repeats"], quick["warm_rounds"]) == (8, 8, 8, 1, 0)
+    assert not quick["full_gpu"] and quick["strides"] == [1, 2, 3, "adaptive"]
+    cpu = se.profile(_defaults(), torch.device("cpu"))  # a full run without a GPU: tiny models, more frames
+    assert cpu["size"] == "tiny" and cpu["n_frames"] == 48 and cpu["profile"] == "cpu"
+    gpu = se.profile(_defaults(), torch.device("cuda"))  # decides sizes only: needs no GPU to test
+    assert gpu["full_gpu"] and gpu["size"] == "full" and gpu["crop"] == 256 and gpu["frame_size"] == [1080, 1920]
+    assert (gpu["n_frames"], gpu["batch_size"], gpu["dtype"]) == (640, 16, "fp16") and "threads" not in gpu
+    assert se.profile(dict(_defaults(), quick=True), torch.device("cuda"))["size"] == "tiny"
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("strides", [1, 0], r"strides\[1\]=0"),
+    ("strides", [2, 2], "repeats"),
+    ("strides", 3, "strides=3.*list"),
+    ("weights", "stabilityai/sd-vae-ft-mse", "parameter weights="),
+    ("weights", {"decoder": "x"}, "parameter weights="),
+    ("n_frames", 1, "n_frames=1.*≥ 2"),
+    ("proxy_n", 2.5, "proxy_n=2.5"),
+    ("fps", 0, "fps=0"),
+    ("dtype", "fp8", "dtype='fp8'"),
+    ("decoder", "vqgan", "decoder='vqgan'"),
+    ("bench_decoders", ["sd_vae"], r"bench_decoders\[0\]='sd_vae'"),
+    ("mode", "parallel", "mode='parallel'"),
+    ("compile", True, "compile=True"),
+    ("writers", ["nvenc"], r"writers\[0\]='nvenc'"),
+    ("methods", ["cubic"], r"methods\[0\]='cubic'"),
+    ("motions", ["walk"], r"motions\[0\]='walk'"),
+    ("shifts", [1, -2], r"shifts\[1\]=-2"),
+    ("repeats", 0, "repeats=0"),
+    ("max_gap", "3", "max_gap='3'"),
+    ("strides_", [1], "did you mean 'strides'"),
+])
+def test_bad_parameters_are_refused_naming_them(name, value, match):
+    from lab.experiments.common import notebook_path
+    from lab.runner import check_parameters
+
+    with pytest.raises(InputError, match=match):
+        check_parameters(notebook_path(se.NAME), {name: value})
+    check_parameters(notebook_path(se.NAME), {"strides": [1, 4, "adaptive"], "bench_decoders": [], "angles": [],
+                                              "weights": {"unet": "/models/unet.pth"}})

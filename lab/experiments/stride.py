@@ -26,6 +26,12 @@ Throughput definitions used in tables (n = frames in the clip):
   pipeline FPS       = n / wall of `lab.pipelines.musetalk.run` (audio → frames, blend, writer).
 The decode runs on every frame whatever the stride, so neural FPS cannot scale with k the way
 UNet-only FPS does (Amdahl).
+
+The notebook's cells call the layer at the end of this file: `start` (parameters, profile, engine,
+audio, plans), then per section a function that measures and keeps its table (`geometry`,
+`proxy_drift`, `generated_drift`, `speed`) and one that shows it (`show_*`, returning the saved
+figure), `adaptive_plan`, `show_frame_strips`, the `scrubber` widget, `compare`, `zero_degradation`
+and `finish`.
 """
 from __future__ import annotations
 
@@ -38,8 +44,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from lab import params
 from lab.accel import stride as st
 from lab.errors import InputError
+from lab.experiments import common
+from lab.experiments.common import Run, batched, row, to_uint8
 from lab.plots import worst_frames_figure  # noqa: F401  (the scrubber's static view lives with the figures)
 from lab.timing import sync
 
@@ -202,37 +211,25 @@ def proxy_frames(photo: np.ndarray, box: Box, size: int, motion: dict[str, np.nd
     return warp_crops(photo, box, size, device=device, **motion)
 
 
-def _batched(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """fn over full batches only: the tail is padded by repeating its last item and the padding
-    dropped. One batch shape means one cuDNN autotuning pass (seconds per new shape for SD-VAE
-    with cudnn.benchmark on); results per item do not depend on the padding."""
+def _full_batches(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """fn over full batches only once there is more than one (the tail padded, the padding dropped):
+    one batch shape means one cuDNN autotuning pass (seconds per new shape for SD-VAE with
+    cudnn.benchmark on); results per item do not depend on the padding."""
     b = st._positive_int(batch_size, "batch_size")
-    out = []
-    for s in range(0, len(x), b):
-        chunk = x[s:s + b]
-        k = len(chunk)
-        if k < b and len(x) > b:
-            chunk = torch.cat([chunk, chunk[-1:].expand(b - k, *chunk.shape[1:])])
-        out.append(fn(chunk)[:k])
-    return torch.cat(out)
+    return batched(fn, x, b, pad_tail=len(x) > b)
 
 
 @torch.inference_mode()
 def encode_frames(vae: Any, frames: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
     """Images (N, 3, H, W) in [0, 1] → UNet-space latents (N, 4, H/8, W/8) float32, batched."""
-    return _batched(lambda x: vae.encode(x).float(), frames, batch_size)
+    return _full_batches(lambda x: vae.encode(x).float(), frames, batch_size)
 
 
 @torch.inference_mode()
 def decode_latents(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor,
                    batch_size: int = 16) -> torch.Tensor:
     """Latents → images (N, 3, H, W) float32 in [0, 1], batched (decode: e.g. `vae.decode`)."""
-    return _batched(lambda z: decode(z).float().clamp(0, 1), latents, batch_size)
-
-
-def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """(N, 3, H, W) in [0, 1] → (N, H, W, 3) uint8 on the host (for figures and widgets)."""
-    return images.mul(255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return _full_batches(lambda z: decode(z).float().clamp(0, 1), latents, batch_size)
 
 
 # ----------------------------------------------------------------------------- geometry
@@ -860,10 +857,6 @@ def weights_dict(weights: str | dict[str, str]) -> dict[str, str]:
     return {k: str(weights.get(k, "random")) for k in keys}
 
 
-def _row(rows: Sequence[dict], **match: Any) -> dict | None:
-    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
-
-
 def _ratio_verdict(ours: float | None, theirs: float, comparable: bool, why_not: str) -> tuple[str, str]:
     if ours is None or not np.isfinite(ours):
         return "not comparable", "not measured"
@@ -887,9 +880,9 @@ def writeup_rows(neural: Sequence[dict], pipeline: Sequence[dict], geometry: Seq
     out: list[dict] = []
     why_small = "tiny models / CPU: speed ratios of the quick profile say nothing about the full pipeline"
     base = dict(source=WRITEUP_SOURCE, their_hardware=WRITEUP_HARDWARE, our_hardware=machine)
-    n1 = _row(neural, plan="stride 1")
+    n1 = row(neural, plan="stride 1")
     for plan, w in WRITEUP.items():
-        r = _row(neural, plan=plan)
+        r = row(neural, plan=plan)
         if r is None:
             continue
         out.append(dict(base, claim=f"pure neural throughput at {plan} (UNet + SLERP + decode of every frame)",
@@ -898,7 +891,7 @@ def writeup_rows(neural: Sequence[dict], pipeline: Sequence[dict], geometry: Seq
                         reason=(f"absolute FPS across GPUs and engines (theirs TensorRT FP8 + TAESD TRT, ours eager "
                                 f"PyTorch) is not comparable; ours over {r['n_frames']} frames, UNet-only {r['unet_fps']:.1f} FPS")))
     for plan in ("stride 2", "stride 3"):
-        r = _row(neural, plan=plan)
+        r = row(neural, plan=plan)
         if r is None or n1 is None:
             continue
         theirs = WRITEUP[plan]["neural_fps"] / WRITEUP["stride 1"]["neural_fps"]
@@ -906,7 +899,7 @@ def writeup_rows(neural: Sequence[dict], pipeline: Sequence[dict], geometry: Seq
         out.append(dict(base, claim=f"neural speed-up {plan} / stride 1 (same run)", their_value=round(theirs, 2),
                         our_value=round(r["speedup_neural_fps"], 2), unit="×", verdict=v,
                         reason=f"{why}; ours UNet-only {r['speedup_unet_fps']:.2f}×"))
-        p, p1 = _row(pipeline, plan=plan, writer=e2e_writer), _row(pipeline, plan="stride 1", writer=e2e_writer)
+        p, p1 = row(pipeline, plan=plan, writer=e2e_writer), row(pipeline, plan="stride 1", writer=e2e_writer)
         if p is not None and p1 is not None:
             theirs = WRITEUP[plan]["e2e_fps"] / WRITEUP["stride 1"]["e2e_fps"]
             v, why = _ratio_verdict(p["speedup"], theirs, full_gpu, why_small)
@@ -914,7 +907,7 @@ def writeup_rows(neural: Sequence[dict], pipeline: Sequence[dict], geometry: Seq
                             our_value=round(p["speedup"], 2), unit="×", verdict=v,
                             reason=f"{why}; theirs NVENC, ours libx264 {e2e_writer} ({p['fps']:.1f} vs {p1['fps']:.1f} FPS)"))
     for plan in ("stride 2", "stride 3"):
-        r = _row(neural, plan=plan)
+        r = row(neural, plan=plan)
         if r is not None and "infill_s" in r:
             total = r["unet_s"] + r["infill_s"] + r["decode_s"]
             out.append(dict(base, claim=f"SLERP infill time, whole clip, {plan}", their_value=WRITEUP[plan]["infill_ms"],
@@ -944,8 +937,8 @@ def writeup_rows(neural: Sequence[dict], pipeline: Sequence[dict], geometry: Seq
                         verdict="reproduced" if s_err < 1e-6 else "differs",
                         reason="midpoint norm / mean endpoint norm over every pair measured"))
     real_vae = weights.get("vae", "random") != "random"
-    s3l = _row(proxy_latent, plan="stride 3", method="lerp")
-    s3s = _row(proxy_latent, plan="stride 3", method="slerp")
+    s3l = row(proxy_latent, plan="stride 3", method="lerp")
+    s3s = row(proxy_latent, plan="stride 3", method="slerp")
     if s3l and s3s:
         gap = s3s["psnr_interp_db"] - s3l["psnr_interp_db"]
         out.append(dict(base, claim="LERP fails catastrophically (norm collapse → fading, blur); SLERP fixes it (§2.1)",
@@ -965,7 +958,7 @@ def writeup_rows(neural: Sequence[dict], pipeline: Sequence[dict], geometry: Seq
                         reason=f"proxy {path}, speech-driven jaw + head sway, SLERP: {summary}; 'zero' held to every "
                                f"interpolated frame ≥ {LOSSLESS_PSNR_DB:.0f} dB and SSIM ≥ {LOSSLESS_SSIM}"))
     real_unet = weights.get("unet", "random") != "random"
-    g3 = _row(generated, plan="stride 3", method="slerp")
+    g3 = row(generated, plan="stride 3", method="slerp")
     if g3:
         out.append(dict(base, claim="zero visual degradation on generated frames at stride 3 (§5.1)", their_value="zero",
                         our_value=f"{g3['psnr_interp_db']:.1f} dB, latent cos {g3['cos_mean']:.4f}", unit="dB PSNR",
@@ -979,3 +972,433 @@ def writeup_rows(neural: Sequence[dict], pipeline: Sequence[dict], geometry: Seq
                         reason="lab.metrics.flicker in the mouth box; interpolation also removes real motion (see the "
                                "proxy's flicker ratio), so lower is not by itself better"))
     return out
+
+
+# ----------------------------------------------------------------------------- the notebook
+
+NAME = "05_stride_slerp"
+UNET_TARGET = 2.5  # stride 3 UNet-only speed-up over stride 1, full size on a GPU
+UNET_TARGET_KEY = f"stride 3 UNet-only ≥ {UNET_TARGET}× stride 1 target"
+
+
+def _weights_rule(name: str, v: Any) -> Any:
+    try:
+        weights_dict(v)
+    except InputError as e:
+        raise InputError(f"parameter {name}={v!r}: {e}") from None
+    return v
+
+
+def _strides_rule(name: str, v: Any) -> Any:
+    if not isinstance(v, (list, tuple)) or not v:
+        raise InputError(f"parameter {name}={v!r}: expected a non-empty list such as [1, 2, 3, 'adaptive']")
+    out = []
+    for i, s in enumerate(v):
+        try:
+            out.append(check_stride(s))
+        except InputError as e:
+            raise InputError(f"parameter {name}[{i}]={s!r}: {e}") from None
+    if len(set(out)) != len(out):
+        raise InputError(f"parameter {name}={v!r}: an entry repeats")
+    return out
+
+
+def _at_least(n: int) -> params.Rule:
+    def rule(name: str, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, int) or v < n:
+            raise InputError(f"parameter {name}={v!r}: must be an integer ≥ {n}")
+        return v
+    return rule
+
+
+def _pipeline_choices() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    from lab.pipelines.musetalk import DTYPES, MODES, WRITERS
+
+    return tuple(DTYPES), MODES, WRITERS
+
+
+_DT, _MODES, _WRITERS = _pipeline_choices()
+RULES: dict[str, params.Rule] = {
+    "weights": _weights_rule,
+    "strides": _strides_rule,
+    "max_gap": params.positive(integer=True),
+    "n_frames": _at_least(2),
+    "fps": params.positive(),
+    "batch_size": params.positive(integer=True),
+    "dtype": params.one_of(*_DT),
+    "decoder": params.one_of("taesd", "sd-vae"),
+    "bench_decoders": params.list_of(params.one_of("sd-vae", "taesd"), nonempty=False),
+    "mode": params.one_of(*_MODES),
+    "compile": params.one_of("none", "default", "reduce-overhead"),
+    "writers": params.list_of(params.one_of(*_WRITERS)),
+    "repeats": params.positive(integer=True),
+    "proxy_n": _at_least(2),
+    "gen_n": _at_least(2),
+    "motions": params.list_of(params.one_of("head", "speech")),
+    "methods": params.list_of(params.one_of(*st.METHODS)),
+    "shifts": params.list_of(params.positive(), nonempty=False),
+    "angles": params.list_of(params.positive(), nonempty=False),
+}
+
+
+def profile(p: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Sizes from `quick` and the device. Full size (850 M-parameter UNet, 1080×1920 frames, 256²
+    crops) only on a GPU without quick; otherwise tiny models, 64² crops, batch 4 in fp32, one
+    thread, and 8 frames (quick) or 48 (a full run without a GPU)."""
+    p = dict(p)
+    full_gpu = torch.device(device).type == "cuda" and not p["quick"]
+    p.update(size="full", frame_size=[1080, 1920], crop=256, loop_frames=32, warm_rounds=1, full_gpu=full_gpu,
+             profile="full")
+    if not full_gpu:
+        # tiny kernels on a shared 2-core box: OpenMP threads spin against each other and other jobs
+        # (measured 30× slower with 2 threads under load); one thread is fastest and steadiest
+        p.update(size="tiny", frame_size=[128, 192], crop=64, loop_frames=6, batch_size=4, dtype="fp32", threads=1,
+                 shifts=[1, 2, 4, 8], angles=[2, 8])
+        if p["quick"]:
+            p.update(n_frames=8, proxy_n=8, gen_n=8, repeats=1, warm_rounds=0, profile="quick")
+        else:
+            p.update(n_frames=48, proxy_n=24, gen_n=24, repeats=2, warm_rounds=1, profile="cpu")
+    p["strides"] = [check_stride(s) for s in p["strides"]]
+    return p
+
+
+def start(namespace: dict[str, Any]) -> Run:
+    """Check the parameters, apply the profile, open the run folder, and set up what every section
+    uses: the pipeline engine (built, prepared, warmed up) as `run.engine`, SD-VAE in fp32 for the
+    quality figures (`run.vae`), the looped speech clip (`run.clip`, `run.sr`), its 16 kHz audio and
+    Whisper features (`run.a16`, `run.feats`), the keyframe plans (`run.plans`), the avatar photo and
+    its face box (`run.photo`, `run.box`), and the weights per component (`run.W`)."""
+    from lab import data
+    from lab.models.vae import load_vae
+    from lab.pipelines.musetalk import Config, build_engine, prepare, warmup
+
+    run = common.start(NAME, namespace, RULES, profile)
+    if run.p.get("threads"):
+        torch.set_num_threads(run.p["threads"])
+    run.W = W = weights_dict(run.weights)
+    cfg = Config(fps=run.fps, batch_size=run.batch_size, dtype=run.dtype, decoder=run.decoder, mode=run.mode,
+                 compile=run.compile, size=run.size, frame_size=tuple(run.frame_size), crop=run.crop,
+                 loop_frames=run.loop_frames, writer="null", preset="ultrafast", stride=1, max_gap=run.max_gap,
+                 seed=run.seed, weights={"whisper": W["whisper"], "unet": W["unet"],
+                                         "vae": W["taesd"] if run.decoder == "taesd" else W["vae"]})
+    run.engine = build_engine(cfg, run.device)
+    prepare(run.engine)
+    warmup(run.engine)
+    # the quality reference: MuseTalk's own autoencoder in fp32 (its latent space is the UNet's)
+    run.vae = load_vae("sd-vae", W["vae"], size=run.size, device=run.device, dtype=torch.float32, seed=run.seed)
+    run.result.weights = {**run.engine.weights, "sd-vae (quality)": run.vae.weights}
+    audio, run.sr = data.default_audio()
+    run.clip = speech_clip(audio, run.sr, (run.n_frames + 1) / run.fps)
+    run.a16, run.feats = audio_features(run.engine, run.clip, run.sr, run.n_frames)
+    run.plans = make_plans(run.strides, run.n_frames, run.a16, run.fps, run.max_gap)
+    run.photo = data.default_avatar()
+    run.box = face_box(run.photo)
+    run.result.params.update(weights=W, strides=[str(s) for s in run.strides])
+    run.result.timings["setup_s"] = time.perf_counter() - run.t0
+    return run
+
+
+def describe(run: Run) -> str:
+    note = ("No GPU: the full-size UNet (850 M parameters) over 640 frames would take hours on this CPU; "
+            "running the quick profile's sizes with a few more frames.\n") if run.p.get("profile") == "cpu" else ""
+    return (f"{note}device {run.device} | {run.machine} | {run.size} models, {run.crop}² crops, {run.n_frames} frames "
+            f"at {run.fps} fps | weights {run.result.weights}\n"
+            f"keyframes per plan: { {k: int(v.size) for k, v in run.plans.items()} } | run folder {run.folder}")
+
+
+def _show(*objs: Any) -> None:
+    from IPython.display import display
+
+    for o in objs:
+        display(o)
+
+
+def _md(text: str) -> Any:
+    from IPython.display import Markdown
+
+    return Markdown(text)
+
+
+def _table(rows: Sequence[dict], cols: Sequence[str] | None = None, floatfmt: str = ".4g") -> str:
+    from lab.plots import table_markdown
+
+    return table_markdown(rows, [c for c in cols if c in rows[0]] if cols and rows else cols, floatfmt)
+
+
+def geometry(run: Run) -> list[dict]:
+    """Midpoint norms of real latent pairs (the avatar crop shifted / rotated) and Gaussian pairs.
+    Table "geometry"; a summary in the metrics."""
+    t0 = time.perf_counter()
+    geo = real_pair_geometry(run.vae, run.photo, run.box, run.crop, run.shifts, run.angles, batch_size=run.batch_size)
+    geo += gaussian_pair_geometry((4, run.crop // 8, run.crop // 8), seed=run.seed)
+    run.result.timings["geometry_s"] = time.perf_counter() - t0
+    real = [r for r in geo if r["source"] != "gaussian"]
+    run.result.metrics["geometry"] = {
+        "max_abs_lerp_vs_cos_half_gaussian": max(abs(r["lerp_ratio"] - r["cos_half"]) for r in geo if r["source"] == "gaussian"),
+        "max_abs_slerp_ratio_minus_1": max(abs(r["slerp_ratio"] - 1) for r in geo),
+        "real_theta_deg_range": [min(r["theta_deg"] for r in real), max(r["theta_deg"] for r in real)] if real else None,
+        "real_min_lerp_ratio": min(r["lerp_ratio"] for r in real) if real else None}
+    run.table("geometry", geo, show=False)
+    return geo
+
+
+def show_geometry(run: Run, geo: Sequence[dict]) -> Any:
+    cols = ["source", "param", "unit", "theta_deg", "lerp_ratio", "cos_half", "slerp_ratio", "norm_ratio"]
+    _show(_md(f"**Midpoint norms{run.suffix()}** (`lerp_ratio` = |LERP midpoint| / mean endpoint norm)\n\n"
+              + _table(geo, cols)))
+    if run.W["vae"] == "random":
+        _show(_md("> **Random SD-VAE weights:** the coloured points are a *random* encoder's outputs on a real photo. "
+                  "The Gaussian points and the cos(θ/2) law are weight-free; the angles of real latents need real weights."))
+    fig = geometry_figure(geo, f"LERP norm deficit vs cos(θ/2); SD-VAE latents of the avatar crop{run.suffix()}")
+    return run.figure(fig, "geometry")
+
+
+def adaptive_plan(run: Run) -> Any:
+    """The audio-driven plan (`stride="adaptive"`): its frames per reason, and the figure
+    adaptive_plan; a note when 'adaptive' is not among the strides."""
+    if "adaptive" not in run.plans:
+        return _md("'adaptive' not among the strides: no plan to show")
+    plan = st.adaptive_keyframes(run.a16, 16000, run.fps, run.n_frames, max_gap=run.max_gap)
+    if not np.array_equal(plan.indices, run.plans["adaptive"]):
+        raise RuntimeError("the adaptive plan shown differs from the one the measurements use")
+    run.result.metrics["adaptive_plan"] = plan.to_dict() | {"indices": None}
+    _show(_md(_table([{"reason": k, "frames": v} for k, v in plan.to_dict()["reasons"].items()])))
+    fig = adaptive_plan_figure(plan, run.a16, run.fps, f"adaptive keyframes (max_gap {run.max_gap}) over the speech clip{run.suffix()}")
+    return run.figure(fig, "adaptive_plan")
+
+
+@dataclass
+class Proxy:
+    """Drift of each proxy motion on the latent path (SD-VAE) and the pixel path (no weights), and the
+    speech motion's per-frame jaw speed (where the frame strip looks)."""
+    latent: dict[str, Drift]
+    pixel: dict[str, Drift]
+    jaw_speed: np.ndarray | None = None
+
+    def main(self) -> str:
+        """The motion the strip, the scrubber and the verdicts use: speech when measured."""
+        return "speech" if "speech" in self.latent else next(iter(self.latent))
+
+
+def proxy_drift(run: Run) -> Proxy:
+    """Each motion of `motions` over `proxy_n` frames: encoded by SD-VAE (latent path) and as pixels,
+    subsampled on each plan, re-expanded by each method, compared with the dense truth.
+    Tables "proxy_<motion>" and "proxy_pixel_<motion>"."""
+    t0 = time.perf_counter()
+    plans = make_plans(run.strides, run.proxy_n, run.a16, run.fps, run.max_gap)
+    out = Proxy({}, {})
+    for kind in run.motions:
+        motion = proxy_motion(kind, run.proxy_n, run.fps, run.crop, run.a16)
+        frames = proxy_frames(run.photo, run.box, run.crop, motion, device=run.device)
+        z = encode_frames(run.vae, frames, run.batch_size)
+        keep = "slerp" if kind == "speech" else None
+        out.latent[kind] = interpolation_drift(z, plans, run.vae.decode, run.methods, batch_size=run.batch_size,
+                                               progress=not run.quick, keep=keep)
+        out.pixel[kind] = interpolation_drift(frames, plans, lambda x: x, run.methods, batch_size=run.batch_size, keep=keep)
+        run.table(f"proxy_{kind}", out.latent[kind].rows, show=False)
+        run.table(f"proxy_pixel_{kind}", out.pixel[kind].rows, show=False)
+        if kind == "speech":
+            out.jaw_speed = np.abs(np.diff(motion["jaw"]))
+    run.result.timings["proxy_s"] = time.perf_counter() - t0
+    return out
+
+
+DRIFT_COLS = ["plan", "method", "keyframes", "interp_frames", "cos_mean", "cos_min", "norm_ratio", "psnr_interp_db",
+              "psnr_min_db", "ssim_interp", "ssim_min", "mouth_psnr_db", "flicker_ratio"]
+
+
+def show_proxy(run: Run, proxy: Proxy) -> None:
+    """Per motion: both paths' drift tables and the figure proxy_drift_<motion> (latent path)."""
+    for kind, d in proxy.latent.items():
+        _show(_md(f"**Proxy '{kind}', latent path (SD-VAE {run.vae.weights}){run.suffix()}**\n\n" + _table(d.rows, DRIFT_COLS)
+                  + f"\n\n**Proxy '{kind}', pixel path (no weights)**\n\n" + _table(proxy.pixel[kind].rows, DRIFT_COLS)))
+        fig = drift_figure(d, "slerp", f"proxy '{kind}': drift vs the dense truth, latent path{run.suffix()}")
+        _show(run.figure(fig, f"proxy_drift_{kind}"))
+
+
+def show_frame_strips(run: Run, proxy: Proxy) -> None:
+    """Six consecutive frames around the fastest jaw movement, dense truth vs strides 2 and 3 (SLERP):
+    pixel path (frame_strip) and latent path (frame_strip_latent)."""
+    kind = proxy.main()
+    js = proxy.jaw_speed
+    mid = int(np.argmax(js)) if kind == "speech" and js is not None and js.size else run.proxy_n // 2
+    first = int(np.clip(mid - 2, 0, max(run.proxy_n - 6, 0)))
+    strip = range(first, min(first + 6, run.proxy_n))
+    for path, drift, name in (("pixel path, no weights", proxy.pixel[kind], "frame_strip"),
+                              (f"latent path, SD-VAE {run.vae.weights}", proxy.latent[kind], "frame_strip_latent")):
+        show = {k: v for k, v in drift.images.items() if k in ("dense", "stride 2", "stride 3")}
+        if len(show) > 1:
+            fig = strip_figure(show, "dense", strip, drift.keys,
+                               f"proxy '{kind}', SLERP, {path}: dense truth vs strides{run.suffix()}")
+            _show(run.figure(fig, name))
+
+
+def scrubber(run: Run, proxy: Proxy) -> Any:
+    """The stride scrubber over the main proxy motion (SLERP): the pixel path while the SD-VAE
+    weights are random, the latent path otherwise. A widget with a front end (or interactive=True),
+    else its static figure; either way the static figure is saved (worst_frames)."""
+    from lab import widgets
+
+    kind, real = proxy.main(), run.W["vae"] != "random"
+    scrub = proxy.latent[kind] if real else proxy.pixel[kind]
+    title = f"proxy '{kind}', SLERP, " + ("latent path" if real else "pixel path") + run.suffix()
+    if len(scrub.images) < 2:
+        return _md("no plan interpolates any frame: nothing to compare")
+    view = widgets.stride_scrubber(scrub.images, "dense", scrub.keys, suptitle=title, interactive=run.interactive)
+    if hasattr(view, "savefig"):
+        return run.figure(view, "worst_frames")
+    run.figure(worst_frames_figure(scrub.images, "dense", title=title), "worst_frames")
+    return view
+
+
+def generated_drift(run: Run) -> Drift:
+    """The UNet's latents for the first `gen_n` frames (dense truth) against each plan re-expanded,
+    decoded by SD-VAE. Table "generated"."""
+    t0 = time.perf_counter()
+    plans = make_plans(run.strides, run.gen_n, run.a16, run.fps, run.max_gap)
+    z = generated_latents(run.engine, run.feats[:run.gen_n]).float()
+    gen = interpolation_drift(z, plans, run.vae.decode, run.methods, batch_size=run.batch_size, keep=None)
+    run.result.timings["generated_s"] = time.perf_counter() - t0
+    run.table("generated", gen.rows, show=False)
+    return gen
+
+
+def show_generated(run: Run, gen: Drift) -> Any:
+    unet = run.engine.weights["unet"]
+    _show(_md(f"**Generated latents, UNet {unet}{run.suffix()}**\n\n" + _table(gen.rows, DRIFT_COLS)))
+    fig = drift_figure(gen, "slerp", f"generated latents: stride-k vs dense (UNet {unet}){run.suffix()}")
+    return run.figure(fig, "generated_drift")
+
+
+@dataclass
+class Speed:
+    """The neural bench and pipeline rows, and the side-by-side table with the write-up's figures."""
+    neural: list[dict]
+    pipeline: list[dict]
+    table: list[dict]
+    extra: list[str]  # decoders timed beside the pipeline's
+
+
+def _e2e_writer(run: Run) -> str:
+    return "ffmpeg" if "ffmpeg" in run.writers else run.writers[-1]
+
+
+def speed(run: Run) -> Speed:
+    """`neural_speed` per plan (with the `bench_decoders` beside the pipeline's decoder) and
+    `pipeline_speed` per plan × writer. Tables "neural", "pipeline" and "speed"."""
+    from lab.models.vae import load_vae
+    from lab.timing import matmul_ceiling
+
+    engine, dev = run.engine, run.device
+    t0 = time.perf_counter()
+    ceiling = matmul_ceiling(engine.dtype, dev) if run.full_gpu else None
+    extra = {}
+    for name in run.bench_decoders:
+        if name != run.decoder:
+            dec = load_vae(name, run.W["vae"] if name == "sd-vae" else run.W["taesd"], size=run.size, device=dev,
+                           dtype=engine.dtype, seed=run.seed).decoder_module()
+            extra[name] = dec.to(memory_format=torch.channels_last) if dev.type == "cuda" else dec
+    neural = neural_speed(engine, run.feats, run.plans, extra, repeats=run.repeats, warmup_rounds=run.warm_rounds,
+                          ceiling_tflops=ceiling, progress=not run.quick)
+    run.result.timings["neural_bench_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    pipe = pipeline_speed(engine, run.clip, run.sr, run.strides, run.n_frames, run.writers, run.folder, run.max_gap,
+                          progress=not run.quick)
+    run.result.timings["pipeline_s"] = time.perf_counter() - t0
+    table = []
+    for r in neural:
+        t = {"plan": r["plan"], "keyframes": r["keyframes"], "duty %": 100 * r["duty_cycle"],
+             "UNet-only FPS": r["unet_fps"], "UNet-only ×": r["speedup_unet_fps"], "UNet+SLERP FPS": r["unet_infill_fps"],
+             f"neural FPS ({run.decoder})": r["neural_fps"], f"neural ({run.decoder}) ×": r["speedup_neural_fps"]}
+        for name in extra:
+            t[f"neural FPS ({name})"] = r[f"neural_fps_{name}"]
+            t[f"neural ({name}) ×"] = r[f"speedup_neural_fps_{name}"]
+        for p in pipe:
+            if p["plan"] == r["plan"]:
+                t[f"pipeline FPS ({p['writer']})"] = p["fps"]
+                t[f"pipeline ({p['writer']}) ×"] = p["speedup"]
+        w = WRITEUP.get(r["plan"], {})
+        t |= {"write-up keyframes": w.get("keyframes", "—"), "write-up neural FPS": w.get("neural_fps", "—"),
+              "write-up e2e FPS": w.get("e2e_fps", "—")}
+        table.append(t)
+    run.result.metrics["unet_ceiling_tflops"] = ceiling
+    run.table("neural", neural, show=False)
+    run.table("pipeline", pipe, show=False)
+    run.table("speed", table, show=False)
+    return Speed(neural, pipe, table, list(extra))
+
+
+def show_speed(run: Run, sp: Speed) -> Any:
+    """The throughput table beside the write-up's, the phase and pipeline tables, and the figure speed."""
+    bcols = ["plan", "unet_s", "infill_s", "decode_s"] + [f"decode_s_{k}" for k in sp.extra] + ["unet_tflops", "unet_pct_of_ceiling"]
+    pcols = ["plan", "writer", "n_frames", "unet_frames", "duty_cycle", "fps", "speedup", "wall_s", "whisper_s", "unet_s",
+             "vae_decode_s", "blend_s", "encode_s", "wait_for_encoder_s", "hidden"]
+    _show(_md(f"**Throughput over {run.n_frames} frames, batch {run.batch_size}, {run.engine.dtype}{run.suffix()}** "
+              f"(write-up: {WRITEUP_HARDWARE})\n\n" + _table(sp.table, floatfmt=".3g")),
+          _md("**Neural bench phases (median seconds)**\n\n" + _table(sp.neural, bcols)),
+          _md(f"**Pipeline runs ({run.mode})**\n\n" + _table(sp.pipeline, pcols)))
+    fig = speed_figure(sp.neural, sp.pipeline, f"speed-up over stride 1, {run.n_frames} frames, {run.size} models{run.suffix()}")
+    return run.figure(fig, "speed")
+
+
+def compare(run: Run, geo: Sequence[dict], proxy: Proxy, gen: Drift, sp: Speed) -> Any:
+    """`writeup_rows` as this run's comparison rows (replacing earlier ones); returns them as a table."""
+    kind = proxy.main()
+    run.result.comparisons = []
+    for r in writeup_rows(sp.neural, sp.pipeline, geo, proxy.latent[kind].rows, proxy.pixel[kind].rows, gen.rows,
+                          run.machine, run.W, run.full_gpu, e2e_writer=_e2e_writer(run)):
+        run.result.compare(**r)
+    return _md(_table([c.__dict__ for c in run.result.comparisons],
+                      ["claim", "their_value", "our_value", "unit", "verdict", "reason"]))
+
+
+def zero_degradation(run: Run, proxy: Proxy) -> Any:
+    """The proxy's worst interpolated frame per plan on both paths (SLERP), against the ≥ 40 dB /
+    SSIM 0.99 bar, and the comparison row's verdict."""
+    kind = proxy.main()
+    lines = []
+    for path, rows in ((f"latent path (SD-VAE {run.vae.weights})", proxy.latent[kind].rows),
+                       ("pixel path (no weights)", proxy.pixel[kind].rows)):
+        for r in rows:
+            if r["method"] == "slerp" and r["interp_frames"]:
+                ok = r["psnr_min_db"] >= LOSSLESS_PSNR_DB and r["ssim_min"] >= LOSSLESS_SSIM
+                lines.append(f"* {path}, {r['plan']}: interpolated frames {r['psnr_interp_db']:.1f} dB pooled, worst "
+                             f"{r['psnr_min_db']:.1f} dB, SSIM ≥ {r['ssim_min']:.3f}, latent/pixel cosine ≥ {r['cos_min']:.4f} → "
+                             + ("visually lossless by the ≥ 40 dB / 0.99 bar" if ok else "**measurable degradation**"))
+    zero = next((c for c in run.result.comparisons if c.claim.startswith("zero visual degradation at strides")), None)
+    return _md("\n".join(lines) + (f"\n\n**Verdict: {zero.verdict}.** {zero.reason}" if zero else ""))
+
+
+def finish(run: Run, sp: Speed, proxy: Proxy) -> Any:
+    """Headline (speed-ups over the first plan, end-to-end FPS per plan, proxy PSNR per plan, the
+    UNet-only target), plan metrics and definitions, then results.json; returns the headline table."""
+    from IPython.display import Markdown
+
+    neural, s1 = sp.neural, sp.neural[0]
+    hl: dict[str, Any] = {}
+    for r in neural[1:]:
+        hl[f"{r['plan']} / {s1['plan']} UNet-only speed-up"] = round(r["speedup_unet_fps"], 2)
+        hl[f"{r['plan']} / {s1['plan']} neural speed-up ({run.decoder})"] = round(r["speedup_neural_fps"], 2)
+        for name in sp.extra:
+            hl[f"{r['plan']} / {s1['plan']} neural speed-up ({name})"] = round(r[f"speedup_neural_fps_{name}"], 2)
+    for p in sp.pipeline:
+        if p["writer"] == _e2e_writer(run):
+            hl[f"e2e FPS {p['plan']} ({p['writer']})"] = round(p["fps"], 1)
+    kind = proxy.main()
+    for path, d in (("latent", proxy.latent[kind]), ("pixel", proxy.pixel[kind])):
+        for r in d.rows:
+            if r["method"] == "slerp" and r["interp_frames"]:
+                hl[f"proxy PSNR {r['plan']} ({path} path, SLERP, dB)"] = round(r["psnr_interp_db"], 2)
+    s3 = row(neural, plan="stride 3")
+    if s3 is not None and s1["plan"] == "stride 1":
+        hl[UNET_TARGET_KEY] = (("met" if s3["speedup_unet_fps"] >= UNET_TARGET else "not met")
+                               if run.full_gpu and run.size == "full" else "not measured (needs full size on a GPU)")
+    run.headline(**hl)
+    run.result.metrics.update(
+        plans={k: {"keyframes": int(v.size), "duty_cycle": st.duty_cycle(v, run.n_frames)} for k, v in run.plans.items()},
+        definitions={"unet_fps": "n_frames / UNet seconds on the keyframes (frames covered per second)",
+                     "unet_infill_fps": "n_frames / (UNet + SLERP infill seconds)",
+                     "neural_fps": "n_frames / (UNet + infill + decode of every frame seconds)",
+                     "pipeline fps": "n_frames / wall of lab.pipelines.musetalk.run"})
+    path = run.save()
+    return Markdown(run.show_headline().data + f"\n\nsaved {path} in {run.result.timings['total_s']:.1f} s")
