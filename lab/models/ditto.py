@@ -909,6 +909,11 @@ def load_hubert(weights: str = "random", size: str = "full", device: str | torch
     from lab.models.weights import resolve
 
     cfg = hubert_config(size)
+    if str(weights) == "random":  # built where it runs: 0.3 B parameters initialize in seconds on a GPU
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            torch.manual_seed(seed)
+            model = HubertModel(cfg)
+        return model.to(dtype=dtype).eval().requires_grad_(False), f"random (seed {seed})"
     model, source = resolve(str(weights), lambda: HubertModel(cfg),
                             lambda path, local: HubertModel.from_pretrained(path, local_files_only=local), seed=seed)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False), source

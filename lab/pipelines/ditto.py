@@ -272,6 +272,19 @@ def default_source(frame_size: tuple[int, int], seed: int = 0) -> np.ndarray:
     return avatar_loop(1, frame_size, seed=seed)
 
 
+# where the LBP cascade finds the face in the bundled canvas, in units of the photo's side on it
+DEFAULT_FACE = (0.299, 0.104, 0.543, 0.347)
+
+
+def default_face_box(frame_size: tuple[int, int]) -> tuple[int, int, int, int]:
+    """The bundled canvas's face box without running a detector (the canvas is ours: see avatar_loop)."""
+    w, h = frame_size
+    side = min(w, h)
+    top, left = max(0, (h - side) // 3), (w - side) // 2
+    x0, y0, x1, y1 = DEFAULT_FACE
+    return (int(left + x0 * side), int(top + y0 * side), int(left + x1 * side), int(top + y1 * side))
+
+
 def crop_matrix(box: tuple[int, int, int, int], crop: int, scale: float = CROP_SCALE, vy: float = CROP_VY) -> np.ndarray:
     """Face box → the 3×3 crop→frame matrix of a square crop `scale`× the box side, moved up by `vy`."""
     x0, y0, x1, y1 = box
@@ -316,6 +329,11 @@ def prepare(engine: Engine, source: np.ndarray | None = None, source_name: str =
 
     cfg, d, dev = engine.cfg, engine.dims, engine.device
     frames = _check_source(default_source(cfg.frame_size, cfg.seed) if source is None else source, source_name)
+    if detector is None and source is None:
+        try:
+            import skimage  # noqa: F401  (the LBP cascade)
+        except ImportError:  # a host without scikit-image can still run the bundled canvas
+            detector = lambda img, name: default_face_box(cfg.frame_size)  # noqa: E731
     box = (detector or detect_face_or_raise)(frames[0], source_name if len(frames) == 1 else f"{source_name} (frame 0)")
     m = crop_matrix(box, d.render_hw)
     m_c2o = np.broadcast_to(m, (len(frames), 3, 3)).copy()
@@ -337,7 +355,7 @@ def prepare(engine: Engine, source: np.ndarray | None = None, source_name: str =
     av = Avatar(source_name, frames, m_c2o, np.concatenate(crops), torch.cat(kp_s), torch.cat(kp_c), torch.cat(motion_s))
     fs_all = torch.cat(f_s)
     if cfg.source_pool == "vram":
-        av.f_s_dev = fs_all.to(_in_dtype(engine))
+        av.f_s_dev = fs_all        # float32 master (as extracted); each engine casts what it gathers
         av.frames_dev = torch.from_numpy(frames).to(dev)
     else:
         av.tmpdir = tempfile.TemporaryDirectory(prefix="ditto-pool-")
@@ -353,10 +371,8 @@ def pool_view(engine: Engine, avatar: Avatar) -> Avatar:
     """The same avatar with f_s in the engine's configured pool (moves it once if needed)."""
     want = engine.cfg.source_pool
     if want == "vram" and avatar.f_s_dev is None:
-        avatar.f_s_dev = torch.from_numpy(np.array(avatar.f_s_host)).to(engine.device, _in_dtype(engine))
+        avatar.f_s_dev = torch.from_numpy(np.array(avatar.f_s_host)).to(engine.device)
         avatar.frames_dev = torch.from_numpy(avatar.frames).to(engine.device)
-    if want == "vram" and avatar.f_s_dev.dtype != _in_dtype(engine):
-        avatar.f_s_dev = avatar.f_s_dev.to(_in_dtype(engine))
     if want == "host" and avatar.f_s_host is None:
         avatar.tmpdir = tempfile.TemporaryDirectory(prefix="ditto-pool-")
         path = Path(avatar.tmpdir.name) / "f_s.f32"
@@ -378,7 +394,7 @@ def mirror_index(i: np.ndarray, n: int) -> np.ndarray:
 
 def _gather_fs(engine: Engine, avatar: Avatar, src: np.ndarray) -> torch.Tensor:
     if engine.cfg.source_pool == "vram":
-        return avatar.f_s_dev[torch.as_tensor(src, device=engine.device)]
+        return avatar.f_s_dev[torch.as_tensor(src, device=engine.device)].to(_in_dtype(engine))
     # upstream's path: slice the host store, copy from pageable memory, per frame
     parts = [torch.from_numpy(np.array(avatar.f_s_host[i])).to(engine.device) for i in src]
     return torch.stack(parts).to(_in_dtype(engine))
