@@ -8,16 +8,23 @@ agree to 1 LSB) and mixed into the frame with the feathered mask: out = m·face 
 one), no per-pixel Python.
 
 Writers: `FFmpegWriter` pipes raw RGB into the ffmpeg binary imageio-ffmpeg ships (libx264,
-yuv420p, CRF 18 by default, as MuseTalk writes), `PyAVWriter` encodes in-process. Both write to
-a hidden temp name beside the target and rename it only on a clean close, so an exception or
-a killed process never leaves a half-written file under the final name. `AsyncWriter` moves the
-encoding to a background thread behind a bounded queue.
+yuv420p, CRF 18 by default, as MuseTalk writes), `PyAVWriter` encodes in-process. The file holds
+exactly the frames written: audio is cut to the video's length by the writer, never the video
+to the audio's (ffmpeg's -shortest lets the audio's packet boundaries decide, and drops the last
+frame at some counts, or every frame when the audio is short). Both write to a hidden temp name
+beside the target (`.<stem>.p<pid>-<hex>.part.<ext>`) and rename it only on a clean close, so an
+exception or a killed process never leaves a half-written file under the final name. Temp files
+of a process that no longer runs are removed by the next writer in that folder
+(`remove_stale_parts`); an ffmpeg child outliving a killed parent removes its own.
+`AsyncWriter` moves the encoding to a background thread behind a bounded queue.
 """
 from __future__ import annotations
 
 import os
 import queue
+import re
 import secrets
+import signal
 import subprocess
 import tempfile
 import threading
@@ -190,8 +197,72 @@ def _fps_fraction(fps: float) -> Fraction:
 
 def _temp_path(path: Path, suffix: str | None = None) -> Path:
     # hidden and unique, same folder (rename stays on one filesystem), keeps the extension so
-    # the muxer is still chosen by it
-    return path.with_name(f".{path.stem}.{secrets.token_hex(4)}.part{suffix or path.suffix}")
+    # the muxer is still chosen by it; the owner's pid tells a later sweep whether it is stale
+    return path.with_name(f".{path.stem}.p{os.getpid()}-{secrets.token_hex(4)}.part{suffix or path.suffix}")
+
+
+_PART = re.compile(r"^\..+\.p(\d+)-[0-9a-f]{8}\.part\.[A-Za-z0-9]+$")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists but belongs to another user
+        return True
+    return True
+
+
+def remove_stale_parts(folder: str | Path) -> list[Path]:
+    """Delete the writers' hidden temp files in `folder` whose owning process no longer runs
+    (a render killed mid-encode); files of live writers are left alone. Returns what was removed."""
+    folder = Path(folder)
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for f in entries:
+        m = _PART.match(f.name)
+        if m and not _pid_alive(int(m.group(1))):
+            try:
+                f.unlink()
+                removed.append(f)
+            except OSError:
+                pass  # gone meanwhile, or not ours to remove
+    return removed
+
+
+# Runs an ffmpeg command, then checks that the parent still holds the other end of its stdout
+# pipe: if the parent was killed, nobody will rename or delete the temp files, so remove them
+# here (the first three arguments; "" where unused).
+_GUARD = ('a=$1 b=$2 c=$3; shift 3; "$@" >/dev/null; rc=$?; trap "" PIPE; '
+          'echo done 2>/dev/null || rm -f -- "$a" "$b" "$c" 2>/dev/null; exit $rc')
+
+
+def _spawn_ffmpeg(cmd: list[str], owned: Sequence[Path], stdin: Any, log: Any) -> subprocess.Popen:
+    """Start ffmpeg in its own process group (abort kills it and its guard together)."""
+    if os.name != "posix":
+        return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.DEVNULL, stderr=log)
+    files = [str(f) for f in owned][:3]
+    files += [""] * (3 - len(files))
+    return subprocess.Popen(["/bin/sh", "-c", _GUARD, "sh", *files, *cmd], stdin=stdin, stdout=subprocess.PIPE,
+                            stderr=log, start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            if os.name == "posix":
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def _finalize(tmp: Path, path: Path, overwrite: bool) -> None:
@@ -210,6 +281,11 @@ def _finalize(tmp: Path, path: Path, overwrite: bool) -> None:
         os.replace(tmp, path)
         return
     tmp.unlink()
+
+
+def _audio_samples(n_frames: int, fps: Fraction, sr: int) -> int:
+    """Samples of audio under `n_frames` video frames: the length the writers cut audio to."""
+    return int(Fraction(int(n_frames)) / fps * int(sr))
 
 
 def _check_audio(audio: tuple[np.ndarray, int] | None, path: Path) -> tuple[np.ndarray, int] | None:
@@ -264,6 +340,7 @@ class _WriterBase(_CloseOrAbort):
         self.overwrite = overwrite
         self.audio = _check_audio(audio, self.path)
         self.crf = int(crf)
+        remove_stale_parts(self.path.parent)
         self.tmp = _temp_path(self.path)
         self.n_frames = 0
         self.closed = False
@@ -317,9 +394,11 @@ class _WriterBase(_CloseOrAbort):
 class FFmpegWriter(_WriterBase):
     """Pipe raw RGB frames into ffmpeg (imageio-ffmpeg's binary): libx264, yuv420p, `crf`.
 
-    size = (width, height), both even (yuv420p subsamples chroma 2×2). audio = (samples, sr)
-    is written to a temp WAV beside the target and muxed as AAC, cut to the video (-shortest).
-    Usable as a context manager; an exception inside the block discards the file.
+    size = (width, height), both even (yuv420p subsamples chroma 2×2). audio = (samples, sr) is
+    written to a temp WAV beside the target and muxed as AAC. The frame count is never changed
+    by the audio: audio shorter than the video ends early; audio longer than the video is cut to
+    exactly `n_frames / fps` seconds on close (one more ffmpeg pass that copies the video
+    stream). Usable as a context manager; an exception inside the block discards the file.
     """
 
     def __init__(self, path: str | Path, fps: float, size: tuple[int, int],
@@ -333,11 +412,14 @@ class FFmpegWriter(_WriterBase):
         # yuv420p input: frames already converted (rgb_to_yuv420p, e.g. on the GPU), so ffmpeg
         # skips its single-threaded swscale RGB→YUV pass and the pipe carries half the bytes
         self.pix_fmt = pix_fmt
+        self.exe = imageio_ffmpeg.get_ffmpeg_exe()
+        self.proc: subprocess.Popen | None = None
+        self.wav: Path | None = None
+        self._log = tempfile.TemporaryFile()  # stderr to a file: an unread pipe fills up and stalls ffmpeg
         w, h = self.size
         rate = f"{self.fps.numerator}/{self.fps.denominator}"
-        cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-y",
+        cmd = [self.exe, "-hide_banner", "-loglevel", "error", "-y",
                "-f", "rawvideo", "-pix_fmt", pix_fmt, "-s", f"{w}x{h}", "-r", rate, "-i", "pipe:0"]
-        self.wav: Path | None = None
         if self.audio is not None:
             import soundfile as sf
 
@@ -346,12 +428,12 @@ class FFmpegWriter(_WriterBase):
             cmd += ["-i", str(self.wav)]
         cmd += ["-map", "0:v:0", "-c:v", "libx264", "-preset", preset, "-crf", str(self.crf), "-pix_fmt", "yuv420p"]
         if self.wav is not None:
-            cmd += ["-map", "1:a:0", "-c:a", "aac", "-b:a", "128k", "-shortest"]
+            # no -shortest: it ends the file where the audio's packets end, which drops the last
+            # video frame at some counts (16 at 30 fps gave 15) and every frame past a short audio
+            cmd += ["-map", "1:a:0", "-c:a", "aac", "-b:a", "128k"]
         cmd += [str(self.tmp)]
-        # stderr to a file, not a pipe: an unread pipe fills up and stalls ffmpeg
-        self._log = tempfile.TemporaryFile()
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._log)
+            self.proc = _spawn_ffmpeg(cmd, [self.tmp, self.wav or ""], subprocess.PIPE, self._log)
         except OSError as e:
             self.closed = True
             self._cleanup_side_files()
@@ -389,16 +471,41 @@ class FFmpegWriter(_WriterBase):
             raise RuntimeError(f"{self.path}: ffmpeg stopped accepting frames: {msg or 'no message'}") from None
         self.n_frames += len(a)
 
+    def _cut_audio(self) -> None:
+        """Re-mux with the audio cut to the video's length (video stream copied, not re-encoded)."""
+        import soundfile as sf
+
+        a, sr = self.audio
+        sf.write(str(self.wav), a[:_audio_samples(self.n_frames, self.fps, sr)], sr, subtype="FLOAT")
+        first, self.tmp = self.tmp, _temp_path(self.path)
+        cmd = [self.exe, "-hide_banner", "-loglevel", "error", "-y", "-i", str(first), "-i", str(self.wav),
+               "-map", "0:v:0", "-map", "1:a:0", "-c:v", "copy", "-c:a", "aac", "-b:a", "128k", str(self.tmp)]
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        try:
+            self.proc = _spawn_ffmpeg(cmd, [self.tmp, first, self.wav], subprocess.DEVNULL, self._log)
+            rc = self.proc.wait()
+        finally:
+            first.unlink(missing_ok=True)
+        if rc != 0:
+            raise RuntimeError(f"{self.path}: ffmpeg could not cut the audio (exit code {rc}): {self._stderr()}")
+
     def _finish(self) -> None:
         try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        rc = self.proc.wait()
-        if rc != 0:
-            msg = self._stderr()
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            rc = self.proc.wait()
+            if rc != 0:
+                raise RuntimeError(f"{self.path}: ffmpeg exited with code {rc}: {self._stderr()}")
+            # audio running past the video by more than a millisecond (a rounded length is not) is cut
+            if self.audio is not None and len(self.audio[0]) > (
+                    _audio_samples(self.n_frames, self.fps, self.audio[1]) + self.audio[1] // 1000):
+                self._cut_audio()
+        except BaseException:
             self.abort()
-            raise RuntimeError(f"{self.path}: ffmpeg exited with code {rc}: {msg}")
+            raise
         self._cleanup_side_files()
 
     def abort(self) -> None:
@@ -406,20 +513,21 @@ class FFmpegWriter(_WriterBase):
         if self.closed:
             return
         self.closed = self.aborted = True
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        try:
-            if self.proc.stdin:
-                self.proc.stdin.close()
-        except OSError:
-            pass
+        if self.proc is not None:
+            _kill(self.proc)
+            try:
+                if self.proc.stdin:
+                    self.proc.stdin.close()
+            except OSError:
+                pass
         self.tmp.unlink(missing_ok=True)
         self._cleanup_side_files()
 
     def _cleanup_side_files(self) -> None:
         if self.wav is not None:
             self.wav.unlink(missing_ok=True)
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
         self._log.close()
 
 
@@ -465,7 +573,7 @@ class PyAVWriter(_WriterBase):
                 self.container.mux(pkt)
             if self.astream is not None:
                 a, sr = self.audio
-                keep = min(len(a), int(round(self.n_frames / self.fps * sr)))  # like ffmpeg's -shortest
+                keep = min(len(a), _audio_samples(self.n_frames, self.fps, sr))
                 planar = np.ascontiguousarray((a[:keep, None] if a.ndim == 1 else a[:keep]).T, dtype=np.float32)
                 af = self._av.AudioFrame.from_ndarray(planar, format="fltp", layout=self.astream.layout.name)
                 af.sample_rate = sr

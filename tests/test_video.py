@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 import textwrap
@@ -143,18 +144,151 @@ def test_writer_rejects_bad_input(cls, tmp_path):
         cls(tmp_path / "x.mp4", fps=25, size=(64, 48))
 
 
-def test_killed_process_leaves_nothing_under_final_name(tmp_path):
-    path = tmp_path / "killed.mp4"
+def _decoded_frames(path):
+    """(frames a decoder gets, video stream seconds, audio stream seconds or None)."""
+    import av
+
+    with av.open(str(path)) as c:
+        v = c.streams.video[0]
+        a = c.streams.audio[0] if c.streams.audio else None
+        vdur = float(v.duration * v.time_base)
+        adur = float(a.duration * a.time_base) if a is not None else None
+        n = sum(1 for _ in c.decode(v))
+    return n, vdur, adur
+
+
+FPS = (24, 25, 30, 60)
+NEAR = (1, 2, 3, 15, 16, 17, 23, 24, 25, 26, 29, 30, 31, 59, 60, 61, 99, 100, 101, 119, 120)  # around seconds
+SR = 16000
+_grid_frames = np.random.default_rng(3).integers(0, 256, (120, 16, 16, 3), dtype=np.uint8)
+_grid_audio = (0.1 * np.random.default_rng(4).standard_normal(SR * 6)).astype(np.float32)  # longer than any video
+
+
+def _audio(kind, fps, n):
+    """'exact': cut to the video as the pipeline passes it; 'long': 6 s; an int: that many samples."""
+    if kind is None:
+        return None
+    k = {"exact": int(n * SR // fps), "long": len(_grid_audio)}.get(kind, kind)
+    return _grid_audio[:k], SR
+
+
+def _check_counts(cls, folder, jobs, workers):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(job):
+        fps, n, kind = job
+        path = folder / f"{fps}_{n}_{kind}.mp4"
+        audio = _audio(kind, fps, n)
+        with cls(path, fps, (16, 16), audio=audio, preset="ultrafast") as w:
+            w.write(_grid_frames[:n])
+        return job, audio, _decoded_frames(path)
+
+    with ThreadPoolExecutor(workers) as ex:  # ffmpeg runs in child processes: threads overlap them
+        rows = list(ex.map(one, jobs))
+    wrong = [(fps, n, kind, got) for (fps, n, kind), _, (got, _, _) in rows if got != n]
+    assert not wrong, f"(fps, frames given, audio, frames in file): {wrong[:10]}"
+    for (fps, n, kind), audio, (_, vdur, adur) in rows:
+        assert abs(vdur - n / fps) < 1e-3
+        if audio is not None:
+            # cut to the video (never longer, beyond one sample) and no shorter than it was given
+            given = len(audio[0]) / SR
+            tol = 1.5e-3  # the container stores the AAC stream's duration in milliseconds (PyAV)
+            assert min(given, vdur) - tol <= adur <= vdur + tol, (fps, n, kind, adur, vdur)
+    assert not [p for p in folder.iterdir() if ".part" in p.name]
+
+
+# Every count at every rate is 960 encodes per writer; each ffmpeg start costs ~20 ms of CPU, so
+# by default every count runs at 30 fps and the counts around whole seconds at the other rates.
+# LAB_FULL_WRITER_GRID=1 runs 1–120 at all four rates for both writers.
+FULL_GRID = os.environ.get("LAB_FULL_WRITER_GRID") == "1"
+
+
+def _counts(fps):
+    return range(1, 121) if FULL_GRID or fps == 30 else NEAR
+
+
+def test_ffmpeg_writer_keeps_every_frame(tmp_path):
+    """The file holds the frames written, 1–120 frames at 24/25/30/60 fps, without audio and with
+    audio of the video's length, as the pipeline passes it (ffmpeg's -shortest used to drop the
+    last frame at some counts: 16 at 30 fps gave 15, 100 gave 99)."""
+    jobs = [(fps, n, kind) for fps in FPS for n in _counts(fps) for kind in (None, "exact")]
+    _check_counts(FFmpegWriter, tmp_path, jobs, workers=4)
+
+
+def test_pyav_writer_keeps_every_frame(tmp_path):
+    """Same for PyAV (in-process; its audio is cut in Python, never by the muxer)."""
+    jobs = [(fps, n, kind) for fps in FPS for n in (range(1, 121) if FULL_GRID else NEAR)
+            for kind in (None, "exact")]
+    _check_counts(PyAVWriter, tmp_path, jobs, workers=1)
+
+
+@pytest.mark.parametrize("cls", WRITERS)
+def test_writer_cuts_long_audio_and_keeps_frames_with_short_audio(cls, tmp_path):
+    """Longer audio is cut to the video (counts around whole seconds); shorter audio, down to a
+    few ms, ends early and never takes frames with it (it used to lose every frame past the
+    audio's end, or all of them)."""
+    jobs = [(30, n, "long") for n in NEAR] + [(24, n, "long") for n in (1, 16, 17, 100)]
+    jobs += [(fps, n, k) for fps in (25, 60) for n in (1, 16, 100) for k in (100, 1000)]
+    _check_counts(cls, tmp_path, jobs, workers=4 if cls is FFmpegWriter else 1)
+
+
+def _parts(folder):
+    return sorted(p.name for p in folder.iterdir() if ".part" in p.name)
+
+
+def _wait_until(cond, timeout=30.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.05)  # waits for an orphaned ffmpeg to finish; not a timing assumption
+    return cond()
+
+
+def test_killed_process_leaves_nothing(tmp_path):
+    """SIGKILL mid-encode: no file under any final name. ffmpeg outlives its parent and finishes
+    its temp file, then removes it (and the temp WAV) itself; PyAV encodes in-process, so its
+    temp file stays until the next writer in the folder removes it, leaving live writers' and
+    other tools' temp files alone."""
     script = textwrap.dedent(f"""
         import os, signal, numpy as np
-        from lab.video import FFmpegWriter
-        w = FFmpegWriter({str(path)!r}, fps=25, size=(64, 48))
-        w.write(np.zeros((5, 48, 64, 3), np.uint8))
+        from lab.video import FFmpegWriter, PyAVWriter
+        audio = (np.zeros(16000, np.float32), 16000)
+        writers = [FFmpegWriter({str(tmp_path / "ff.mp4")!r}, 25, (64, 48)),
+                   FFmpegWriter({str(tmp_path / "ffa.mp4")!r}, 25, (64, 48), audio=audio),
+                   PyAVWriter({str(tmp_path / "av.mp4")!r}, 25, (64, 48))]
+        for w in writers:
+            w.write(np.zeros((30, 48, 64, 3), np.uint8))
+        print(sorted(p for p in os.listdir({str(tmp_path)!r})), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
-    assert r.returncode == -9
-    assert not path.exists()
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -9, r.stderr
+    assert ".ffa.p" in r.stdout and ".part.wav" in r.stdout  # the temp files did exist
+    assert _wait_until(lambda: len(_parts(tmp_path)) == 1), _parts(tmp_path)
+    stale = _parts(tmp_path)
+    assert stale[0].startswith(".av.p") and stale[0].endswith(".part.mp4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == stale  # nothing under a final name
+
+    (tmp_path / ".old.p999999999-0123abcd.part.wav").write_bytes(b"x")  # no such pid
+    (tmp_path / ".results.json.abc.part").write_bytes(b"x")  # not a writer's file
+    mine = f".live.p{os.getpid()}-0123abcd.part.mp4"  # a live process's
+    (tmp_path / mine).write_bytes(b"x")
+    with PyAVWriter(tmp_path / "next.mp4", 25, (64, 48)) as w:  # the next writer sweeps on start
+        w.write(frames_(2))
+    assert _parts(tmp_path) == sorted([".results.json.abc.part", mine])
+    assert read_video_info(tmp_path / "next.mp4").n_frames == 2
+
+
+def test_remove_stale_parts(tmp_path):
+    from lab.video import remove_stale_parts
+
+    mine = tmp_path / f".a.p{os.getpid()}-00000000.part.mp4"
+    dead = tmp_path / ".b.p999999999-ffffffff.part.mp4"
+    for f in (mine, dead):
+        f.write_bytes(b"x")
+    assert remove_stale_parts(tmp_path) == [dead]
+    assert mine.exists() and remove_stale_parts(tmp_path / "missing") == []
 
 
 def test_async_writer(tmp_path):
