@@ -214,13 +214,24 @@ def check_not_silent(audio: np.ndarray | torch.Tensor, sr: int, source_name: str
                      allow_silence: bool = False, threshold_db: float = SILENCE_DB) -> None:
     """InputError naming `source_name` when every video frame of the audio is silent (RMS at or
     below `threshold_db` dBFS): a lip-sync render of it would be a still face, almost always a
-    wrong file. `allow_silence=True` skips the check (the switch the message names)."""
+    wrong file. `allow_silence=True` skips the check (the switch the message names). Mono (n,)
+    or (channels, n); read 30 s at a time and stops at the first audible frame, so a long
+    clip costs no whole-clip temporaries."""
     if allow_silence:
         return
-    rms = rms_per_frame(audio, sr, fps)
-    if rms.size and not is_silent(rms, threshold_db).all():
-        return
-    loudest = 20 * math.log10(max(float(rms.max()) if rms.size else 0.0, 1e-12))
-    raise InputError(f"{source_name}: the audio is silent throughout (loudest frame {loudest:.1f} dBFS, at or below "
+    a = audio.detach().cpu().numpy() if isinstance(audio, torch.Tensor) else np.asarray(audio)
+    n = n_video_frames(a.shape[-1], sr, fps)
+    step = Fraction(int(sr)) / Fraction(fps).limit_denominator(1_000_000)
+    block = max(1, int(30 * fps))
+    loudest = 0.0
+    for f0 in range(0, n, block):
+        s0, s1 = int(f0 * step), int(min(n, f0 + block) * step)
+        rms = rms_per_frame(a[..., s0:s1], sr, fps)
+        if rms.size:
+            loudest = max(loudest, float(rms.max()))
+            if not is_silent(rms, threshold_db).all():
+                return
+    db = 20 * math.log10(max(loudest, 1e-12))
+    raise InputError(f"{source_name}: the audio is silent throughout (loudest frame {db:.1f} dBFS, at or below "
                      f"{threshold_db:.0f} dBFS): there is nothing to lip-sync. To render it anyway, set "
                      f"allow_silence = True (in a notebook's parameters, or `-p allow_silence True`).")

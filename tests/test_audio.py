@@ -127,3 +127,14 @@ def test_load_audio_refuses_silence_only_when_asked(tmp_path):
         load_audio(p, sr=16000, allow_silence=False)
     sf.write(p, 0.2 * np.sin(np.arange(24000) / 5)[:, None].repeat(2, 1), 24000)
     assert load_audio(p, allow_silence=False)[0].shape == (24000,)
+
+
+def test_check_not_silent_on_long_stereo_audio():
+    from lab.audio import check_not_silent
+
+    sr = 8000
+    x = np.zeros((2, sr * 70), np.float32)  # 70 s: three 30 s blocks
+    with pytest.raises(InputError, match="long.wav: the audio is silent throughout"):
+        check_not_silent(x, sr, "long.wav", fps=30)
+    x[1, sr * 65: sr * 65 + 400] = 0.5  # audible in the last block only, one channel
+    check_not_silent(x, sr, "long.wav", fps=30)
