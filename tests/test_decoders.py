@@ -284,3 +284,21 @@ def test_bad_parameters_are_refused_naming_them(name, value, match):
     with pytest.raises(InputError, match=match):
         check_parameters(notebook_path(D.NAME), {name: value})
     check_parameters(notebook_path(D.NAME), {"image_size": 128, "autotune": True, "compile_budget_s": None})
+
+
+@pytest.mark.parametrize("interactive", [False, True])
+def test_comparator_cell_returns_the_view_and_saves_the_static_figure(tmp_path, interactive):
+    from matplotlib.figure import Figure
+
+    from lab.experiments.common import Run
+
+    if interactive:
+        pytest.importorskip("ipywidgets")
+    rng = np.random.default_rng(0)
+    frames = {k: rng.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8) for k in ("composite", "sd-vae", "taesd")}
+    run = Run(D.NAME, {"quick": True, "interactive": interactive}, torch.device("cpu"), tmp_path, Result(D.NAME), "m")
+    run.result.weights = {"sd-vae": "random (seed 0)"}
+    view = D.comparator(run, D.Inpainting(["a", "b"], [], {"shifted crop": frames}))
+    assert isinstance(view, Figure) != interactive
+    assert (tmp_path / "inpaint_shifted_crop.png").stat().st_size > 1000
+    assert run.result.figures == ["inpaint_shifted_crop.png"]

@@ -414,3 +414,20 @@ def test_bad_parameters_are_refused_naming_them(name, value, match):
         check_parameters(notebook_path(se.NAME), {name: value})
     check_parameters(notebook_path(se.NAME), {"strides": [1, 4, "adaptive"], "bench_decoders": [], "angles": [],
                                               "weights": {"unet": "/models/unet.pth"}})
+
+
+@pytest.mark.parametrize("interactive", [False, True])
+def test_scrubber_cell_returns_the_view_and_saves_the_static_figure(proxy, vae, tmp_path, interactive):
+    from matplotlib.figure import Figure
+
+    from lab.experiments.common import Run
+
+    if interactive:
+        pytest.importorskip("ipywidgets")
+    _, z, plans = proxy
+    d = se.interpolation_drift(z, plans, vae.decode, methods=("slerp",), batch_size=4)
+    run = Run(se.NAME, {"quick": True, "interactive": interactive}, torch.device("cpu"), tmp_path, Result(se.NAME), "m")
+    run.W = se.weights_dict("random")
+    view = se.scrubber(run, se.Proxy({"speech": d}, {"speech": d}))
+    assert isinstance(view, Figure) != interactive
+    assert (tmp_path / "worst_frames.png").stat().st_size > 1000 and run.result.figures == ["worst_frames.png"]
