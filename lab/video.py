@@ -10,8 +10,10 @@ one), no per-pixel Python.
 Writers: `FFmpegWriter` pipes raw RGB into the ffmpeg binary imageio-ffmpeg ships (libx264,
 yuv420p, CRF 18 by default, as MuseTalk writes), `PyAVWriter` encodes in-process. The file holds
 exactly the frames written: audio is cut to the video's length by the writer, never the video
-to the audio's (ffmpeg's -shortest lets the audio's packet boundaries decide, and drops the last
-frame at some counts, or every frame when the audio is short). Both write to a hidden temp name
+to the audio's. (ffmpeg's -shortest ends the file where the audio ends and drops a video frame
+that would outlast it: audio cut to whole samples ends a fraction of a sample early whenever
+sr / fps is not whole, 16 kHz at 24, 30 or 60 fps, so a third of all counts lost their last
+frame; audio shorter than the video lost every frame past its end.) Both write to a hidden temp name
 beside the target (`.<stem>.p<pid>-<hex>.part.<ext>`) and rename it only on a clean close, so an
 exception or a killed process never leaves a half-written file under the final name. Temp files
 of a process that no longer runs are removed by the next writer in that folder
@@ -428,8 +430,8 @@ class FFmpegWriter(_WriterBase):
             cmd += ["-i", str(self.wav)]
         cmd += ["-map", "0:v:0", "-c:v", "libx264", "-preset", preset, "-crf", str(self.crf), "-pix_fmt", "yuv420p"]
         if self.wav is not None:
-            # no -shortest: it ends the file where the audio's packets end, which drops the last
-            # video frame at some counts (16 at 30 fps gave 15) and every frame past a short audio
+            # no -shortest: it drops the last frame when the audio ends even a fraction of a
+            # sample before it (16 frames at 30 fps gave 15), and every frame past a short audio
             cmd += ["-map", "1:a:0", "-c:a", "aac", "-b:a", "128k"]
         cmd += [str(self.tmp)]
         try:

@@ -327,3 +327,17 @@ def test_load_image_bad_files_name_the_file(tmp_path):
     tifffile.imwrite(tmp_path / "float_rgb.tif", np.zeros((H, W, 3), np.float32), photometric="rgb")
     with pytest.raises(InputError, match=r"float_rgb\.tif: not readable as an image \(Pillow cannot identify"):
         data.load_image(tmp_path / "float_rgb.tif")
+
+
+def test_load_video_names_the_file(tmp_path):
+    from lab.video import FFmpegWriter
+
+    with FFmpegWriter(tmp_path / "tiny.mp4", 25, (16, 16)) as w:
+        w.write(np.zeros((3, 16, 16, 3), np.uint8))
+    with pytest.raises(InputError, match=r"tiny\.mp4: 16×16 pixels is too small; at least 24×24"):
+        data.load_video(tmp_path / "tiny.mp4")
+    (tmp_path / "junk.mp4").write_bytes(b"not a video at all")
+    with pytest.raises(InputError, match=r"junk\.mp4: not readable as a video"):
+        data.load_video(tmp_path / "junk.mp4")
+    with pytest.raises(InputError, match=r"none\.mp4: video file not found"):
+        data.load_video(tmp_path / "none.mp4")
