@@ -180,3 +180,34 @@ def test_loader_rejects_wrong_shapes_and_files(tmp_path, tiny_pair):
         ls.load_latentsync_unet(str(tmp_path / "junk.pt"), "tiny")
     with pytest.raises(InputError, match="size"):
         ls.load_latentsync_unet("random", "huge")
+
+
+def test_shallow_branch_reproduces_the_full_call_on_its_own_features(tiny_pair):
+    ours, x, t, audio, y = tiny_pair
+    feats = {}
+    with torch.no_grad():
+        y_full = ours(x, t, audio, features=feats)
+        y_shallow = ours.forward_shallow(x, t, audio, feats["deep"])
+        y_stale = ours.forward_shallow(x + 0.5, t, audio, feats["deep"])
+    assert torch.equal(y_full, y)
+    assert torch.allclose(y_shallow, y, atol=1e-5)          # same input: the cache loses nothing
+    assert _rel(y_stale, ours(x + 0.5, t, audio)) > 1e-3     # stale deep features: an approximation
+
+
+def test_feature_cache_schedule(tiny_pair):
+    from lab.accel import sampling as smp
+
+    ours = tiny_pair[0]
+    f = 2  # small shapes: 4 × 20 UNet calls
+    lat = smp.initial_noise((1, 4, 8, 8), f, seed=0)
+    cond = torch.randn(1, 9, f, 8, 8)
+    audio = torch.randn(f, 50, ls.TINY.cross_attention_dim)
+    cache = smp.FeatureCache(ours, 3)
+    with torch.no_grad():
+        a = smp.denoise(cache, lat, cond, audio, "deepcache3")
+        assert cache.full_calls == 7                          # steps 0, 3, …, 18 of 20
+        b = smp.denoise(cache, lat, cond, audio, "deepcache3")   # next block: reset
+        exact = smp.denoise(ours, lat, cond, audio, "exact20")
+    assert cache.full_calls == 14 and torch.equal(a, b)
+    assert 1e-6 < _rel(a, exact) < 0.5
+    assert smp.parse_mode("deepcache3") == smp.Mode("deepcache3", "ddim", 20, 3)

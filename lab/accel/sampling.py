@@ -9,7 +9,8 @@
 
 Modes (`parse_mode`): "exact20" = LatentSync's DDIM, 20 steps (scaled_linear β 0.00085–0.012, 1000
 train steps, steps_offset 1, "leading" spacing, η 0); "ddim<N>" the same scheduler at N steps;
-"dpm<N>" DPM-Solver++ (2nd-order multistep) from the same config at N steps. A multistep solver
+"dpm<N>" DPM-Solver++ (2nd-order multistep) from the same config at N steps; "deepcache<K>" DDIM 20
+with the full UNet only every K-th step (`FeatureCache`; approximate). A multistep solver
 keeps the previous model outputs, so the scheduler is reset (`set_timesteps`) at the start of every
 block: reusing it across blocks is what raises index-out-of-range in upstream's pipeline.
 
@@ -43,23 +44,53 @@ class Mode:
     name: str
     kind: str      # "ddim" | "dpm"
     steps: int
+    cache_interval: int = 1   # > 1: DeepCache-style, the full UNet only every k-th step
 
     @property
     def exact(self) -> bool:
-        return self.kind == "ddim" and self.steps == 20
+        return self.kind == "ddim" and self.steps == 20 and self.cache_interval == 1
 
 
 def parse_mode(mode: str | Mode) -> Mode:
-    """"exact20" | "ddim<N>" | "dpm<N>" (N ≥ 1) → Mode."""
+    """"exact20" | "ddim<N>" | "dpm<N>" (N ≥ 1) | "deepcache<K>" (DDIM 20, full UNet every K-th step) → Mode."""
     if isinstance(mode, Mode):
         return mode
     if mode == "exact20":
         return Mode("exact20", "ddim", 20)
-    m = re.fullmatch(r"(ddim|dpm)(\d+)", str(mode))
+    m = re.fullmatch(r"(ddim|dpm|deepcache)(\d+)", str(mode))
     if not m or int(m.group(2)) < 1 or int(m.group(2)) > 1000:
-        raise InputError(f"sampling mode {mode!r} not understood; expected 'exact20', 'ddim<N>' or 'dpm<N>' "
-                         f"with 1 ≤ N ≤ 1000 (e.g. 'dpm8')")
+        raise InputError(f"sampling mode {mode!r} not understood; expected 'exact20', 'ddim<N>', 'dpm<N>' "
+                         f"with 1 ≤ N ≤ 1000 (e.g. 'dpm8') or 'deepcache<K>' (e.g. 'deepcache3')")
+    if m.group(1) == "deepcache":
+        return Mode(str(mode), "ddim", 20, int(m.group(2)))
     return Mode(str(mode), m.group(1), int(m.group(2)))
+
+
+class FeatureCache:
+    """DeepCache-style UNet calls (branch 0, as LatentSync ships it with interval 3): the full UNet
+    on steps 0, k, 2k, … of a block, keeping the deep features entering its last up layer; the
+    steps between run only conv_in, that last layer and conv_out on the kept features. At 20 steps
+    and k = 3 that is 7 full calls of 20. Upstream's helper also recomputes the final up block's
+    other two motion modules on cached inputs (they are not wrapped); their results equal the cached
+    ones, so they are skipped here. `reset()` starts a block."""
+
+    def __init__(self, model: torch.nn.Module, interval: int):
+        self.model, self.interval, self.step, self.deep = model, int(interval), 0, None
+        self.full_calls = 0
+
+    def reset(self) -> None:
+        self.step, self.deep = 0, None
+
+    def __call__(self, sample: torch.Tensor, t: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        full = self.deep is None or self.step % self.interval == 0
+        self.step += 1
+        if full:
+            feats: dict[str, torch.Tensor] = {}
+            out = self.model(sample, t, audio, features=feats)
+            self.deep = feats["deep"]
+            self.full_calls += 1
+            return out
+        return self.model.forward_shallow(sample, t, audio, self.deep)
 
 
 def make_scheduler(kind: str = "ddim"):
@@ -144,6 +175,8 @@ def denoise(unet: UNetFn, latents: torch.Tensor, conditioning: torch.Tensor, aud
     to reuse across blocks of the same shape (else one is allocated here).
     """
     m = parse_mode(mode)
+    if hasattr(unet, "reset"):
+        unet.reset()  # per-block state of a feature cache
     scheduler = scheduler if scheduler is not None else make_scheduler(m.kind)
     timesteps = reset(scheduler, m.steps, latents.device)
     latents = latents * scheduler.init_noise_sigma

@@ -6,7 +6,7 @@ Steps (each returns table rows; the notebook shows them, `run_all` runs them hea
 2. `step_waterfall`   one guided UNet call (2 × 16 frames) per switch of the exact path: ms per step,
                       UNet seconds per output second at 20 steps, cosine / PSNR vs eager, % of ceiling
 3. `vae_cost`         two encodes + one decode per 16-frame block, seconds per output second
-4. `mode_table`       the pipeline per mode (exact20 eager, exact20 fast, ddim/dpm 12 / 8 / 4, DeepCache-free),
+4. `mode_table`       the pipeline per mode (exact20 eager, exact20 fast, ddim/dpm 12 / 8 / 4, DeepCache-style 3),
                       wall, s per output second, change vs exact20, peak VRAM, host RSS, drift vs exact20
 5. `block_loop_costs` the per-block gc.collect() + empty_cache() flush, the guided batch split in two calls
 6. `memory_scaling`   peak host RSS and GPU memory for a short and a long input (streaming: flat)
@@ -60,17 +60,17 @@ class Profile:
 def profile(quick: bool, device: torch.device) -> Profile:
     """Sizes from quick + device: full size only on a GPU; the CPU (quick or not) runs the tiny config."""
     gpu = device.type == "cuda"
-    modes = ["exact20", "ddim12", "ddim8", "ddim4", "dpm12", "dpm8", "dpm4"]
+    modes = ["exact20", "ddim12", "ddim8", "ddim4", "dpm12", "dpm8", "dpm4", "deepcache3"]
     if gpu and not quick:
         return Profile("full", "fp16", 16, (1280, 720), 32, (10.0, 60.0), "ddim1",
-                       ["exact20", "ddim8", "dpm12", "dpm8", "dpm4"],
+                       ["exact20", "ddim8", "dpm12", "dpm8", "dpm4", "deepcache3"],
                        ["channels_last", "cudagraph", "compile", "compile+cudagraph"],
                        ["auto", "flash", "efficient", "cudnn"], 10, 3, True)
     if gpu:
         return Profile("tiny", "fp16", 16, (256, 384), 32, (2.0, 6.0), "ddim1", modes,
                        ["channels_last", "cudagraph"], ["auto", "flash", "efficient"], 5, 2, False)
     return Profile("tiny", "fp32", 4 if quick else 8, (128, 192), 8 if quick else 32,
-                   (0.32, 0.96) if quick else (2.0, 8.0), "ddim1", ["exact20", "dpm8", "dpm4"] if quick else modes,
+                   (0.32, 0.96) if quick else (2.0, 8.0), "ddim1", ["exact20", "dpm8", "dpm4", "deepcache3"] if quick else modes,
                    [] if quick else ["channels_last"], ["auto", "math"], 2 if quick else 5, 1, False)
 
 
@@ -317,7 +317,10 @@ def mode_table(ctx: Context) -> list[dict]:
     plan = [("exact20 eager", "exact20", "eager")]
     name, runner = best_runner(ctx)
     fast = "eager" if runner is None else "fast"
-    plan += [(f"{m} {fast}", m, fast) for m in ctx.prof.modes if f"{m} {fast}" != "exact20 eager"]
+    for m in ctx.prof.modes:
+        how = "eager" if sampling.parse_mode(m).cache_interval > 1 else fast  # the feature cache runs eager
+        if f"{m} {how}" != "exact20 eager":
+            plan.append((f"{m} {how}", m, how))
     for label, mode, how in plan:
         if label in ctx.runs:
             rep, fr = ctx.runs[label]

@@ -398,13 +398,24 @@ class UNet3D(nn.Module):
                 f"diffusers' UNetMotionModel fail with '65536 vs 4096'.")
         return audio
 
-    def forward(self, sample: torch.Tensor, t: torch.Tensor | float, audio: torch.Tensor) -> torch.Tensor:
-        audio = self.check_inputs(sample, t, audio)
-        b, c, f, h, w = sample.shape
+    def _embed(self, sample: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
+        b = sample.shape[0]
         t = torch.as_tensor(t, device=sample.device)
         t = t.reshape(1).expand(b) if t.ndim == 0 else t
-        temb = self.time_embedding(timestep_embedding(t, self.cfg.block_out_channels[0], self.cfg.flip_sin_to_cos,
+        return self.time_embedding(timestep_embedding(t, self.cfg.block_out_channels[0], self.cfg.flip_sin_to_cos,
                                                       self.cfg.freq_shift).to(sample.dtype))
+
+    def _out(self, x: torch.Tensor, b: int, f: int) -> torch.Tensor:
+        x = self.conv_out(F.silu(self.conv_norm_out(x, f)))
+        return x.reshape(b, f, -1, *x.shape[-2:]).transpose(1, 2)
+
+    def forward(self, sample: torch.Tensor, t: torch.Tensor | float, audio: torch.Tensor,
+                features: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """eps (B, 4, F, H, W). `features`: a dict that receives "deep", the input of the last up
+        layer before its skip (what a DeepCache-style shallow step reuses: `forward_shallow`)."""
+        audio = self.check_inputs(sample, t, audio)
+        b, c, f, h, w = sample.shape
+        temb = self._embed(sample, t)
         x = self.conv_in(sample.transpose(1, 2).reshape(b * f, c, h, w))
         audio = audio.to(x.dtype)
         skips = [x]
@@ -418,12 +429,25 @@ class UNet3D(nn.Module):
         x = self.mid_block(x, temb, audio, f)
         for blk in self.up_blocks:
             for i in range(len(blk.resnets)):
+                if features is not None and blk is self.up_blocks[-1] and i == len(blk.resnets) - 1:
+                    features["deep"] = x
                 x = torch.cat([x, skips.pop()], dim=1)
                 x = blk.layer(i, x, temb, audio, f)
             if hasattr(blk, "upsamplers"):
                 x = blk.upsamplers[0](x)
-        x = self.conv_out(F.silu(self.conv_norm_out(x, f)))
-        return x.reshape(b, f, -1, h, w).transpose(1, 2)
+        return self._out(x, b, f)
+
+    def forward_shallow(self, sample: torch.Tensor, t: torch.Tensor | float, audio: torch.Tensor,
+                        deep: torch.Tensor) -> torch.Tensor:
+        """The shallowest branch only (DeepCache branch 0): conv_in, the last up layer on
+        [cached deep features ‖ this step's conv_in output], conv_out. Approximate by design."""
+        audio = self.check_inputs(sample, t, audio)
+        b, c, f, h, w = sample.shape
+        temb = self._embed(sample, t)
+        x0 = self.conv_in(sample.transpose(1, 2).reshape(b * f, c, h, w))
+        blk = self.up_blocks[-1]
+        x = blk.layer(len(blk.resnets) - 1, torch.cat([deep, x0], dim=1), temb, audio.to(x0.dtype), f)
+        return self._out(x, b, f)
 
 
 # ----------------------------------------------------------------------------- counting, keys, loading

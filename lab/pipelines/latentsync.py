@@ -418,6 +418,9 @@ def run(engine: Engine, job: Job, sink: Callable[[np.ndarray], None] | None = No
                 # a runner replays the block shape it was built for; a short last block runs eager
                 fn = engine.unet_fn if engine.runner is None or span == cfg.block else \
                     _with_attention(engine.unet.model, cfg.attention)
+                interval = sampling.parse_mode(cfg.mode).cache_interval
+                if interval > 1:  # two graphs per step kind would be needed: the cache runs eager
+                    fn = sampling.FeatureCache(engine.unet.model, interval)
                 if stage is None or stage.buf.shape[2] != span:
                     stage = sampling.staging(latents, cond, audio, cfg.guidance, dtype=engine.dtype)
                 latents = sampling.denoise(fn, latents, cond, audio, cfg.mode, cfg.guidance, stage=stage)
