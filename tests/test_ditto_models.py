@@ -127,6 +127,12 @@ def test_schedule_times_and_ddim_last_step():
         D.Schedule.make(0)
 
 
+def test_hubert_lands_on_the_requested_device():
+    m, src = D.load_hubert("random", "tiny", device="meta", dtype=torch.float16)
+    assert src == "random (seed 0)"
+    assert {p.device.type for p in m.parameters()} == {"meta"} and {p.dtype for p in m.parameters()} == {torch.float16}
+
+
 def test_hubert_streaming_chunks():
     a = torch.arange(16000, dtype=torch.float32)
     ch = D.hubert_chunks(a, 25)

@@ -53,6 +53,7 @@ TARGETS = {"renderer_fps": 360.0, "renderer_psnr_db": 50.0, "e2e_fps": 150.0, "e
 ESTIMATE_S = {"renderer": 30, "stages": 15, "waterfall": 60, "strides": 25, "encoder": 10, "memory": 30, "compiled": 60}
 VARIANTS = {
     "upstream": dict(precision="autocast", fold_spectral_norm=False, channels_last=False, compile="none", cuda_graphs=False),
+    "fp16+fold-nchw": dict(precision="fp16", fold_spectral_norm=True, channels_last=False, compile="none", cuda_graphs=False),
     "fp16+fold": dict(precision="fp16", fold_spectral_norm=True, channels_last=True, compile="none", cuda_graphs=False),
     "fp16+fold+graph": dict(precision="fp16", fold_spectral_norm=True, channels_last=True, compile="none", cuda_graphs=True),
     "compile": dict(precision="fp16", fold_spectral_norm=True, channels_last=True, compile="default", cuda_graphs=False),
@@ -60,7 +61,8 @@ VARIANTS = {
 }
 VARIANT_TEXT = {
     "upstream": "upstream's precision: fp32 weights under fp16 autocast, spectral-norm hooks, NCHW, eager",
-    "fp16+fold": "fp16 weights, spectral norm folded into the conv weights once, 2-D convs channels-last, eager",
+    "fp16+fold-nchw": "fp16 weights, spectral norm folded into the conv weights once, NCHW, eager",
+    "fp16+fold": "the same with the decoder's convs channels-last",
     "fp16+fold+graph": "the same captured into one CUDA graph per batch size",
     "compile": "the same through torch.compile (inductor, default mode)",
     "compile+graph": "the compiled renderer captured into a CUDA graph",
@@ -128,7 +130,16 @@ def speech_with_pauses(seconds: float, pauses: tuple[tuple[float, float], ...]) 
     """The bundled sentence at 16 kHz, looped to `seconds`, with digital silence in each (start, end) span."""
     from lab import data
 
-    a, sr = data.default_audio(16000)
+    try:
+        a, sr = data.default_audio(16000)
+    except ImportError:  # a host without soundfile: the bundled file is a plain PCM WAV
+        from scipy.io import wavfile
+
+        from lab.audio import resample
+
+        sr0, pcm = wavfile.read(data.DEFAULT_AUDIO)
+        x = pcm.astype(np.float32) / (32768.0 if pcm.dtype == np.int16 else 1.0)
+        a, sr = resample(x if x.ndim == 1 else x.mean(1), sr0, 16000, backend="torchaudio_cpu"), 16000
     out = np.resize(a, int(seconds * sr)).astype(np.float32)
     for s, e in pauses:
         out[int(s * sr):int(e * sr)] = 0

@@ -774,7 +774,7 @@ def hubert_features(model: nn.Module, audio16: torch.Tensor, n_frames: int, batc
     per chunk keep encoder frames [−14 : −4] (10 frames at 50 Hz) and average pairs → 5 frames.
     batch > 1 runs several chunks per call (same result: the chunks are independent)."""
     chunks = hubert_chunks(audio16, n_frames)
-    p = next(model.parameters())
+    p = model.feature_extractor.conv_layers[0].conv.weight
     outs = []
     for s in range(0, chunks.shape[0], batch):
         hs = model(chunks[s:s + batch].to(p.device, p.dtype)).last_hidden_state          # (b, 20, hidden)
@@ -913,7 +913,8 @@ def load_hubert(weights: str = "random", size: str = "full", device: str | torch
         with torch.random.fork_rng(devices=[]), torch.device(device):
             torch.manual_seed(seed)
             model = HubertModel(cfg)
-        return model.to(dtype=dtype).eval().requires_grad_(False), f"random (seed {seed})"
+        # a few parameters (masked_spec_embed) are made by torch.Tensor(), which ignores the device context
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False), f"random (seed {seed})"
     model, source = resolve(str(weights), lambda: HubertModel(cfg),
                             lambda path, local: HubertModel.from_pretrained(path, local_files_only=local), seed=seed)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False), source
