@@ -596,7 +596,7 @@ def silence_figure(ctx: Context):
     ax.set_xlabel("s")
     ax.set_ylabel("RMS")
     ax2.set_ylabel("α")
-    fig.legend(loc="upper right", fontsize=7, ncol=2)
+    fig.legend(loc="lower center", fontsize=7, ncol=4, bbox_to_anchor=(0.5, -0.1))
     ax.set_title(f"silence plan: Hermite easing into and out of rest (weight-free){ctx.suffix}", fontsize=9)
     fig.tight_layout()
     return fig
