@@ -120,3 +120,12 @@ def test_alignment_roundtrip():
     assert torch.allclose(inner, img[:, :, 40:55, 30:50], atol=0.03)
     m = P.similarity(P.TEMPLATE, P.TEMPLATE * 2 + 5)
     assert np.allclose(m, [[2, 0, 5], [0, 2, 5]])
+
+
+def test_render_writes_the_video(engine, clip, frames, tmp_path):
+    from lab.video import read_video_info
+
+    job = P.prepare(engine, frames, *clip)
+    rep = P.render(engine, job, str(tmp_path / "out.mp4"), preset="ultrafast")
+    info = read_video_info(tmp_path / "out.mp4")
+    assert rep.n_frames == 10 and info.n_frames == 10 and info.has_audio and abs(info.fps - 25) < 1e-6

@@ -449,3 +449,15 @@ def run(engine: Engine, job: Job, sink: Callable[[np.ndarray], None] | None = No
     return RunReport(n, cfg.fps, wall, timer.totals(), len(rss),
                      torch.cuda.max_memory_allocated(dev) / 2**20 if cuda else None, max(rss), rss, gpu, cfg.mode, cfg.fast,
                      torch.cat(kept_faces) if kept_faces else None, torch.cat(kept_lat) if kept_lat else None)
+
+
+def render(engine: Engine, job: Job, out_path: str, crf: int = 18, preset: str = "veryfast",
+           progress: bool = False) -> RunReport:
+    """Run the job into an H.264 file with its audio (libx264 yuv420p; frames must have even sides).
+    Frames go to the encoder block by block, so nothing accumulates in memory."""
+    from lab.video import FFmpegWriter
+
+    h, w = job.frames.shape[1:3]
+    audio = job.audio16[: int(round(job.n_out / engine.cfg.fps * SAMPLE_RATE))]
+    with FFmpegWriter(out_path, engine.cfg.fps, (w, h), audio=(audio, SAMPLE_RATE), crf=crf, preset=preset) as writer:
+        return run(engine, job, sink=writer.write, progress=progress)
