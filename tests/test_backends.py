@@ -415,7 +415,7 @@ def test_best_per_model_picks_nchw_eager_when_nothing_beats_it():
     assert b["backend"] == "eager (NCHW)" and b["speedup"] == 1.0 and b["baseline"] == "eager (NCHW)"
 
 
-# ----------------------------------------------------------------------------- the time budget (notebooks 03 and 04)
+# ----------------------------------------------------------------------------- the time budget (lab.budget, notebooks 03 and 04)
 
 class FakeClock:
     def __init__(self):
@@ -520,7 +520,8 @@ def test_plan_puts_the_headline_rows_first():
 
 
 def test_run_matrix_with_no_time_left_returns_every_row_with_its_reason():
-    from lab.experiments.backends import Budget, plan_tasks, run_matrix
+    from lab.budget import Budget
+    from lab.experiments.backends import plan_tasks, run_matrix
 
     backends = ["eager", "compile", "compile+cudagraph", "onnx", "tensorrt"]
     out = run_matrix(["taesd", "unet"], [1, 2], backends, "fp32", torch.device("cpu"), size="tiny", progress=False,
@@ -537,7 +538,8 @@ def test_run_matrix_with_no_time_left_returns_every_row_with_its_reason():
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="the hard deadline uses SIGALRM")
 def test_run_matrix_skips_rows_that_do_not_fit_and_aborts_one_that_overruns(monkeypatch):
-    from lab.experiments.backends import Budget, run_matrix
+    from lab.budget import Budget
+    from lab.experiments.backends import run_matrix
 
     tiny("taesd")  # imports done before the clock starts
     est = {"load": 0, "eager": 0, "compile": 0, "onnx": 1e6}
@@ -557,7 +559,8 @@ def test_run_matrix_skips_rows_that_do_not_fit_and_aborts_one_that_overruns(monk
 
 
 def test_cache_demo_is_skipped_when_it_does_not_fit(tmp_path):
-    from lab.experiments.backends import Budget, cache_demo
+    from lab.budget import Budget
+    from lab.experiments.backends import cache_demo
 
     demo = cache_demo(tmp_path / "c", size="tiny", budget=Budget(1, verbose=False), est_s=30)
     assert demo["rows"] == [] and demo["listing"] == [] and "cache demo" in demo["skipped"]
@@ -577,3 +580,45 @@ def test_notebook_04_with_a_tiny_budget_still_saves_every_row_with_a_reason(tmp_
     steps = {s["step"]: s for s in res.tables["time_budget"]}
     assert steps["§ save"]["status"] == "section" and any(s["status"] == "skipped" for s in steps.values())
     assert res.params["time_budget_s"] == 1 and "time budget" in res.headline
+
+
+# ----------------------------------------------------------------------------- notebook 04's parameters and profile
+
+def _check04(**values):
+    from lab import params
+    from lab.experiments import backends as ex
+    from lab.experiments.common import notebook_path
+
+    return params.check(values, params.notebook_defaults(notebook_path(ex.NAME)), ex.RULES, where=ex.NAME)
+
+
+@pytest.mark.parametrize("name,value,says", [
+    ("backends", ["eager", "tensorRT"], "backends[1]='tensorRT'"), ("models", ["unet", "vae"], "models[1]='vae'"),
+    ("batches", [16, 0], "batches[1]=0: must be > 0"), ("batches", 16, "batches=16: expected a non-empty list"),
+    ("precision", "fp8", "precision='fp8'"), ("channels_last", 1, "channels_last=1: expected True or False"),
+    ("build_budget_s", -1, "build_budget_s=-1"), ("time_budget_s", 0, "time_budget_s=0"),
+    ("min_psnr_db", "high", "min_psnr_db='high'"), ("iters", 0, "iters=0"), ("cache_dir", 3, "cache_dir=3"),
+    ("skip", {"unet": {"onx": "slow"}}, "skip={'unet'"), ("skip", {"unet": "onnx"}, "expected {model: {backend: reason}}"),
+    ("weights", ["random"], "weights=['random']"), ("batch", 16, "did you mean 'batches'"),
+])
+def test_notebook_04_parameters_are_checked_by_name(name, value, says):
+    with pytest.raises(InputError) as e:
+        _check04(**{name: value})
+    assert says in str(e.value)
+
+
+def test_notebook_04_profile_decides_sizes_from_quick_and_the_device():
+    from lab.budget import DEFAULT_TIME_BUDGET_S
+    from lab.experiments import backends as ex
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    q = ex.profile(_check04(quick=True, skip={"unet": {"onnx": "export too slow"}}), cpu)
+    assert (q["size"], q["batches"], q["iters"], q["warmup"], q["precision"]) == ("tiny", [2], 5, 1, "fp32")
+    assert q["compile_backend"] == "eager" and q["onnx_opts"] == {"dynamo": False} and q["time_budget_s"] is None
+    assert q["skip"]["unet"]["onnx"] == "export too slow" and "quick profile" in q["skip"]["unet"]["compile"]
+    assert len(q["notes"]) == 5 and any("fp32 on CPU" in n for n in q["notes"])
+    c = ex.profile(_check04(), cpu)  # a CPU without quick: full configs, fp32, inductor
+    assert (c["size"], c["batches"], c["precision"], c["compile_backend"]) == ("full", [1, 16], "fp32", "inductor")
+    g = ex.profile(_check04(time_budget_s="auto"), gpu)
+    assert (g["precision"], g["warmup"], g["onnx_opts"], g["skip"], g["notes"]) == ("fp16", 3, {}, {}, [])
+    assert g["time_budget_s"] == DEFAULT_TIME_BUDGET_S

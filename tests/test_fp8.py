@@ -637,6 +637,96 @@ def test_notebook_03_with_a_tiny_budget_still_saves_skipped_rows_with_reasons(tm
     assert res.params["time_budget_s"] == 1 and "time budget" in res.headline
 
 
+# ----------------------------------------------------------------------------- notebook 03's parameters, profile, headline
+
+def _check03(**values):
+    from lab import params
+    from lab.experiments import fp8 as ex
+    from lab.experiments.common import notebook_path
+
+    return params.check(values, params.notebook_defaults(notebook_path(ex.NAME)), ex.RULES, where=ex.NAME)
+
+
+@pytest.mark.parametrize("name,value,says", [
+    ("models", ["sd-vae", "vae"], "models[1]='vae'"), ("models", "sd-vae", "models='sd-vae'"),
+    ("batch", 0, "batch=0: must be > 0"), ("batch", 2.5, "batch=2.5: expected an integer"),
+    ("image_size", 100, "image_size=100: must be a multiple of 8"), ("scheme", "per_row", "scheme='per_row'"),
+    ("activation", "fixed", "activation='fixed'"), ("conv_impl", "cudnn", "conv_impl='cudnn'"),
+    ("compile", "yes", "compile='yes': expected True or False"), ("time_budget_s", -5, "time_budget_s=-5"),
+    ("time_budget_s", "soon", "time_budget_s='soon'"), ("weights", {"vae": "random"}, "weights={'vae'"),
+    ("compile_models", ["unet", "tiny"], "compile_models[1]='tiny'"), ("psnr_target", 0, "psnr_target=0"),
+    ("mixed_targets", [], "mixed_targets=[]"), ("iters", True, "iters=True"), ("sheme", "per_tensor", "did you mean 'scheme'"),
+])
+def test_notebook_03_parameters_are_checked_by_name(name, value, says):
+    with pytest.raises(InputError) as e:
+        _check03(**{name: value})
+    assert says in str(e.value)
+
+
+def test_notebook_03_parameters_accept_what_the_notebook_documents():
+    p = _check03(weights={"sd-vae": "stabilityai/sd-vae-ft-mse"}, time_budget_s=None, compile_budget_s=None,
+                 compile_models=[], microbench_models=[], torchao_models=[])
+    assert p["weights"] == {"sd-vae": "stabilityai/sd-vae-ft-mse"} and p["time_budget_s"] is None
+    assert _check03(time_budget_s=300)["time_budget_s"] == 300
+
+
+def test_notebook_03_profile_decides_sizes_from_quick_and_the_device():
+    from lab.budget import DEFAULT_TIME_BUDGET_S
+    from lab.experiments import fp8 as ex
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    q = ex.profile(_check03(quick=True, weights={"unet": "/m/unet.pth"}), cpu)
+    assert (q["size"], q["image_size"], q["batch"], q["iters"], q["compile"]) == ("tiny", 64, 2, 3, False)
+    assert q["weights"] == {"sd-vae": "random", "unet": "/m/unet.pth", "taesd": "random"}
+    assert q["dtype"] == "fp32" and q["time_budget_s"] is None  # quick: no limit unless asked
+    c = ex.profile(_check03(batch=16, image_size=256), cpu)  # a CPU without quick: full models, small sizes
+    assert (c["size"], c["batch"], c["image_size"], c["compile"]) == ("full", 2, 128, False)
+    g = ex.profile(_check03(), gpu)
+    assert (g["size"], g["batch"], g["image_size"], g["compile"], g["dtype"]) == ("full", 16, 256, True, "fp16")
+    assert g["time_budget_s"] == DEFAULT_TIME_BUDGET_S
+    assert ex.profile(_check03(quick=True, time_budget_s=5), cpu)["time_budget_s"] == 5.0
+
+
+@pytest.mark.parametrize("run_name", ["run_03_tma", "run_03"])
+def test_notebook_03_headline_and_comparisons_come_from_the_tables(run_name):
+    """The H200 reference runs' tables give back their own headline (the two target keys renamed)
+    and comparison rows: what the notebook shows is computed from what results.json keeps."""
+    from pathlib import Path
+
+    from lab.budget import Budget
+    from lab.experiments import fp8 as ex
+    from lab.experiments.common import Run
+    from lab.results import ROOT, Result
+
+    path = ROOT / "outputs" / "reference" / "h200" / run_name / "03_fp8_quantization" / "results.json"
+    if not path.exists():
+        pytest.skip(f"no reference run {run_name}")
+    ref = Result.load(path)
+    p = {**ref.params, "psnr_target": 40.0}
+    res = Result(name=ref.name, params=p, tables=ref.tables, metrics=ref.metrics, weights=ref.weights)
+    run = Run(ref.name, p, torch.device("cuda"), Path("unused"), res, ref.provenance["machine"])
+    run.budget = Budget(None, verbose=False)
+    old = {k.replace(" (issue #5)", ""): v for k, v in ref.headline.items()}
+    new = ex.headline(run)
+    assert list(new) == list(old)
+    assert {k: v for k, v in new.items() if k != "time budget"} == {k: v for k, v in old.items() if k != "time budget"}
+    assert new["sd-vae ≥ 1.3× compiled target"].startswith("not met")
+    ex.writeup_comparison(run)
+    assert [(c.source, c.claim, c.our_value, c.verdict) for c in res.comparisons] == \
+        [(c.source, c.claim, c.our_value, c.verdict) for c in ref.comparisons]
+
+
+def test_headless_mixed_precision_plan_writes_a_result(tmp_path, one_thread):
+    from lab.experiments.fp8 import mixed_main
+    from lab.results import Result
+
+    assert mixed_main(["--size", "tiny", "--image", "64", "--device", "cpu", "--out", str(tmp_path / "m")]) == 0
+    res = Result.load(tmp_path / "m" / "results.json")
+    assert res.weights["sd-vae"].startswith("random") and res.headline["FP8 GEMMs"].startswith("emulated")
+    assert [r["plan"] for r in res.tables["verified"]] == ["all layers", "40 dB"]
+    assert res.tables["verified"][1]["psnr_db"] > 39.0
+
+
 # ----------------------------------------------------------------------------- GPU (run with -m gpu)
 
 gpu = pytest.mark.gpu

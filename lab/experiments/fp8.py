@@ -1,15 +1,20 @@
-"""Measuring FP8 models: output drift, eager/compiled throughput, a per-conv-shape GPU
-microbenchmark, torchao as a comparison, and the model cases notebook 03 runs.
+"""Notebook 03 (FP8 quantization): what it measures, its quick profile, its tables, figures,
+headline and comparison rows, on top of the measuring helpers: output drift, eager/compiled
+throughput, a per-conv-shape GPU microbenchmark, the compiled models split by kernel kind, torchao
+as a comparison, and the model cases the notebook runs.
 
 The engine (`lab.accel.fp8`) quantizes; this module only measures, following the lab's rules:
 warm-up + synchronize + median (`lab.timing.bench`), inputs rotated between runs, never zeros, a
 speed-up is a ratio against the fp16 model in the same process and the same compile mode, and
 every speed row carries its quality figures against the fp16 eager output.
 
-Notebook 03 runs under a whole-notebook time budget (`lab.budget.Budget`): each
-step here (load, quantize, drift, eager and compiled timing, each microbenchmark shape, torchao)
-is checked against what is left before it starts, using `GPU_ESTIMATES_S`, and guarded by the
-deadline while it runs; a step that does not fit becomes a row saying so.
+The notebook runs under a whole-notebook time budget (`lab.budget.Budget`, kept on the Run as
+`run.budget`): each step here (load, quantize, drift, eager and compiled timing, each microbenchmark
+shape, torchao) is checked against what is left before it starts, using `GPU_ESTIMATES_S`, and
+guarded by the deadline while it runs; a step that does not fit becomes a row saying so, and
+`results.partial.json` holds the rows so far.
+
+Headless mixed-precision plan: `python -m lab.experiments.fp8 --help` (`mixed_main`).
 """
 from __future__ import annotations
 
@@ -23,12 +28,17 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from lab import params, plots
+from lab.accel import fp8_mixed as FM
 from lab.accel import fp8_triton
-from lab.budget import Budget, BudgetExceeded, estimate
-from lab.metrics import drift  # noqa: F401
-from lab.accel.fp8 import (FP8Conv2d, FP8Report, _is_pointwise, _model_device, _quant_act, fp8_mm,
-                           fp8_supported, im2col_nhwc, quantize_module, triton_conv_status, tune_triton)
+from lab.accel.fp8 import (ACTIVATIONS, CONV_IMPLS, MODES, SCHEMES, FP8Conv2d, FP8Report, _is_pointwise,
+                           _model_device, _quant_act, fp8_mm, fp8_supported, im2col_nhwc, quantize_module,
+                           triton_conv_status, tune_triton)
+from lab.budget import RESERVE_S, Budget, BudgetExceeded, budget_seconds, estimate, save_partial
 from lab.errors import BackendUnavailable, InputError
+from lab.experiments import common
+from lab.experiments.common import Run, row, weights_label
+from lab.metrics import drift
 
 MODELS = ("sd-vae", "taesd", "unet")
 L2_BYTES = 60 * 2**20  # a little above the H100/H200 L2 (50 MB)
@@ -115,8 +125,6 @@ def make_case(name: str, weights: str = "random", size: str = "full", device: st
     inputs = [make() for _ in range(n_inputs)]
     return Case(name, model, inputs, make(), rng, src, batch, out)
 
-
-# ----------------------------------------------------------------------------- quality
 
 # ----------------------------------------------------------------------------- torchao
 
@@ -276,9 +284,9 @@ def fill_speedups(rows: list[dict[str, Any]], baseline: str) -> None:
             r["speedup"] = r["fps"] / base[k]
 
 
-def find_row(rows: Iterable[dict[str, Any]], **kw: Any) -> dict[str, Any] | None:
-    """The first timed row (one with 'fps') matching every key=value given, or None."""
-    return next((r for r in rows if all(r.get(k) == v for k, v in kw.items()) and "fps" in r), None)
+def _timed(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows that were timed (have an 'fps')."""
+    return [r for r in rows if "fps" in r]
 
 
 def est(step: str, model: str = "*") -> float:
@@ -624,19 +632,572 @@ def _bench_shape(shp: dict[str, Any], head: dict[str, Any], dtype: torch.dtype, 
     return row
 
 
+# ----------------------------------------------------------------------------- notebook 03
+
+NAME = "03_fp8_quantization"
+OURS = "FP8 (ours)"
+SPEED_COLS = ["model", "variant", "compiled", "ms_per_batch", "fps", "speedup", "TFLOPs", "first_call_s", "psnr_db",
+              "mae", "cosine", "status"]
+LAYER_COLS = ["order", "name", "kind", "shape", "path", "reason", "scale", "scale_min", "scale_max", "weight_rel_err",
+              "out_rel_err", "out_max_abs", "saturated", "triton_config", "ms_triton", "ms_im2col"]
+DRIFT_COLS = ["model", "variant", "FP8 layers", "mae", "max_abs", "psnr_db", "cosine", "status"]
+SHAPE_COLS = ["model", "label", "count", "M", "N", "K", "fp16_ms", "fp8_im2col_ms", "fp8_triton_ms", "fp8_gemm_ms",
+              "fp8_gemm_only_ms", "act_cast_ms", "speedup", "triton_kernel", "fp16_TFLOPs", "fp8_gemm_TFLOPs", "note",
+              "status"]
+SPLIT_COLS = ["model", "variant", "wall_ms", "total", "conv", "GEMM", "attention",
+              "fused elementwise / norms (Inductor)", "other"]
+COMPARE_COLS = ["claim", "their_value", "their_hardware", "our_value", "unit", "verdict", "reason"]
+STEP_COLS = ["step", "status", "est_s", "seconds", "reason"]
+WRITEUP = "000 §4.2 (Blackwell FP8)"
+
+
+def _weights_rule(name: str, v: Any) -> Any:
+    if isinstance(v, str) or (isinstance(v, dict) and all(k in MODELS and isinstance(w, str) for k, w in v.items())):
+        return v
+    raise InputError(f"parameter {name}={v!r}: expected a weights source ('random', a hub id or a local path) or "
+                     f"a dict of them per model ({', '.join(MODELS)})")
+
+
+def _image_rule(name: str, v: Any) -> Any:
+    v = params.positive(integer=True)(name, v)
+    if v % 8:
+        raise InputError(f"parameter {name}={v!r}: must be a multiple of 8 (the latents are image/8)")
+    return v
+
+
+_MODEL = params.one_of(*MODELS)
+RULES: dict[str, params.Rule] = {
+    "weights": _weights_rule, "models": params.list_of(_MODEL), "batch": params.positive(integer=True),
+    "image_size": _image_rule, "scheme": params.one_of(*SCHEMES), "activation": params.one_of(*ACTIVATIONS),
+    "mode": params.one_of(*MODES), "conv_impl": params.one_of(*CONV_IMPLS), "fuse_act": params.flag,
+    "compile": params.flag, "compile_models": params.list_of(_MODEL, nonempty=False),
+    "compile_budget_s": params.positive(optional=True),
+    "time_budget_s": params.any_of(params.positive(), params.one_of("auto", None)),
+    "torchao": params.flag, "torchao_models": params.list_of(_MODEL, nonempty=False),
+    "microbench_models": params.list_of(_MODEL, nonempty=False), "psnr_target": params.positive(),
+    "mixed_targets": params.list_of(params.positive()), "iters": params.positive(integer=True),
+}
+
+
+def profile(p: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Sizes from quick and the device: quick = tiny models, 64², batch 2, 3 timed runs, no compile;
+    a CPU without quick = the full models at batch ≤ 2, ≤ 128², no compile (FP8 GEMMs need a GPU).
+    Also: `weights` as one source per model, `dtype` (the baseline: fp16 on a GPU, fp32 on a CPU),
+    `time_budget_s` in seconds (None: no limit)."""
+    gpu = device.type == "cuda"
+    p["size"] = "full"
+    if p["quick"]:
+        p.update(size="tiny", image_size=64, batch=2, iters=3, compile=False)
+    elif not gpu:
+        p.update(batch=min(p["batch"], 2), image_size=min(p["image_size"], 128), compile=False)
+    w = p["weights"]
+    given = dict(w) if isinstance(w, dict) else {m: w for m in p["models"]}
+    p["weights"] = {m: given.get(m, "random") for m in p["models"]}
+    p["dtype"] = "fp16" if gpu else "fp32"
+    p["time_budget_s"] = budget_seconds(p["time_budget_s"], p["quick"])
+    return p
+
+
+def start(namespace: dict[str, Any]) -> Run:
+    """Check the notebook's parameters, apply the profile, open the run folder and start the time
+    budget (`run.budget`, counted from here)."""
+    t0 = time.perf_counter()
+    run = common.start(NAME, namespace, RULES, profile)
+    run.budget = Budget(run.time_budget_s, reserve_s=RESERVE_S, start=t0, strict=run.quick)
+    if run.quick and run.device.type == "cpu":
+        torch.set_num_threads(1)  # tiny models: extra threads only add sync cost on shared CI runners
+    run.budget.section("setup")
+    return run
+
+
+def describe(run: Run) -> str:
+    """One line: device, sizes, baseline, weights, time budget, folder (and what a CPU cannot do)."""
+    b = run.budget.total_s
+    line = (f"device: {run.device} | {run.machine} | {run.size} models, batch {run.batch}, {run.image_size}², "
+            f"baseline {run.dtype} | {weights_label(run.weights)} | time budget: "
+            f"{'none' if b is None else f'{b:.0f} s'} | run folder: {run.folder}")
+    if run.device.type != "cuda" and not run.quick:
+        line += ("\nNo GPU: FP8 GEMMs need one, so this runs the weight-only path at batch ≤ 2, 128² and skips "
+                 "compile (quick=True gives a smoke test in seconds).")
+    return line
+
+
+def _dtype(run: Run) -> torch.dtype:
+    return torch.float16 if run.dtype == "fp16" else torch.float32
+
+
+def _quant(run: Run) -> dict[str, Any]:
+    return dict(scheme=run.scheme, mode=run.mode, activation=run.activation, conv_impl=run.conv_impl,
+                fuse_act=run.fuse_act)
+
+
+def _md(text: str) -> Any:
+    from IPython.display import Markdown
+
+    return Markdown(text)
+
+
+def _titled(title: str, rows: Sequence[dict], cols: Sequence[str] | None = None) -> Any:
+    return _md(f"{title}\n\n{plots.table_markdown(rows, cols)}")
+
+
+def _reports(models: dict[str, dict]) -> dict[str, FP8Report]:
+    return {n: x["report"] for n, x in models.items() if x["report"] is not None}
+
+
+def _why_not(models: dict[str, dict], name: str) -> str:
+    return (models.get(name) or {}).get("stopped") or "not in models"
+
+
+def backends(run: Run) -> Any:
+    """What can run here: FP8 GEMMs, the Triton conv kernel (self-tested on this GPU), torchao."""
+    run.budget.section("backends available here")
+    dev = run.device
+    hw_ok, hw_why = fp8_supported(dev)
+    tr_ok, tr_why = False, "needs an FP8 GPU"
+    if hw_ok:  # compiles the Triton kernel once and checks it against the im2col path
+        r = run.budget.run("Triton self-test", est("triton self-test"), triton_conv_status, dev)
+        tr_ok, tr_why = r.value if r.ok else (False, f"self-test {r.status}: {r.reason}")
+    ao_ok, ao_why = torchao_status()
+    rows = [{"backend": "FP8 GEMM (torch._scaled_mm, e4m3)", "available": hw_ok, "detail": hw_why},
+            {"backend": "FP8 implicit-GEMM conv (Triton)", "available": tr_ok, "detail": tr_why},
+            {"backend": "torchao float8 (Float8DynamicActivationFloat8WeightConfig)", "available": ao_ok and hw_ok,
+             "detail": ao_why if not ao_ok or hw_ok else f"{ao_why}; but {hw_why}"}]
+    run.result.metrics.update(backends=rows, triton=tr_why, torchao=ao_why)
+    return _md(plots.table_markdown(rows))
+
+
+def measure_models(run: Run) -> dict[str, dict[str, Any]]:
+    """§1: every model in `models` order through `run_model` (load, quantize, drift, eager and
+    compiled throughput, each step within the budget), a partial checkpoint after each; keeps the
+    speed, quantize_summary, layers and skipped tables. Returns name → `run_model`'s dict."""
+    res, gpu = run.result, run.device.type == "cuda"
+    deadline = run.budget.start + run.compile_budget_s if run.compile_budget_s is not None else None
+    models: dict[str, dict[str, Any]] = {}
+    for name in run.models:
+        run.budget.section(f"§1 {name}")
+        models[name] = run_model(name, run.budget, weights=run.weights[name], size=run.size, device=run.device,
+                                 dtype=_dtype(run), batch=run.batch, image=run.image_size, seed=run.seed,
+                                 channels_last=gpu, quant=_quant(run), compiled=run.compile and name in run.compile_models,
+                                 compile_deadline=deadline, iters=run.iters, baseline=run.dtype)
+        res.tables["speed"] = [r for x in models.values() for r in x["speed"]]
+        save_partial(res, run.folder, run.budget)  # what a run killed from outside leaves
+    summary = []
+    for name, x in models.items():
+        r: dict[str, Any] = {"model": name, "weights": x["case"].weights if x["case"] else run.weights[name]}
+        if x["report"] is not None:
+            s = x["report"].summary()
+            r.update({"mode": s["mode"], "FP8 layers": s["quantized_layers"], "skipped": s["skipped_layers"],
+                      "paths": ", ".join(f"{k}: {v}" for k, v in s["paths"].items()),
+                      "of which TMA": s["triton_tma_layers"], "weight MB before": s["weight_MB_before"],
+                      "weight MB after": s["weight_MB_after"], "median layer err": s["median_layer_out_rel_err"],
+                      "worst layer err": s["worst_layer_out_rel_err"], "saturated": s["saturated"]})
+        r.update({f"{k} s": v for k, v in x["seconds"].items()})
+        r["status"] = x["stopped"] or "ok"
+        summary.append(r)
+        res.weights[name] = r["weights"]
+        res.timings.update({f"{k}_{name}_s": v for k, v in x["seconds"].items()})
+    reports = _reports(models)
+    res.tables["quantize_summary"] = summary
+    res.tables["layers"] = [{"model": n, **lr} for n, rep in reports.items() for lr in rep.rows()]
+    res.tables["skipped"] = [{"model": n, "name": s.name, "kind": s.kind, "reason": s.reason}
+                             for n, rep in reports.items() for s in rep.skipped]
+    res.timings["after_models_s"] = run.budget.elapsed()
+    return models
+
+
+def summary(run: Run, models: dict[str, dict[str, Any]]) -> Any:
+    """The fallback notices and one row per model: layers, paths, weight memory, layer errors, status."""
+    notices = sorted({n for x in models.values() for n in x["notices"]})
+    head = "".join(f"> **Notice:** {n}\n\n" for n in notices)
+    return _titled(f"{head}**FP8 {run.scheme} weights, {run.activation} activations{run.suffix()}** (errors: relative "
+                   "L2 of each layer's output vs its float twin on the calibration batch)",
+                   run.result.tables["quantize_summary"])
+
+
+def layer_errors(run: Run, models: dict[str, dict[str, Any]]) -> Any:
+    """Figure `layer_errors`: every FP8 layer's output error (bars) and weight error (dots)."""
+    reports = _reports(models)
+    if not reports:
+        return _md("*No model was quantized within the time budget (see the status column above).*")
+    fig = plots.layer_errors({n: r.rows() for n, r in reports.items()},
+                             title=f"FP8 {run.scheme}: per-layer output error vs {run.dtype} (calibration batch){run.suffix()}")
+    return run.figure(fig, "layer_errors")
+
+
+def layers_table(run: Run, models: dict[str, dict[str, Any]]) -> Any:
+    """The first quantized model's layers (all models' are in the `layers` table)."""
+    reports = _reports(models)
+    if not reports:
+        return _md("*No FP8 layers.*")
+    first = next(iter(reports))
+    return _titled(f"**{first}: every FP8 layer**", reports[first].rows(), LAYER_COLS)
+
+
+def drift_table(run: Run, models: dict[str, dict[str, Any]]) -> Any:
+    """Whole-model drift of FP8 against the baseline on the held-out batch (table `drift`)."""
+    rows = [x["drift"] for x in models.values() if x["drift"] is not None]
+    rows += [{"model": n, "variant": "ours", "status": x["stopped"]} for n, x in models.items() if x["drift"] is None]
+    run.result.tables["drift"] = rows
+    return _titled(f"**Output drift vs {run.dtype}, held-out batch of {run.batch}{run.suffix()}**", rows, DRIFT_COLS)
+
+
+def image_figure(run: Run, models: dict[str, dict[str, Any]]) -> Any:
+    """Figure `fp16_vs_fp8_image`: one decoded latent, baseline vs FP8 and |Δ| (first decoder measured)."""
+    name = next((m for m in ("sd-vae", "taesd") if (models.get(m) or {}).get("out") is not None), None)
+    if name is None:
+        return _md("*No decoder output to show (see the status column above).*")
+    a = models[name]["ref"][0].permute(1, 2, 0).clamp(0, 1).cpu().numpy()
+    b = models[name]["out"][0].permute(1, 2, 0).clamp(0, 1).cpu().numpy()
+    d = abs(a - b).mean(axis=2)
+    fig = plots.image_row([a, b, d], [run.dtype, "FP8", f"|Δ| (max {d.max():.3f})"],
+                          suptitle=f"{name} decode of one latent, {run.dtype} vs FP8{run.suffix()}", cmap="magma")
+    return run.figure(fig, "fp16_vs_fp8_image")
+
+
+def speed_table(run: Run) -> Any:
+    """§1's throughput rows (speed-ups in the same compile mode); a partial checkpoint."""
+    run.result.timings["after_speed_s"] = run.budget.elapsed()
+    save_partial(run.result, run.folder, run.budget)
+    return _titled(f"**Throughput{run.suffix()}**", run.result.tables.get("speed", []), SPEED_COLS)
+
+
+def speed_figures(run: Run) -> None:
+    """Figures `speed_<model>`: one waterfall of FPS per measured model, shown here."""
+    from IPython.display import display
+
+    speed = run.result.tables.get("speed", [])
+    for name in run.models:
+        ok = [r for r in speed if r["model"] == name and "fps" in r]
+        if ok:
+            steps = [{"step": f"{r['variant']}{' · compiled' if r['compiled'] else ''}", "fps": r["fps"]} for r in ok]
+            fig = plots.waterfall(steps, value="fps", label="step",
+                                  title=f"{name}: batch {run.batch}, {run.image_size}², {run.dtype} vs FP8{run.suffix()}")
+            display(run.figure(fig, f"speed_{name}"))
+
+
+def writeup_drift(run: Run, models: dict[str, dict[str, Any]]) -> Any:
+    """§2: the SD-VAE decoder quantized the write-up's way, with the other scheme and weight-only
+    (drift only; rows added to table `drift`)."""
+    run.budget.section("§2 SD-VAE drift variants")
+    x = models.get("sd-vae")
+    if not x or x["ref"] is None:
+        return _md(f"*Skipped: the SD-VAE decoder was not measured ({_why_not(models, 'sd-vae')}).*")
+    new = drift_variants(x["case"], x["ref"], _quant(run), budget=run.budget)
+    labels = {r["variant"] for r in new}
+    rows = [r for r in run.result.tables.get("drift", []) if r["variant"] not in labels] + new
+    run.result.tables["drift"] = rows
+    return _titled(f"**SD-VAE drift vs {run.dtype}{run.suffix()}**", [r for r in rows if r["model"] == "sd-vae"],
+                   DRIFT_COLS)
+
+
+def mixed_precision(run: Run, models: dict[str, dict[str, Any]]) -> Any:
+    """§2b: single-layer sensitivity of the SD-VAE decoder, the plan curve over `mixed_targets`, the
+    plan for `psnr_target` quantized and measured, and on an FP8 GPU timed like §1's rows (tables
+    `mixed_sensitivity`, `mixed_plan`; speed rows added to `speed`)."""
+    run.budget.section("§2b mixed precision (SD-VAE)")
+    res, quant, target = run.result, _quant(run), run.psnr_target
+    sens: list[dict[str, Any]] = []
+    curve_rows: list[dict[str, Any]] = []
+    verified: dict[str, Any] | None = None
+    timed: list[dict[str, Any]] = []
+    note = ""
+    x = models.get("sd-vae")
+    if x and x["report"] is not None and x["ref"] is not None:
+        r = run.budget.run("sensitivity sd-vae", est("sensitivity", "sd-vae"), FM.layer_sensitivity, x["case"],
+                           x["ref"], x["report"], x["qmodel"], progress=False)
+        if r.ok:
+            sens = r.value
+            curve_rows = FM.curve(sens, run.mixed_targets)
+            p = FM.plan(sens, target)
+            q = run.budget.run("quantize mixed plan sd-vae", est("drift variant", "sd-vae"), FM.quantize_plan,
+                               x["case"], quant, p["fp8"])
+            if q.ok:
+                qmix = q.value[0]
+                v = FM.verify(x["case"], quant, x["ref"], p["fp8"], model=qmix)
+                verified = {**v, "target_db": target, "predicted_db": p["predicted_db"],
+                            "fp8_flops_share": p["fp8_flops_share"], "kept": p["keep"]}
+                if fp8_supported(run.device)[0]:  # the plan's speed, beside §1's rows (same inputs, same mode)
+                    label = f"FP8 mixed ({target:.0f} dB plan)"
+                    comp = run.compile and "sd-vae" in run.compile_models
+                    timed = speed_rows(x["case"], {label: qmix}, [False] + ([True] if comp else []), iters=run.iters,
+                                       ref=x["ref"], flops=x["flops"], budget=run.budget,
+                                       est_s={(label, False): est("eager", "sd-vae"),
+                                              (label, True): est("compile FP8", "sd-vae")},
+                                       keep=x["fns"])
+                del qmix
+        else:
+            note = f"*Sensitivity not measured: {r.status}: {r.reason}*"
+    else:
+        note = f"*Skipped: the SD-VAE decoder was not quantized ({_why_not(models, 'sd-vae')}).*"
+    speed = [r for r in res.tables.get("speed", []) if not str(r.get("variant", "")).startswith("FP8 mixed")] + timed
+    fill_speedups(speed, run.dtype)
+    res.tables["speed"] = speed
+    res.tables["mixed_sensitivity"] = sens
+    res.tables["mixed_plan"] = curve_rows + ([{"verified": True, **{k: v for k, v in verified.items() if k != "kept"},
+                                               "kept": ", ".join(verified["kept"])}] if verified else [])
+    if not sens:
+        return _md(note)
+    text = (f"**Plan per PSNR target (SD-VAE, {len(sens)} FP8 layers when all are quantized){run.suffix()}**\n\n"
+            + plots.table_markdown(curve_rows))
+    if verified:
+        text += (f"\n\n**Verified plan for {target:.0f} dB:** {verified['fp8_layers']} layers in FP8 "
+                 f"({100 * verified['fp8_flops_share']:.1f} % of the GEMM FLOPs), measured {verified['psnr_db']:.2f} dB "
+                 f"(predicted {verified['predicted_db']:.2f} dB); kept in {run.dtype}: {len(verified['kept'])} layers.")
+    if timed:
+        text += (f"\n\n**The {target:.0f} dB plan's throughput** (speed-up over {run.dtype} in the same compile mode, "
+                 f"§1's rows){run.suffix()}\n\n" + plots.table_markdown(timed, SPEED_COLS))
+    return _md(text)
+
+
+def mixed_figure(run: Run) -> Any:
+    """Figure `mixed_precision`: each layer alone in FP8, and the FP8 share of the FLOPs per target."""
+    sens = run.result.tables.get("mixed_sensitivity")
+    if not sens:
+        return _md("*No sensitivity measured, no figure.*")
+    plan_rows = run.result.tables.get("mixed_plan", [])
+    verified = next((r for r in plan_rows if r.get("verified")), None)
+    fig = plots.mixed_precision([r for r in plan_rows if not r.get("verified")], sens, verified,
+                                title=f"SD-VAE: FP8 layers vs output PSNR ({run.scheme}, {run.activation} "
+                                      f"activations){run.suffix()}")
+    return run.figure(fig, "mixed_precision")
+
+
+def per_shape(run: Run, models: dict[str, dict[str, Any]]) -> Any:
+    """§3 (FP8 GPU): one row per distinct conv shape of `microbench_models` (table `conv_shapes`)."""
+    run.budget.section("§3 per-conv-shape microbenchmark")
+    hw_ok, hw_why = fp8_supported(run.device)
+    rows: list[dict[str, Any]] = []
+    if hw_ok:
+        for name in run.microbench_models:
+            x = models.get(name) or {}
+            if x.get("report") is not None:
+                shapes = bench_conv_shapes(x["report"], dtype=_dtype(run), device=run.device, iters=run.iters,
+                                           seed=run.seed, budget=run.budget)
+                rows += [{"model": name, **r} for r in shapes]
+            else:
+                rows.append({"model": name, "status": f"skipped: {_why_not(models, name)}"})
+    run.result.tables["conv_shapes"] = rows
+    if not hw_ok:
+        return _md(f"*Skipped: the per-shape microbenchmark needs an FP8 GPU ({hw_why}).*")
+    return _titled(f"**Per conv shape, batch {run.batch}{run.suffix()}** (`speedup` = fp16 / best FP8 path)", rows,
+                   SHAPE_COLS)
+
+
+def conv_shapes_figure(run: Run) -> Any:
+    """Figure `conv_shapes`: ms per call of each path, per measured conv shape (log scale)."""
+    done = [r for r in run.result.tables.get("conv_shapes", []) if r.get("status") == "ok"]
+    if not done:
+        return _md("*No conv shape was measured here.*")
+    series = {"fp16 cuDNN": [r["fp16_ms"] for r in done],
+              "FP8 im2col": [r.get("fp8_im2col_ms", r.get("fp8_gemm_ms")) for r in done],
+              "FP8 Triton": [r.get("fp8_triton_ms") for r in done],
+              "FP8 GEMM only": [r["fp8_gemm_only_ms"] for r in done]}
+    fig = plots.grouped_bars([f"{r['model']} {r['label']}" for r in done], series, "ms per call", logy=True,
+                             title=f"per conv shape, batch {run.batch}, eager{run.suffix()}")
+    return run.figure(fig, "conv_shapes")
+
+
+def by_kernel_kind(run: Run, models: dict[str, dict[str, Any]]) -> Any:
+    """§3b (FP8 GPU): each compiled model's GPU time by kernel kind (table `kernel_split`) and the
+    bound on the SD-VAE speed-up with its convs at the bare `_scaled_mm` rate (`conv_rate_bound`)."""
+    run.budget.section("§3b compiled models by kernel kind")
+    hw_ok, hw_why = fp8_supported(run.device)
+    res, split, bound = run.result, [], None
+    if hw_ok:
+        speed = _timed(res.tables.get("speed", []))
+        for name, x in models.items():
+            for (label, comp), fn in x["fns"].items():
+                if not comp:
+                    continue
+                r = run.budget.run(f"kernel split {name} {label}", est("kernel split"), kernel_split, fn,
+                                   x["case"].inputs[0])
+                s = row(speed, model=name, variant=label, compiled=True)
+                if r.ok:
+                    split.append({"model": name, "variant": label, "wall_ms": s["ms_per_batch"] if s else None,
+                                  **r.value})
+        base = row(split, model="sd-vae", variant=run.dtype)
+        if base and base["wall_ms"]:
+            shapes = [r for r in res.tables.get("conv_shapes", []) if r.get("model") == "sd-vae"]
+            bound = conv_rate_bound(base, base["wall_ms"], shapes)
+    res.tables["kernel_split"] = split
+    res.metrics["conv_rate_bound"] = bound
+    if not hw_ok:
+        return _md(f"*Skipped: needs an FP8 GPU ({hw_why}).*")
+    text = (f"**Compiled models, GPU ms per batch by kernel kind{run.suffix()}**\n\n"
+            + plots.table_markdown(split, SPLIT_COLS)) if split else "*No compiled model was profiled.*"
+    if bound:
+        text += (f"\n\n**Bound (SD-VAE, compiled{run.suffix()}):** {run.dtype} {bound['baseline_ms']:.2f} ms per batch, "
+                 f"of which convs {bound['baseline_conv_ms']:.2f} ms; the same convs as bare `_scaled_mm` GEMMs "
+                 f"{bound['convs_at_scaled_mm_ms']:.2f} ms → at best {bound['bound_ms']:.2f} ms, "
+                 f"**{bound['bound_speedup']:.2f}×** (target 1.3×).")
+    return _md(text)
+
+
+def torchao_comparison(run: Run, models: dict[str, dict[str, Any]]) -> Any:
+    """§4: torchao's float8 on the Linear layers of `torchao_models` (rows added to `speed`)."""
+    run.budget.section("§4 torchao")
+    res, ao = run.result, []
+    speed = [r for r in res.tables.get("speed", []) if not str(r.get("variant", "")).startswith("torchao")]
+    if run.torchao:
+        for name in run.torchao_models:
+            x = models.get(name)
+            if not x or x["ref"] is None:
+                ao.append({"model": name, "variant": "torchao FP8", "compiled": False,
+                           "status": f"skipped: {_why_not(models, name)}"})
+                continue
+            comp = (run.compile and name in run.compile_models
+                    and row(_timed(speed), model=name, variant=run.dtype, compiled=True) is not None)
+            ao += torchao_rows(x["case"], x["ref"], run.scheme, compiled=comp, iters=run.iters, flops=x["flops"],
+                               budget=run.budget)
+    speed += ao
+    fill_speedups(speed, run.dtype)
+    res.tables["speed"] = speed
+    if not ao:
+        return _md("*No torchao rows (torchao=False or no torchao_models).*")
+    return _titled(f"**torchao float8{run.suffix()}**", ao, SPEED_COLS)
+
+
+def _full_size(run: Run) -> bool:
+    return run.size == "full" and run.image_size == 256 and run.batch == 16
+
+
+def writeup_comparison(run: Run) -> Any:
+    """§5: the write-up's figures beside ours (verdicts), from the tables measured above."""
+    run.budget.section("§5 comparison with the write-up")
+    res, gpu = run.result, run.device.type == "cuda"
+    res.comparisons = [c for c in res.comparisons if c.source != WRITEUP]  # a re-run replaces its rows
+    random_w = all(v == "random" for v in run.weights.values())
+    their_hw = "RTX 5090, fp16, batch 16, real sd-vae-ft-mse weights"
+    ours_hw = (f"{run.machine}, {run.dtype}, batch {run.batch}, {run.image_size}², "
+               f"{'random' if random_w else 'given'} weights")
+    sd_random = run.weights.get("sd-vae", "random") == "random"
+    drift_rows = res.tables.get("drift", [])
+    wd = next((r for r in drift_rows if r["variant"].startswith("write-up") and r.get("status") == "ok"), None)
+    if wd:
+        mae = wd["mae"]
+        res.compare(source=WRITEUP, claim="mean |FP8 − FP16| of the decoded image, all decoder convs per-tensor",
+                    their_value=0.01091, their_hardware=their_hw, our_value=round(mae, 5), our_hardware=ours_hw,
+                    unit="mean abs diff ([0,1] image)",
+                    verdict="needs real weights" if sd_random else ("reproduced" if abs(mae / 0.01091 - 1) <= 0.25
+                                                                    else "differs"),
+                    reason=("random weights lack the outliers trained weights have, so ours is a lower bound; their "
+                            "image range is not stated" if sd_random else "within ±25 % counts as reproduced"))
+        ps = wd["psnr_db"]
+        res.compare(source=WRITEUP, claim="FP8 decode visually identical to FP16 (no artifacts, no colour drift)",
+                    their_value="100 % identical", their_hardware=their_hw, our_value=f"PSNR {ps:.1f} dB",
+                    our_hardware=ours_hw, unit="PSNR vs fp16",
+                    verdict="needs real weights" if sd_random else ("reproduced" if ps >= 40 else "differs"),
+                    reason="identical-looking needs trained weights to judge; ≥ 40 dB is our threshold for 'identical'")
+    speed = _timed(res.tables.get("speed", []))
+    sd_c = row(speed, model="sd-vae", variant=OURS, compiled=True)
+    sd_e = row(speed, model="sd-vae", variant=OURS, compiled=False)
+    if sd_c or sd_e:
+        ratio = sd_c.get("speedup") if sd_c else None
+        comparable = gpu and _full_size(run) and ratio is not None
+        res.compare(source=WRITEUP, claim="FP8 decoder 2× faster than FP16 once compiled (eager FP8: 64.6 FPS)",
+                    their_value=2.0, their_hardware="RTX 5090 (projected for a TensorRT engine, not measured)",
+                    our_value=round(ratio, 3) if ratio else "not measured",
+                    our_hardware=ours_hw + ", torch.compile default", unit="× FP8 / fp16, both compiled",
+                    verdict=("reproduced" if ratio >= 1.8 else "differs") if comparable else "not comparable",
+                    reason=("our compiled ratio on another GPU (H200 FP8 peak is 2× its fp16 peak, like the 5090)"
+                            if comparable else "needs a GPU run at batch 16, 256² with compile"))
+        res.compare(source=WRITEUP, claim="eager PyTorch FP8 decoder throughput", their_value=64.6,
+                    their_hardware="RTX 5090, Windows, eager", our_value=round(sd_e["fps"], 1) if sd_e else None,
+                    our_hardware=ours_hw + ", eager", unit="FPS", verdict="not comparable",
+                    reason="different GPU and OS; the eager FP8/fp16 ratio is in the throughput table")
+    g = [r["fp8_gemm_only_ms"] for r in res.tables.get("conv_shapes", [])
+         if r.get("model") == "sd-vae" and r.get("status") == "ok"]
+    if g:
+        res.compare(source=WRITEUP, claim="Tensor Core FP8 GEMM time per iteration", their_value=0.132,
+                    their_hardware="RTX 5090, shape not stated", our_value=f"{min(g):.3f}–{max(g):.3f}",
+                    our_hardware=ours_hw, unit="ms (ours: range over the decoder's conv shapes)",
+                    verdict="not comparable", reason="their GEMM shape is not stated")
+    return _md(plots.table_markdown([c.__dict__ for c in res.comparisons], COMPARE_COLS))
+
+
+def headline(run: Run) -> dict[str, Any]:
+    """The headline, from the run's tables: per model the FP8 speed-ups (eager, compiled), FPS, PSNR
+    and layer count; torchao; the SD-VAE targets (a full-size GPU run); the compiled conv kernels and
+    their bound; the mixed plan; weights; the time budget's use."""
+    res, base = run.result, run.dtype
+    speed = _timed(res.tables.get("speed", []))
+    hl: dict[str, Any] = {}
+    for s in res.tables.get("quantize_summary", []):  # the models, in measuring order
+        name = s["model"]
+        for comp in (False, True):
+            r = row(speed, model=name, variant=OURS, compiled=comp)
+            if r and "speedup" in r:
+                hl[f"{name} FP8/{base} speed-up ({'compiled' if comp else 'eager'})"] = round(r["speedup"], 3)
+                hl[f"{name} FP8 FPS ({'compiled' if comp else 'eager'})"] = round(r["fps"], 1)
+        d = next((r for r in res.tables.get("drift", []) if r["model"] == name
+                  and str(r["variant"]).startswith("ours:") and "psnr_db" in r), None)
+        if d:
+            hl[f"{name} PSNR FP8 vs {base} (dB)"] = round(d["psnr_db"], 2)
+            hl[f"{name} FP8 layers"] = d["FP8 layers"]
+        if s["status"] != "ok":
+            hl[f"{name} not fully measured"] = s["status"][:160]
+    for r in speed:
+        if str(r.get("variant", "")).startswith("torchao") and "speedup" in r:
+            hl[f"{r['model']} torchao/{base} speed-up ({'compiled' if r['compiled'] else 'eager'})"] = round(r["speedup"], 3)
+    if run.device.type == "cuda" and _full_size(run):
+        sp = hl.get(f"sd-vae FP8/{base} speed-up (compiled)")
+        ps = hl.get(f"sd-vae PSNR FP8 vs {base} (dB)")
+        if sp is not None:
+            hl["sd-vae ≥ 1.3× compiled target"] = "met" if sp >= 1.3 else f"not met ({sp:.2f}×)"
+        if ps is not None:
+            hl["sd-vae PSNR ≥ 40 dB target"] = "met" if ps >= 40 else f"not met ({ps:.1f} dB)"
+    for r in res.tables.get("kernel_split", []):
+        if r["model"] == "sd-vae" and "conv" in r:
+            hl[f"sd-vae compiled conv kernels, {r['variant']} (ms per batch)"] = round(r["conv"], 2)
+    bound = res.metrics.get("conv_rate_bound")
+    if bound:
+        hl["sd-vae compiled: speed-up bound with convs at bare _scaled_mm rate"] = round(bound["bound_speedup"], 3)
+    mr = next((r for r in speed if str(r.get("variant", "")).startswith("FP8 mixed") and r["compiled"]
+               and "speedup" in r), None)
+    if mr:
+        hl[f"sd-vae {mr['variant']}/{base} speed-up (compiled)"] = round(mr["speedup"], 3)
+        hl[f"sd-vae {mr['variant']} PSNR vs {base} (dB)"] = round(mr["psnr_db"], 2)
+    v = next((r for r in res.tables.get("mixed_plan", []) if r.get("verified")), None)
+    if v:
+        hl[f"sd-vae mixed plan for {v['target_db']:.0f} dB"] = (
+            f"{v['fp8_layers']} of {len(res.tables.get('mixed_sensitivity', []))} layers in FP8 "
+            f"({100 * v['fp8_flops_share']:.1f} % of GEMM FLOPs), measured {v['psnr_db']:.2f} dB")
+    hl["weights"] = "random" if all(w == "random" for w in run.weights.values()) else "given"
+    bs = run.budget.summary()
+    limit = "no limit" if bs["time_budget_s"] is None else f"{bs['time_budget_s']:.0f} s"
+    hl["time budget"] = (f"{bs['elapsed_s']:.0f} s used of {limit}; steps skipped: {bs['steps_skipped']}, "
+                         f"aborted at the deadline: {bs['steps_aborted']}")
+    return hl
+
+
+def finish(run: Run, models: dict[str, dict[str, Any]]) -> Any:
+    """Headline, reports, the time budget's log (table `time_budget`) → results.json; shows the
+    headline and the steps that did not run."""
+    run.budget.section("save")
+    res = run.result
+    res.headline = headline(run)
+    res.metrics.update(reports={n: r.summary() for n, r in _reports(models).items()}, time_budget=run.budget.summary())
+    res.tables["time_budget"] = run.budget.table()
+    path = run.save()
+    text = plots.table_markdown([{"headline": k, "value": v} for k, v in res.headline.items()])
+    not_run = [s for s in run.budget.table() if s["status"] in ("skipped", "aborted", "failed")]
+    if not_run:
+        text += "\n\n**Steps not run or not finished**\n\n" + plots.table_markdown(not_run, STEP_COLS)
+    return _md(f"{text}\n\nSaved `{path.name}` in the run folder ({res.timings['total_s']:.1f} s).")
+
+
 # ----------------------------------------------------------------------------- headless mixed-precision plan
 
 def mixed_main(argv: Sequence[str] | None = None) -> int:
     """Headless: sensitivity, plan curve and one verified plan for a model; writes a Result folder."""
     import argparse
-    import time
-
-    from lab.accel.fp8_mixed import curve, layer_sensitivity, plan, predicted_psnr, verify
 
     from lab import env
+    from lab.accel.fp8_mixed import curve, layer_sensitivity, plan, predicted_psnr, verify
     from lab.results import Result, run_dir
 
-    ap = argparse.ArgumentParser(prog="python -m lab.experiments.fp8", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m lab.experiments.fp8", description=mixed_main.__doc__)
     ap.add_argument("--model", default="sd-vae", choices=MODELS)
     ap.add_argument("--size", default="full", choices=("full", "tiny"))
     ap.add_argument("--weights", default="random")
@@ -656,7 +1217,7 @@ def mixed_main(argv: Sequence[str] | None = None) -> int:
     quant = dict(scheme=a.scheme, activation=a.activation, mode="scaled_mm", emulate=not fp8_hw,
                  conv_impl="auto" if fp8_hw else "im2col")
     case = make_case(a.model, weights=a.weights, size=a.size, device=dev, dtype=dtype, batch=a.batch,
-                        image=a.image, channels_last=dev.type == "cuda")
+                     image=a.image, channels_last=dev.type == "cuda")
     with torch.inference_mode():
         ref = case.model(*case.inputs[0]).float()
     with warnings.catch_warnings():
@@ -685,7 +1246,6 @@ def mixed_main(argv: Sequence[str] | None = None) -> int:
         print(f"{k}: {v}")
     print(f"saved {folder}")
     return 0
-
 
 
 if __name__ == "__main__":
