@@ -211,3 +211,27 @@ def test_loader_errors_name_the_keys(tiny, tmp_path):
     # a full-size checkpoint does not load into the tiny network: shapes named
     with pytest.raises(WeightsError, match="mis-shaped"):
         D.load_component("stitch_network", _save(tmp_path, "d.pth", {"retarget_shoulder": D.build("stitch_network", "full").state_dict()}), "tiny")
+
+
+def test_channel_padding_is_the_same_function(tiny):
+    import copy
+
+    from lab.accel.channel_pad import PaddedConv, pad_conv_channels
+
+    warp = copy.deepcopy(tiny["warp_network"])
+    d = D.dims("tiny")
+    fs = torch.randn(2, d.reshape_channel, d.reshape_depth, d.feature_hw, d.feature_hw)
+    kp = 0.3 * torch.randn(2, 21, 3)
+    with torch.no_grad():
+        ref = warp(fs, kp, kp + 0.05)
+        names = pad_conv_channels(warp)
+        out = warp(fs, kp, kp + 0.05)
+    # hourglass input (110 + …), its last conv, the 7³ mask conv (22 out): padded; 1-channel occlusion: too costly
+    assert "dense_motion_network.mask" in names and "dense_motion_network.occlusion" not in names
+    assert isinstance(warp.dense_motion_network.mask, PaddedConv) and warp.dense_motion_network.mask.weight.shape[0] == 24
+    assert torch.allclose(out, ref, atol=1e-5)
+    full = D.build("warp_network", "full", device="meta")
+    assert sorted(pad_conv_channels(full)) == ["dense_motion_network.hourglass.decoder.conv",
+                                               "dense_motion_network.hourglass.encoder.down_blocks.0.conv",
+                                               "dense_motion_network.mask"]
+    assert full.dense_motion_network.mask.weight.shape == (24, 144, 7, 7, 7)

@@ -65,6 +65,14 @@ def test_strides_render_keyframes_only(engine, avatar):
     assert mot.counts["rendered"] == 40
 
 
+def test_exact_switches_keep_the_output(engine, avatar):
+    a = _speech_with_pause(0.8)
+    ref = P.run(engine, avatar, a, SR, keep_faces=True)
+    fast = P.run(P.reconfigure(engine, fold_spectral_norm=True, pad_channels=True, batch_size=3, source_pool="host"),
+                 avatar, a, SR, keep_faces=True)
+    assert (ref.faces.int() - fast.faces.int()).abs().max() <= 1
+
+
 def test_cpu_and_gpu_putback_agree(engine, avatar):
     a = _speech_with_pause(0.8)
     keep = (0, 5, 19)

@@ -24,8 +24,9 @@ Every acceleration is a switch in `Config`, so one process can time each alone a
   faces ("output": the renderer runs on keyframes only), of the warped features ("feature": the
   warp runs on keyframes, the decoder on every frame) or of the 265-d motion ("motion": the
   write-up's roadmap item; the renderer still runs on every frame).
-* ``fold_spectral_norm`` / ``precision`` / ``channels_last``: the decoder's spectral norm folded
-  into plain weights once; fp32 weights under fp16 autocast (upstream) or pure fp16 weights.
+* ``fold_spectral_norm`` / ``precision`` / ``channels_last`` / ``pad_channels``: the decoder's spectral
+  norm folded into plain weights once; fp32 weights under fp16 autocast (upstream) or pure fp16 weights;
+  conv channels padded with zeros to multiples of 8 (the dense-motion head's 142 / 22 channels).
 
 Motion comes from the LMDM (offline: 80-frame windows overlapping by 10; online: by 70), or, for
 demos with random weights where generated motion means nothing, from the audio's loudness
@@ -76,6 +77,7 @@ class Config:
     compile: str = "none"
     fold_spectral_norm: bool = False
     channels_last: bool = False
+    pad_channels: bool = False        # warp convs padded to channel multiples of 8 (exact; lab.accel.channel_pad)
     silence: str = "off"
     silence_threshold: float = sil.THRESHOLD
     ease_frames: int = sil.RAMP
@@ -164,19 +166,24 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
 
 # ---------------------------------------------------------------- renderer variants
 
-def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last: bool) -> torch.nn.Module:
-    """The warp or decoder at a precision, spectral norm folded or not, channels-last or not (cached copies)."""
+def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last: bool,
+            pad: bool = False) -> torch.nn.Module:
+    """The warp or decoder at a precision, spectral norm folded or not, channels-last or not, conv
+    channels padded or not (cached copies; the loaded network itself is never changed)."""
     import copy
 
+    from lab.accel.channel_pad import pad_conv_channels
     from lab.accel.spectral_fold import fold_spectral_norm
 
-    key = ("module", name, precision, fold, channels_last)
+    key = ("module", name, precision, fold, channels_last, pad)
     if key not in engine.variants:
         m = engine.nets[name]
-        if fold or precision == "fp16" or channels_last:
+        if fold or precision == "fp16" or channels_last or pad:
             m = copy.deepcopy(m)
             if fold:
                 fold_spectral_norm(m)
+            if pad:
+                pad_conv_channels(m)
             if precision == "fp16":
                 m = m.half()
             if channels_last:
@@ -194,7 +201,7 @@ def stage_fn(engine: Engine, kind: str, batch: int):
     "decode" (features) → faces; with the engine's precision, folding, compile and CUDA graphs."""
     cfg = engine.cfg
     precision = cfg.precision if engine.device.type == "cuda" else "fp32"
-    key = (kind, precision, cfg.fold_spectral_norm, cfg.channels_last, cfg.compile, cfg.cuda_graphs, batch)
+    key = (kind, precision, cfg.fold_spectral_norm, cfg.channels_last, cfg.pad_channels, cfg.compile, cfg.cuda_graphs, batch)
     if key in engine.variants:
         return engine.variants[key]
     if cfg.cuda_graphs:
@@ -217,8 +224,8 @@ def stage_fn(engine: Engine, kind: str, batch: int):
         engine.variants[key + ("keep",)] = keep
         engine.variants[key] = fn
         return fn
-    warp = _module(engine, "warp_network", precision, cfg.fold_spectral_norm, False)
-    dec = _module(engine, "decoder", precision, cfg.fold_spectral_norm, cfg.channels_last)
+    warp = _module(engine, "warp_network", precision, cfg.fold_spectral_norm, False, cfg.pad_channels)
+    dec = _module(engine, "decoder", precision, cfg.fold_spectral_norm, cfg.channels_last, cfg.pad_channels)
     module = {"render": D.Renderer(warp, dec), "warp": warp, "decode": dec}[kind]
     if cfg.compile != "none":
         mode = None if cfg.compile == "default" else cfg.compile
@@ -558,7 +565,7 @@ def _run_stage(engine: Engine, avatar: Avatar, kind: str, idx: np.ndarray, src: 
 
 def _rest(engine: Engine, avatar: Avatar, kind: str, i: int) -> torch.Tensor:
     """The render (or warped feature) of source frame i at rest: kp_d = its own keypoints, stitched."""
-    key = (kind, i, engine.cfg.precision, engine.cfg.fold_spectral_norm)
+    key = (kind, i, engine.cfg.precision, engine.cfg.fold_spectral_norm, engine.cfg.pad_channels)
     if key not in avatar.rest:
         kp = avatar.kp_s[i:i + 1]
         kd = _stitch(engine, kp, kp)
