@@ -211,3 +211,17 @@ def test_feature_cache_schedule(tiny_pair):
     assert cache.full_calls == 14 and torch.equal(a, b)
     assert 1e-6 < _rel(a, exact) < 0.5
     assert smp.parse_mode("deepcache3") == smp.Mode("deepcache3", "ddim", 20, 3)
+
+
+def test_attention_kernels_per_kind_keep_the_output(tiny_pair):
+    ours, x, t, audio, y = tiny_pair
+    try:
+        ls.set_attention_kernels(ours, spatial="math", temporal="math", cross="math")
+        with torch.no_grad():
+            y2 = ours(x, t, audio)
+    finally:
+        ls.set_attention_kernels(ours)
+    assert torch.allclose(y2, y, atol=1e-5)
+    assert all(m.kernel is None for m in ours.modules() if isinstance(m, ls.Attention))
+    with pytest.raises(InputError, match="temporal"):
+        ls.set_attention_kernels(ours, temporal="fastest")

@@ -197,6 +197,16 @@ def step_waterfall(ctx: Context) -> list[dict]:
             add(f"eager, attention={att}", P._with_attention(model, att), note="SDPA restricted to one kernel")
         except RuntimeError as e:
             skip(f"eager, attention={att}", f"unavailable: {str(e).splitlines()[0][:120]}")
+    from lab.models.latentsync import set_attention_kernels
+
+    for att in prof.attention[1:]:  # the 16-token temporal attention alone on another kernel
+        try:
+            set_attention_kernels(model, temporal=att)
+            add(f"eager, temporal attention={att}", model, note="spatial and cross attention: SDPA's choice")
+        except RuntimeError as e:
+            skip(f"eager, temporal attention={att}", f"unavailable: {str(e).splitlines()[0][:120]}")
+        finally:
+            set_attention_kernels(model)
     cl = "channels_last" in prof.fast
     if cl:
         model.to(memory_format=torch.channels_last)

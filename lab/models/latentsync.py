@@ -140,6 +140,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> 
     return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, lq, c)
 
 
+SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int, kv_dim: int | None = None):
         super().__init__()
@@ -148,10 +151,18 @@ class Attention(nn.Module):
         self.to_k = nn.Linear(kv_dim or dim, dim, bias=False)
         self.to_v = nn.Linear(kv_dim or dim, dim, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
+        self.kernel: str | None = None   # one SDPA kernel for this module (set_attention_kernels), else SDPA's choice
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         c = x if context is None else context
-        return self.to_out[0](attention(self.to_q(x), self.to_k(c), self.to_v(c), self.heads))
+        q, k, v = self.to_q(x), self.to_k(c), self.to_v(c)
+        if self.kernel is None:
+            return self.to_out[0](attention(q, k, v, self.heads))
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                                               "cudnn": "CUDNN_ATTENTION", "math": "MATH"}[self.kernel])]):
+            return self.to_out[0](attention(q, k, v, self.heads))
 
 
 class GEGLU(nn.Module):
@@ -448,6 +459,22 @@ class UNet3D(nn.Module):
         blk = self.up_blocks[-1]
         x = blk.layer(len(blk.resnets) - 1, torch.cat([deep, x0], dim=1), temb, audio.to(x0.dtype), f)
         return self._out(x, b, f)
+
+
+def set_attention_kernels(model: nn.Module, spatial: str | None = None, temporal: str | None = None,
+                          cross: str | None = None) -> nn.Module:
+    """Pin the SDPA kernel per kind of attention (None: SDPA's own choice): spatial self-attention
+    over H·W tokens, temporal self-attention over the F frames, audio cross-attention (50 tokens).
+    The same computation either way; only the kernel differs. For eager runs."""
+    for name, kernel in (("spatial", spatial), ("temporal", temporal), ("cross", cross)):
+        if kernel is not None and kernel not in SDPA_KERNELS:
+            raise InputError(f"{name} attention kernel must be one of {SDPA_KERNELS} or None, got {kernel!r}")
+    for mod in model.modules():
+        if isinstance(mod, BasicTransformerBlock):
+            mod.attn1.kernel, mod.attn2.kernel = spatial, cross
+        elif isinstance(mod, TemporalAttention):
+            mod.kernel = temporal
+    return model
 
 
 # ----------------------------------------------------------------------------- counting, keys, loading
