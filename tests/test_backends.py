@@ -622,3 +622,32 @@ def test_notebook_04_profile_decides_sizes_from_quick_and_the_device():
     g = ex.profile(_check04(time_budget_s="auto"), gpu)
     assert (g["precision"], g["warmup"], g["onnx_opts"], g["skip"], g["notes"]) == ("fp16", 3, {}, {}, [])
     assert g["time_budget_s"] == DEFAULT_TIME_BUDGET_S
+
+
+def test_notebook_04_best_headline_and_comparisons_from_the_h200_reference_tables():
+    """The H200 reference run's backend rows (speed-ups refilled over the faster eager layout) give
+    the README's figures through the notebook's own table, headline and comparison code."""
+    from pathlib import Path
+
+    from lab.budget import Budget
+    from lab.experiments import backends as ex
+    from lab.experiments.common import Run
+    from lab.results import ROOT, Result
+
+    path = ROOT / "outputs" / "reference" / "h200" / "run_04" / "04_compile_backends" / "results.json"
+    if not path.exists():
+        pytest.skip("no reference run run_04")
+    ref = Result.load(path)
+    res = Result(name=ref.name, params=ref.params, tables={"backends": ex.fill_speedups(ref.tables["backends"])},
+                 weights=ref.weights)
+    run = Run(ref.name, dict(ref.params), torch.device("cuda"), Path("unused"), res, ref.provenance["machine"])
+    run.budget = Budget(None, verbose=False)
+    ex.best_table(run)
+    hl = ex.headline(run)
+    assert list(hl) == list(ref.headline)
+    assert hl["sd-vae b16"].startswith("compile+cudagraph: 2.14× over eager (NCHW) (660.8 FPS; 2.38× over channels-last")
+    assert hl["unet b16"].startswith("compile+cudagraph: 3.16× over eager (NCHW)") and "74.2 dB" in hl["unet b16"]
+    ex.writeup_comparison(run)
+    got = {c.claim: (c.our_value, c.verdict) for c in res.comparisons}
+    assert got["TensorRT FP16 engine over PyTorch FP16 eager, SD-VAE decoder"] == ("unavailable", "not comparable")
+    assert got["best backend speed-up over FP16 eager, SD-VAE decoder (theirs: TensorRT)"] == (2.14, "reproduced")

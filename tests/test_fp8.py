@@ -716,6 +716,59 @@ def test_notebook_03_headline_and_comparisons_come_from_the_tables(run_name):
         [(c.source, c.claim, c.our_value, c.verdict) for c in ref.comparisons]
 
 
+def test_notebook_03_fp8_gpu_sections_fill_their_tables_bound_and_headline(monkeypatch, tmp_path):
+    """The sections that need an FP8 GPU (§3, §3b, §4, the targets), with the measuring calls
+    replaced by fixed rows: what lands in the tables, the bound, the headline and the comparisons."""
+    from types import SimpleNamespace
+
+    from lab.budget import Budget
+    from lab.experiments import fp8 as ex
+    from lab.experiments.common import Run, row
+    from lab.results import Result
+
+    gpu = torch.device("cuda")
+    p = ex.profile(_check03(), gpu)
+    run = Run(ex.NAME, p, gpu, tmp_path, Result(ex.NAME), "a test GPU")
+    run.budget = Budget(None, verbose=False)
+    monkeypatch.setattr(ex, "fp8_supported", lambda d=None: (True, "test"))
+    shape = {"label": "32² 3×3 512→512", "count": 2, "status": "ok", "fp16_ms": 1.0, "fp8_im2col_ms": 2.0,
+             "fp8_triton_ms": 0.8, "fp8_gemm_only_ms": 0.25}
+    monkeypatch.setattr(ex, "bench_conv_shapes", lambda report, **kw: [dict(shape)])
+    monkeypatch.setattr(ex, "kernel_split", lambda fn, args: {"conv": fn, "other": 2.0, "total": fn + 2.0})
+    monkeypatch.setattr(ex, "torchao_rows", lambda case, ref, scheme, **kw: [
+        {"model": case.name, "variant": "torchao FP8 (4 Linear)", "compiled": False, "fps": 50.0, "status": "ok"}])
+    speed = [{"model": m, "variant": v, "compiled": c, "fps": fps, "ms_per_batch": 16e3 / fps, "status": "ok"}
+             for m, v, c, fps in [("sd-vae", "fp16", False, 300.0), ("sd-vae", ex.OURS, False, 270.0),
+                                  ("sd-vae", "fp16", True, 1600.0), ("sd-vae", ex.OURS, True, 1700.0),
+                                  ("unet", "fp16", False, 100.0)]]
+    ex.fill_speedups(speed, "fp16")
+    run.result.tables.update(speed=speed, drift=[{"model": "sd-vae", "variant": "ours: FP8 per_tensor, scaled_mm",
+                                                  "FP8 layers": 37, "psnr_db": 32.3, "mae": 0.01}],
+                             quantize_summary=[{"model": "sd-vae", "status": "ok"}, {"model": "unet", "status": "ok"}])
+    case = SimpleNamespace(name="unet", inputs=[(None,)])
+    models = {"sd-vae": {"report": "a report", "fns": {("fp16", False): 9.0, ("fp16", True): 6.0, (ex.OURS, True): 4.0},
+                         "case": case, "ref": "out", "stopped": ""},
+              "unet": {"report": "a report", "fns": {}, "case": case, "ref": "out", "flops": None, "stopped": ""}}
+    ex.per_shape(run, models)
+    assert run.result.tables["conv_shapes"] == [{"model": "sd-vae", **shape}]
+    ex.conv_shapes_figure(run)
+    ex.by_kernel_kind(run, models)
+    assert [(r["variant"], r["conv"], r["wall_ms"]) for r in run.result.tables["kernel_split"]] == \
+        [("fp16", 6.0, 10.0), (ex.OURS, 4.0, 16e3 / 1700)]
+    bound = run.result.metrics["conv_rate_bound"]
+    assert bound["bound_ms"] == pytest.approx(10.0 - 6.0 + 2 * 0.25) and bound["bound_speedup"] == pytest.approx(10 / 4.5)
+    ex.torchao_comparison(run, models)
+    assert row(run.result.tables["speed"], variant="torchao FP8 (4 Linear)")["speedup"] == 0.5
+    ex.writeup_comparison(run)
+    assert [c.claim for c in run.result.comparisons][-1] == "Tensor Core FP8 GEMM time per iteration"
+    assert run.result.comparisons[0].verdict == "differs" and run.result.comparisons[0].our_value == 1.062
+    hl = ex.headline(run)
+    assert hl["sd-vae ≥ 1.3× compiled target"] == "not met (1.06×)" and hl["sd-vae PSNR ≥ 40 dB target"] == "not met (32.3 dB)"
+    assert hl["sd-vae compiled conv kernels, fp16 (ms per batch)"] == 6.0 and hl["unet torchao/fp16 speed-up (eager)"] == 0.5
+    assert hl["sd-vae compiled: speed-up bound with convs at bare _scaled_mm rate"] == round(10 / 4.5, 3)
+    assert (tmp_path / "conv_shapes.png").stat().st_size > 1000
+
+
 def test_headless_mixed_precision_plan_writes_a_result(tmp_path, one_thread):
     from lab.experiments.fp8 import mixed_main
     from lab.results import Result
