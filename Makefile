@@ -8,11 +8,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test test-gpu lab clean-outputs
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml jupyter/overrides.json jupyter/jupyter_server_config.json
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[dev]" $(TORCH_PINS)
 	$(BIN)/python -m ipykernel install --sys-prefix --name talking-head-lab --display-name "talking-head lab" >/dev/null
+	mkdir -p $(VENV)/share/jupyter/lab/settings $(VENV)/etc/jupyter
+	cp jupyter/overrides.json $(VENV)/share/jupyter/lab/settings/overrides.json
+	cp jupyter/jupyter_server_config.json $(VENV)/etc/jupyter/jupyter_server_config.json
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -2,28 +2,40 @@
 
 tqdm.auto draws an ipywidget bar in a kernel; its state lives in the front end, so a notebook
 executed headless (papermill) or reopened after a restart shows the bar frozen where the widget
-was created ("0/4"). With no interactive front end attached we fall back to tqdm's text bar,
-whose last carriage-return line is the final state that the saved notebook keeps.
+was created ("0/4"). We always draw tqdm's text bar: in a notebook its carriage-return updates
+collapse to one line, and the last one, the final state, is what the saved notebook keeps. In a
+kernel it writes to stdout (stderr would paint every bar as a warning).
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
-def tqdm(*args: Any, **kwargs: Any):
-    """`tqdm.auto.tqdm` with a live front end, the plain text bar otherwise (same arguments)."""
-    from lab.widgets import frontend_available
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
-    if frontend_available():
-        from tqdm.auto import tqdm as bar
-    else:
-        from tqdm.std import tqdm as bar
+
+def tqdm(*args: Any, **kwargs: Any):
+    """`tqdm.std.tqdm` (same arguments), on stdout inside a Jupyter kernel."""
+    from tqdm.std import tqdm as bar
+
+    if _in_kernel():
+        kwargs.setdefault("file", sys.stdout)
+        kwargs.setdefault("ncols", 100)
     return bar(*args, **kwargs)
 
 
 def _write(s: str, **kwargs: Any) -> None:
     from tqdm.std import tqdm as bar
 
+    if _in_kernel():
+        kwargs.setdefault("file", sys.stdout)
     bar.write(s, **kwargs)
 
 

@@ -4,6 +4,12 @@ Nothing here imports ipywidgets at module level: the static figures work in plai
 papermill and in tests; the interactive versions are built only when a front end is attached.
 `frontend_available()` tells the two apart: papermill (nbclient) and plain Python have no one to
 interact with, JupyterLab and VS Code do.
+
+An interactive view is its controls (widgets) above a plain PNG output that every redraw replaces
+in place (`LiveView`). The picture is ordinary cell output, not widget state: a saved notebook, a
+notebook viewer and a restarted kernel all show the view as it was last left. The controls' own
+state is saved with the notebook by the project's JupyterLab settings (widget state saving on), so
+they too come back after a restart instead of "model not found".
 """
 from __future__ import annotations
 
@@ -109,13 +115,57 @@ def comparison_figure(frames: dict[str, np.ndarray], a: str, b: str, index: int 
     return fig
 
 
+def figure_png(fig: Any, dpi: int = 90) -> bytes:
+    """A matplotlib figure as PNG bytes (the figure is closed: a redraw keeps no figure alive)."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+class LiveView:
+    """Controls (an ipywidgets box) plus one PNG output that `show(fig)` replaces in place.
+
+    Displaying it (a cell's last value) puts out the controls, then the picture under a display id;
+    every redraw updates that output, so the notebook always holds the current view as an image."""
+
+    def __init__(self, controls: Any, draw: Any):
+        self.controls = controls
+        self._draw = draw
+        self._handle: Any = None
+        self.png: bytes | None = None
+
+    def show(self, fig: Any) -> None:
+        from IPython.display import Image
+
+        self.png = figure_png(fig)
+        if self._handle is not None:
+            self._handle.update(Image(data=self.png))
+
+    def redraw(self, *_: Any) -> None:
+        self.show(self._draw())
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import Image, display
+
+        if self.png is None:
+            self.redraw()
+        display(self.controls)
+        self._handle = display(Image(data=self.png), display_id=True)
+
+
 def decoder_comparator(frames: dict[str, np.ndarray], labels: Sequence[str] | None = None, a: str | None = None,
                        b: str | None = None, roi: Roi | None = None, suptitle: str = "",
                        interactive: bool | None = None) -> Any:
     """Image slider + decoder A/B dropdowns + diff heat map + mouth zoom.
 
-    With a front end (or interactive=True) returns an ipywidgets VBox; headless (papermill, plain
-    Python, interactive=False) returns the static `comparison_figure` of every image instead.
+    With a front end (or interactive=True) returns a LiveView (controls + the current view as a PNG
+    output); headless (papermill, plain Python, interactive=False) returns the static
+    `comparison_figure` of every image instead.
     """
     keys = list(frames)
     a = a or keys[0]
@@ -125,28 +175,21 @@ def decoder_comparator(frames: dict[str, np.ndarray], labels: Sequence[str] | No
         return comparison_figure(frames, a, b, range(n), labels, roi, suptitle)
 
     import ipywidgets as W
-    import matplotlib.pyplot as plt
-    from IPython.display import display
 
     slider = W.IntSlider(value=0, min=0, max=n - 1, description="image", continuous_update=False)
     name = W.Label()
     dd_a = W.Dropdown(options=keys, value=a, description="A")
     dd_b = W.Dropdown(options=keys, value=b, description="B")
-    out = W.Output()
 
-    def redraw(*_: Any) -> None:
+    def draw() -> Any:
         i = slider.value
         name.value = labels[i] if labels is not None and i < len(labels) else f"#{i}"
-        with out:
-            out.clear_output(wait=True)
-            fig = comparison_figure(frames, dd_a.value, dd_b.value, i, labels, roi, suptitle)
-            display(fig)
-            plt.close(fig)  # the PNG is shown; keep no figure alive per redraw
+        return comparison_figure(frames, dd_a.value, dd_b.value, i, labels, roi, suptitle)
 
+    view = LiveView(W.VBox([W.HBox([slider, name]), W.HBox([dd_a, dd_b])]), draw)
     for w in (slider, dd_a, dd_b):
-        w.observe(redraw, names="value")
-    redraw()
-    return W.VBox([W.HBox([slider, name]), W.HBox([dd_a, dd_b]), out])
+        w.observe(view.redraw, names="value")
+    return view
 
 
 def stride_scrubber(sequences: dict[str, np.ndarray], ref: str = "dense", keys: dict[str, np.ndarray] | None = None,
@@ -155,7 +198,7 @@ def stride_scrubber(sequences: dict[str, np.ndarray], ref: str = "dense", keys: 
 
     sequences: {label: uint8 (N, H, W, 3)}, e.g. "dense" and "stride 2", "stride 3", "adaptive";
     keys: {label: keyframe indices} to mark each frame key / interpolated. With a front end (or
-    interactive=True) returns an ipywidgets VBox; headless returns a static figure: for each
+    interactive=True) returns a LiveView; headless returns a static figure: for each
     stride its frame furthest from `ref` (lab.plots.worst_frames_figure).
     """
     from lab.plots import worst_frames_figure
@@ -168,23 +211,16 @@ def stride_scrubber(sequences: dict[str, np.ndarray], ref: str = "dense", keys: 
         return worst_frames_figure(sequences, ref, roi, suptitle)
 
     import ipywidgets as W
-    import matplotlib.pyplot as plt
-    from IPython.display import display
 
     slider = W.IntSlider(value=min(1, n - 1), min=0, max=n - 1, description="frame", continuous_update=False)
     dd = W.Dropdown(options=others, value=others[0], description="stride")
-    out = W.Output()
 
-    def redraw(*_: Any) -> None:
+    def draw() -> Any:
         i, b = slider.value, dd.value
         kind = "" if keys is None or b not in keys else (" key" if i in set(np.asarray(keys[b]).tolist()) else " interp")
-        with out:
-            out.clear_output(wait=True)
-            fig = comparison_figure(sequences, ref, b, i, [f"#{j}{kind if j == i else ''}" for j in range(n)], roi, suptitle)
-            display(fig)
-            plt.close(fig)
+        return comparison_figure(sequences, ref, b, i, [f"#{j}{kind if j == i else ''}" for j in range(n)], roi, suptitle)
 
-    slider.observe(redraw, names="value")
-    dd.observe(redraw, names="value")
-    redraw()
-    return W.VBox([W.HBox([slider, dd]), out])
+    view = LiveView(W.HBox([slider, dd]), draw)
+    slider.observe(view.redraw, names="value")
+    dd.observe(view.redraw, names="value")
+    return view

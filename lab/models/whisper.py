@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from lab.progress import tqdm
 
 from lab.errors import InputError, WeightsError
 
