@@ -379,9 +379,10 @@ def browser_available() -> tuple[bool, str]:
     return True, ""
 
 
-def browser_run(url: str, stream: str, timeout: float = 120.0) -> dict[str, Any]:
+def browser_run(url: str, stream: str | list[str], timeout: float = 120.0) -> dict[str, Any]:
     """Open the page for `stream` in headless Chromium and return what it measured
-    (window.__result: frames decoded, times, composite rate, the captured box region)."""
+    (window.__result: frames decoded, times, composite rate, the captured box region). A list of
+    streams runs them one after another in one browser and returns {stream: result}."""
     ok, why = browser_available()
     if not ok:
         raise BackendUnavailable(why)
@@ -393,18 +394,23 @@ def browser_run(url: str, stream: str, timeout: float = 120.0) -> dict[str, Any]
     for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--autoplay-policy=no-user-gesture-required"):
         opts.add_argument(a)
     drv = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+    out: dict[str, Any] = {}
     try:
-        drv.get(f"{url}/?stream={stream}")
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout:
-            r = drv.execute_script("return window.__result || null")
-            if r is not None:
-                return r
-            time.sleep(0.05)
-        raise TimeoutError(f"the page did not finish stream {stream!r} within {timeout} s: "
-                           f"{drv.execute_script('return window.__status || null')}")
+        for name in [stream] if isinstance(stream, str) else stream:
+            drv.get(f"{url}/?stream={name}")
+            t0 = time.perf_counter()
+            while name not in out:
+                r = drv.execute_script("return window.__result || null")
+                if r is not None:
+                    out[name] = r
+                elif time.perf_counter() - t0 > timeout:
+                    raise TimeoutError(f"the page did not finish stream {name!r} within {timeout} s: "
+                                       f"{drv.execute_script('return window.__status || null')}")
+                else:
+                    time.sleep(0.05)
     finally:
         drv.quit()
+    return out[stream] if isinstance(stream, str) else out
 
 
 def capture_to_rgb(capture: dict[str, Any]) -> np.ndarray:
