@@ -11,7 +11,8 @@ from lab.models import latentsync as ls
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KEYS_TSV = Path(__file__).resolve().parents[2] / "shared" / "references" / "latentsync_unet_state_dict_keys.tsv"
+# the 1246 keys and shapes of the released latentsync_unet.pt, listed from the upstream module definition
+KEYS_TSV = Path(__file__).resolve().parent / "data" / "latentsync_unet_state_dict_keys.tsv"
 
 
 class PerFrameNorm(nn.GroupNorm):
