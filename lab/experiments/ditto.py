@@ -17,7 +17,6 @@ Steps (each returns table rows; the notebook shows them, `run_all` runs them hea
 """
 from __future__ import annotations
 
-import copy
 import math
 import tempfile
 import time

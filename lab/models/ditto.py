@@ -20,7 +20,7 @@ missing, unexpected or mis-shaped keys. Without a checkpoint the weights are ran
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 

@@ -34,7 +34,6 @@ demos with random weights where generated motion means nothing, from the audio's
 """
 from __future__ import annotations
 
-import math
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
