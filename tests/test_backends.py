@@ -23,6 +23,7 @@ from lab.metrics import cosine, max_abs
 from lab.models.musetalk import load_musetalk_unet
 from lab.models.vae import load_vae
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared 2-core box (see conftest)
 CUDA = torch.cuda.is_available()
 
 

@@ -20,6 +20,7 @@ from lab.accel.fp8 import E4M3, E4M3_MAX, FP8Conv2d, FP8Linear, quantize_module
 from lab.errors import InputError
 from lab.results import _clean
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared 2-core box (see conftest)
 HALF_ULP = 2.0**-4  # e4m3 has 3 mantissa bits: round-to-nearest error <= 2^-4 relative
 SUBNORMAL_HALF_STEP = 2.0**-10  # smallest e4m3 step is 2^-9 (of the scale)
 
