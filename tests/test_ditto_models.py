@@ -13,7 +13,7 @@ from lab.models import ditto as D
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KEYS_TSV = Path(__file__).resolve().parents[2] / "shared" / "references" / "ditto_state_dict_keys.tsv"
+KEYS_TSV = Path(__file__).resolve().parent / "data" / "ditto_state_dict_keys.tsv"  # the released checkpoints' keys
 TSV_NAME = {"lmdm": "lmdm.model"}
 # parameter counts of the upstream classes built with their default arguments (LMDM with cond 1103)
 UPSTREAM_PARAMS = {"appearance_extractor": 836_224, "motion_extractor": 28_118_728, "warp_network": 45_529_829,
