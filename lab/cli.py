@@ -39,12 +39,21 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
     sub.add_parser("env", help="print the hardware/software fingerprint and backend availability")
     sub.add_parser("list", help="list the notebooks")
+    t = sub.add_parser("tidy", help="put notebooks in their committed form (no outputs, the project's kernel metadata)")
+    t.add_argument("paths", nargs="*", help="notebooks (default: every numbered notebook)")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "env":
             from lab.env import backends, fingerprint
 
             print(json.dumps({"fingerprint": fingerprint(), "backends": backends()}, indent=2))
+            return 0
+        if a.cmd == "tidy":
+            from lab.notebook_format import tidy_file
+
+            for nb in [runner.find_notebook(x) for x in a.paths] or runner.list_notebooks():
+                if tidy_file(nb):
+                    print(f"tidied {nb.name}")
             return 0
         if a.cmd == "list":
             for nb in runner.list_notebooks():

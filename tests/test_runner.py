@@ -84,3 +84,119 @@ def test_find_notebook_and_parse_value(nbdir):
         runner.find_notebook("7", nbdir)
     assert runner.parse_value("16") == 16 and runner.parse_value("True") is True
     assert runner.parse_value("[1, 2]") == [1, 2] and runner.parse_value("fp16") == "fp16"
+
+
+# ----------------------------------------------------------------------------- bad parameters and folders
+
+def _knobs_nb(path: Path) -> None:
+    nb = nbf.v4.new_notebook()
+    nb.cells = [nbf.v4.new_code_cell('device = "auto"\nquick = False\nseed = 0\nout_dir = None\nbatch_size = 16\nfps = 25.0\n'
+                                     'mode = "async"', metadata={"tags": ["parameters"]}),
+                nbf.v4.new_code_cell(GOOD.format(name=path.stem))]
+    nbf.write(nb, path)
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"batch_szie": 4}, r"unknown parameter 'batch_szie'.*did you mean 'batch_size'"),
+    ({"stride": 2}, r"unknown parameter 'stride'.*it takes: batch_size, device, fps, mode, out_dir, quick, seed"),
+    ({"batch_size": "abc"}, r"batch_size='abc'.*expected an integer"),
+    ({"batch_size": 2.5}, r"batch_size=2.5.*expected an integer"),
+    ({"quick": "yes"}, r"quick='yes'.*expected True or False"),
+    ({"seed": -1}, r"seed=-1.*≥ 0"),
+    ({"device": "tpu"}, r"device='tpu'.*'auto', 'cpu', 'cuda'"),
+])
+def test_bad_parameters_refused_before_anything_runs(tmp_path, params, match):
+    _knobs_nb(tmp_path / "07_knobs.ipynb")
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match=match):
+        runner.run_notebook(tmp_path / "07_knobs.ipynb", out, params)
+    assert not out.exists()  # no kernel, no folder
+
+
+def test_experiment_rules_checked_before_the_kernel(tmp_path):
+    # a notebook names its experiment module; that module's RULES check ranges (fps > 0, batch ≥ 1)
+    from lab import params
+
+    rules = {"fps": params.positive(), "batch_size": params.positive(integer=True), "mode": params.one_of("sequential", "async")}
+    d = {"fps": 25.0, "batch_size": 16, "mode": "async"}
+    for bad, match in [({"fps": 0}, r"fps=0.*> 0"), ({"batch_size": -3}, r"batch_size=-3.*> 0"),
+                       ({"mode": "asnyc"}, r"mode='asnyc'.*did you mean 'async'")]:
+        with pytest.raises(InputError, match=match):
+            params.check(bad, d, rules, "nb")
+    assert params.check({"fps": 30}, d, rules, "nb")["fps"] == 30
+
+
+def test_cuda_without_gpu_refused_before_folder(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _knobs_nb(tmp_path / "07_knobs.ipynb")
+    out = tmp_path / "o"
+    assert cli.main(["run", str(tmp_path / "07_knobs.ipynb"), "--device", "cuda", "--out", str(out)]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err and not out.exists()
+    assert cli.main(["run", str(tmp_path / "07_knobs.ipynb"), "-p", "device", "cuda", "--out", str(out)]) == 2
+    assert not out.exists()
+
+
+def test_existing_out_dir_refused_before_papermill_writes(nbdir, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "00_good.ipynb").write_text("{}")  # another run's executed notebook
+    with pytest.raises(InputError, match="already holds a run"):
+        runner.run_notebook(nbdir / "00_good.ipynb", out, {"quick": True})
+    assert (out / "00_good.ipynb").read_text() == "{}"
+
+
+def test_unwritable_outputs_is_one_line(nbdir, tmp_path, capsys, monkeypatch):
+    import os
+
+    if os.geteuid() == 0:
+        # root ignores permission bits: make the output root a file instead, which nobody can write into
+        bad = tmp_path / "not_a_folder"
+        bad.write_text("x")
+    else:
+        bad = tmp_path / "ro"
+        bad.mkdir(mode=0o500)
+    with pytest.raises(InputError, match=r"cannot create the run folder .*(not_a_folder|ro)"):
+        runner.reproduce(device="cpu", notebooks_dir=nbdir, out_root=bad, only=["00"])
+
+
+def test_unknown_reproduce_param(nbdir, tmp_path):
+    with pytest.raises(InputError, match=r"unknown parameter 'quik'.*did you mean 'quick'"):
+        runner.reproduce(device="cpu", notebooks_dir=nbdir, out_root=tmp_path / "r", extra={"quik": True})
+    assert not (tmp_path / "r").exists()
+
+
+def test_interrupted_reproduce_is_marked(nbdir, tmp_path, monkeypatch):
+    calls = []
+    real = runner.run_notebook
+
+    def stop_after_first(*a, **k):
+        if calls:
+            raise KeyboardInterrupt("SIGTERM")
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(runner, "run_notebook", stop_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        runner.reproduce(device="cpu", notebooks_dir=nbdir, out_root=tmp_path / "r", run_id="x", only=["00", "02"])
+    run = tmp_path / "r" / "x"
+    assert runner.run_status(run) == "interrupted"
+    assert "INTERRUPTED" in (run / "report.md").read_text() and "02_good" in (run / "report.md").read_text()
+
+
+def test_killed_reproduce_reads_as_interrupted(tmp_path):
+    # SIGKILL leaves "running" with a pid that is gone
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"status": "running", "pid": 2**22 + 12345}))
+    assert runner.run_status(run) == "interrupted"
+
+
+def test_bad_only_before_banner(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["reproduce", "--only", "42"]) == 2
+    out = capsys.readouterr()
+    assert "matched no notebook" in out.err and "QUICK profile" not in out.out

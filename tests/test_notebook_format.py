@@ -1,0 +1,64 @@
+"""The committed form of every notebook and the direction of imports between the layers."""
+import ast
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from lab import notebook_format
+from lab.runner import list_notebooks
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = list_notebooks()
+MAX_CELL_LINES = 15
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
+def test_notebook_is_tidy_and_thin(nb: Path):
+    raw = nb.read_text()
+    data = json.loads(raw)
+    # opening it in Lab must change nothing: the committed bytes are what Lab itself would write
+    assert notebook_format.dumps(notebook_format.tidy(json.loads(raw))) == raw, \
+        f"{nb.name} is not in the committed form: run `lab tidy`"
+    mod = data["metadata"]["lab"]["experiment"]
+    m = importlib.import_module(f"lab.experiments.{mod}")
+    assert isinstance(getattr(m, "RULES", None), dict), f"lab.experiments.{mod} has no RULES"
+    code = [c for c in data["cells"] if c["cell_type"] == "code"]
+    assert "parameters" in code[0]["metadata"].get("tags", []), "the first code cell must be the parameters cell"
+    for i, c in enumerate(code[1:], 1):
+        lines = [ln for ln in "".join(c["source"]).splitlines() if ln.strip()]
+        assert len(lines) <= MAX_CELL_LINES, f"{nb.name} code cell {i} has {len(lines)} lines (≤ {MAX_CELL_LINES})"
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+LAYERS = ["experiments", "pipelines", "accel", "models"]  # each may import only those to its right
+
+
+@pytest.mark.parametrize("layer", LAYERS[1:])
+def test_imports_point_one_way(layer):
+    above = [f"lab.{name}" for name in LAYERS[:LAYERS.index(layer)]]
+    bad = []
+    for f in sorted((ROOT / "lab" / layer).glob("*.py")):
+        for imp in _imports(f):
+            if any(imp == a or imp.startswith(a + ".") for a in above):
+                bad.append(f"{f.relative_to(ROOT)} imports {imp}")
+    assert not bad, bad
+
+
+def test_foundation_imports_no_layer():
+    layers = tuple(f"lab.{n}" for n in LAYERS)
+    bad = [f"{f.name} imports {imp}" for f in sorted((ROOT / "lab").glob("*.py"))
+           if f.name not in ("runner.py", "cli.py", "__main__.py")
+           for imp in _imports(f) if imp.startswith(layers)]
+    assert not bad, bad
