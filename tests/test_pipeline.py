@@ -270,3 +270,43 @@ def test_subpixel_decoder_renders_the_same_frames(engine, speech):
     with pytest.raises(InputError, match="cannot be unfolded"):
         fresh = mt.build_engine(mt.Config(size="tiny", frame_size=FS, crop=64, dtype="fp32", subpixel=True))
         mt.reconfigure(fresh, subpixel=False)
+
+
+def test_upstream_inputs_by_default_geometric_as_option(engine):
+    """The default engine crops from FAN landmarks (random weights here: the box is meaningless,
+    and the record says so) and the geometric 1.5× square stays available."""
+    assert engine.cfg.face_crop == "upstream" and engine.cfg.audio_windows == "upstream"
+    assert engine.avatar.params["crop_path"] in ("landmarks", "detector box")
+    assert engine.weights["fan"] == "random (seed 0)"
+    geo = mt.reconfigure(engine, face_crop="geometric")
+    x0, y0, x1, y1 = geo.avatar.boxes[0]
+    assert x1 - x0 == y1 - y0 and geo.avatar.params["crop_path"] == "geometric" and "fan" not in geo.weights
+    assert geo.masked_latents.shape == engine.masked_latents.shape
+    back = mt.reconfigure(geo, face_crop="upstream")
+    assert back.avatar is engine.avatar  # reused, not re-prepared
+    none = mt.reconfigure(engine, landmarks="none")
+    assert none.avatar.params["crop_path"] == "detector box"
+
+
+def test_run_feeds_the_unet_the_whole_clip_windows(engine, speech, monkeypatch):
+    """Streamed audio prompts (30 s at a time) are exactly the whole-clip features, frame by frame."""
+    from lab.timing import StageTimer
+
+    a, sr = speech
+    e = mt.reconfigure(engine, writer="null")
+    seen = []
+    gen = e.gen_fn
+    monkeypatch.setattr(e, "gen_fn", lambda x, audio: seen.append(audio.clone()) or gen(x, audio))
+    r = mt.run(e, a, sr, None)
+    _, whole = mt.prepare_audio(e, a, sr, StageTimer("cpu"))
+    got = torch.cat(seen)[: r.n_frames]
+    assert torch.equal(got, whole.to(got.dtype))
+
+
+def test_bad_fidelity_config():
+    with pytest.raises(InputError, match="audio_windows"):
+        mt.Config(audio_windows="middle").check()
+    with pytest.raises(InputError, match="face_crop"):
+        mt.Config(face_crop="square").check()
+    with pytest.raises(InputError, match="extra_margin"):
+        mt.Config(extra_margin=-1).check()

@@ -384,12 +384,10 @@ def fan_landmarks(net: torch.nn.Module, frame: np.ndarray, box: Box) -> np.ndarr
     """68 (x, y) landmarks in frame pixels for the face in `box`, as face-alignment computes them:
     a 256² crop around the box (centre raised 12 % of its height, scale (w + h) / 195), the last
     hourglass's heatmaps, each peak nudged a quarter pixel towards its larger neighbour, mapped back."""
-    from face_alignment.utils import crop as fa_crop
-
     x0, y0, x1, y1 = (float(v) for v in box)
     centre = np.array([(x0 + x1) / 2, (y0 + y1) / 2 - (y1 - y0) * FAN_CENTER_Y_OFFSET])
     scale = ((x1 - x0) + (y1 - y0)) / FAN_REFERENCE_SCALE
-    inp = fa_crop(np.ascontiguousarray(frame), centre, scale, FAN_RES)
+    inp = _fan_crop(np.asarray(frame), centre, scale)
     p = next(net.parameters())
     x = torch.from_numpy(inp.transpose(2, 0, 1).astype(np.float32) / 255.0)[None].to(p.device, p.dtype)
     with torch.inference_mode():
@@ -407,6 +405,22 @@ def fan_landmarks(net: torch.nn.Module, frame: np.ndarray, box: Box) -> np.ndarr
     # heatmap pixel centres → the 256² crop frame → the image (face-alignment's inverse transform)
     size = FAN_SCALE * scale
     return (pts + 0.5) / h * size - size / 2 + centre  # (68, 2) float
+
+
+def _fan_crop(image: np.ndarray, centre: np.ndarray, scale: float, res: int = FAN_RES) -> np.ndarray:
+    """The square of side 200·scale around `centre` (zero outside the image), resized to res²
+    bilinearly: FAN's input, on face-alignment's pixel grid (corners truncated to whole pixels)."""
+    import cv2
+
+    size = FAN_SCALE * scale
+    ul = np.trunc((1 / res - 0.5) * size + centre).astype(int)   # crop pixel (1, 1) in the image
+    br = np.trunc((res / res - 0.5) * size + centre).astype(int)  # crop pixel (res, res)
+    h, w = image.shape[:2]
+    out = np.zeros((br[1] - ul[1], br[0] - ul[0], 3), np.uint8)
+    sx0, sy0, sx1, sy1 = max(ul[0], 0), max(ul[1], 0), min(br[0], w), min(br[1], h)
+    if sx1 > sx0 and sy1 > sy0:
+        out[sy0 - ul[1]:sy1 - ul[1], sx0 - ul[0]:sx1 - ul[0]] = image[sy0:sy1, sx0:sx1]
+    return cv2.resize(out, (res, res), interpolation=cv2.INTER_LINEAR)
 
 
 def upstream_face_box(landmarks: np.ndarray, image_hw: tuple[int, int], extra_margin: int = 10) -> Box | None:

@@ -369,13 +369,32 @@ class _Latents:
         self.unet_frames = 0
 
     def prefetch_audio(self, s: int, t: int) -> None:
-        """Release the audio behind frame s and encode what batch(s, t) can reach: up to the
-        batch_size-th keyframe past t (the look-ahead in `batch`)."""
+        """Release the audio behind frame s and encode the chunks the keyframes batch(s, t) will
+        run read, so Whisper is timed as its own stage, not inside the UNet's."""
         if not hasattr(self.feats, "prefetch"):
             return
-        j = min(int(np.searchsorted(self.keys, t - 1, side="right")) + self.e.cfg.batch_size, len(self.keys) - 1)
         self.feats.release_before(s)
-        self.feats.prefetch(max(int(self.keys[j]), t - 1))
+        need = self._plan(s, t)[-1]
+        if need:
+            self.feats.prefetch(need[-1])
+
+    def _plan(self, s: int, t: int):
+        """Frames s..t-1, their left/right keyframes, and the keyframes to run now (sorted)."""
+        frames = np.arange(s, t)
+        pos = np.searchsorted(self.keys, frames, side="right") - 1
+        left = self.keys[np.clip(pos, 0, len(self.keys) - 1)]
+        right = self.keys[np.clip(pos + 1, 0, len(self.keys) - 1)]
+        is_key = left == frames
+        right = np.where(is_key, left, right)
+        need = sorted({int(k) for k in np.concatenate([left, right[~is_key]])} - set(self.cache))
+        if need:
+            # fill the UNet call up to batch_size with the next keyframes: a frame batch holds only
+            # ~batch/k keyframes, and a small-batch UNet call costs about as much as a full one on a
+            # GPU (launch-bound), so without look-ahead stride k would save little
+            b = self.e.cfg.batch_size
+            later = self.keys[np.searchsorted(self.keys, need[-1], side="right"):]
+            need += [int(k) for k in later[: b + len(self.cache)] if int(k) not in self.cache][: max(0, b - len(need))]
+        return frames, left, right, is_key, need
 
     def _run_unet(self, idx: list[int]) -> None:
         """UNet calls on exactly batch_size keyframes each (the last chunk padded by repetition), so
@@ -399,19 +418,8 @@ class _Latents:
     def batch(self, s: int, t: int) -> torch.Tensor:
         from lab.accel.stride import slerp
 
-        frames = np.arange(s, t)
-        pos = np.searchsorted(self.keys, frames, side="right") - 1
-        left = self.keys[np.clip(pos, 0, len(self.keys) - 1)]
-        right = self.keys[np.clip(pos + 1, 0, len(self.keys) - 1)]
-        is_key = left == frames
-        right = np.where(is_key, left, right)
-        need = sorted({int(k) for k in np.concatenate([left, right[~is_key]])} - set(self.cache))
+        frames, left, right, is_key, need = self._plan(s, t)
         if need:
-            # fill the UNet call up to batch_size with the next keyframes: a frame batch holds only
-            # ~batch/k keyframes, and a small-batch UNet call costs about as much as a full one on a
-            # GPU (launch-bound), so without look-ahead stride k would save little
-            later = [int(k) for k in self.keys[self.keys > need[-1]] if int(k) not in self.cache]
-            need += later[: max(0, self.e.cfg.batch_size - len(need))]
             self._run_unet(need)
         for k in [k for k in self.cache if k < left.min()]:
             del self.cache[k]  # keep memory bounded on long audio
@@ -500,7 +508,7 @@ def warmup(engine: Engine) -> None:
     cfg = engine.cfg
     b = cfg.batch_size
     g = torch.Generator(device="cpu").manual_seed(cfg.seed)
-    noise = (0.1 * torch.randn(24000, generator=g)).numpy()
+    noise = (0.1 * torch.randn(max(24000, math.ceil(2 * 24000 / cfg.fps)), generator=g)).numpy()  # ≥ 2 frames
     backend = cfg.resampler if (cfg.resampler != "torchaudio_gpu" or engine.device.type == "cuda") else "torchaudio_cpu"
     t0 = time.perf_counter()
     with torch.inference_mode():
