@@ -236,6 +236,10 @@ def reproduce(quick: bool = False, only: list[str] | None = None, device: str = 
                        + (f" ({entries[-1].error})" if entries[-1].error else ""))
             record("running")
     except KeyboardInterrupt:
+        from lab.video import remove_stale_parts
+
+        for folder in [run, *(p for p in run.iterdir() if p.is_dir())]:
+            remove_stale_parts(folder)  # a writer killed with its kernel leaves hidden temp files
         record("interrupted")
         atomic_write_text(run / "report.md", report(run, entries, params, interrupted=[nb.stem for nb in nbs[len(entries):]]),
                           overwrite=True)
