@@ -129,3 +129,12 @@ def test_render_writes_the_video(engine, clip, frames, tmp_path):
     rep = P.render(engine, job, str(tmp_path / "out.mp4"), preset="ultrafast")
     info = read_video_info(tmp_path / "out.mp4")
     assert rep.n_frames == 10 and info.n_frames == 10 and info.has_audio and abs(info.fps - 25) < 1e-6
+
+
+def test_notebook_parameters_checked_before_any_work():
+    from lab.experiments import latentsync as X
+
+    for bad, match in ((dict(n_frames=0), "n_frames"), (dict(weights={"unet2": "x"}), "weights"),
+                       (dict(quick="yes"), "quick")):
+        with pytest.raises(InputError, match=match):
+            X.setup(**bad)

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lab import env, metrics, plots
+from lab import env, metrics, params, plots
 from lab.accel import sampling
+from lab.errors import InputError
 from lab.pipelines import latentsync as P
 from lab.results import Result, atomic_write_text, run_dir, save_figure
 
@@ -39,6 +40,22 @@ WRITEUP = {"eager_s_per_s": 41.065, "optimized_s_per_s": 27.702, "faster_pct": 3
 ANCHOR_H200 = {"eager_ms_per_step": 175.5, "compile_ms_per_step": 119.9, "vae_s_per_s": 0.62}
 ESTIMATE_S = {"modes": 50, "loop": 15, "memory": 60, "fp8": 20}  # full size on an H200, for run_all's deadline
 TARGETS = {"exact_s_per_s": 2.5, "exact_cosine": 0.9999, "dpm8_s_per_s": 1.0, "memory_growth": 0.10}
+
+
+WEIGHT_KEYS = ("unet", "vae", "whisper")
+
+
+def _weights_rule(name: str, v: Any) -> Any:
+    if isinstance(v, str) and v:
+        return v
+    if isinstance(v, dict) and v and set(v) <= set(WEIGHT_KEYS) and all(isinstance(x, str) and x for x in v.values()):
+        return v
+    raise InputError(f"parameter {name}={v!r}: expected 'random', one source for all models, or a dict with "
+                     f"keys among {WEIGHT_KEYS} (e.g. {{'unet': '/models/latentsync_unet.pt'}}), each a path or id")
+
+
+# the notebook's own parameters beyond device / quick / seed / out_dir (checked before anything runs)
+RULES: dict[str, params.Rule] = {"weights": _weights_rule, "n_frames": params.positive(integer=True, optional=True)}
 
 
 @dataclass
@@ -128,6 +145,9 @@ def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str
     from lab.pipelines.musetalk import avatar_loop
 
     t_start = time.perf_counter()
+    nb = Path(__file__).resolve().parents[2] / "notebooks" / f"{NAME}.ipynb"
+    given = {"device": device, "quick": quick, "seed": seed, "weights": weights, "n_frames": n_frames}
+    params.check(given, params.notebook_defaults(nb) if nb.exists() else given, RULES, where=NAME)
     dev = env.pick_device(device)
     prof = profile(quick, dev)
     if n_frames:
