@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from lab import env, plots
+from lab import env, params, plots
 from lab.accel import feature_cache as fc
 from lab.errors import InputError
 from lab.results import Result, run_dir, save_figure
@@ -33,6 +33,15 @@ THEIR_HW = "RTX 5090 Laptop / RTX 3070 Laptop, TensorRT"
 
 
 # ----------------------------------------------------------------------------- context
+
+_pos_int = params.positive(integer=True)
+_opt_int = params.positive(integer=True, optional=True)
+# ranges and choices of the notebook's knobs, checked before any work (types come from the defaults)
+RULES: dict[str, params.Rule] = {
+    "cache_capacity": _pos_int, "window_s": params.positive(), "stride_s": params.positive(),
+    "keyframe_stride": _pos_int, "fps_out": params.positive(), "kv_window": _pos_int, "kv_steps": _opt_int,
+    "kv_budget_s": params.positive(optional=True), "sr_num_conv": params.non_negative(integer=True),
+    "chunk": _opt_int, "n_chunks": _opt_int, "stream_frames": _opt_int, "browser": params.flag}
 
 @dataclass
 class Context:
@@ -75,15 +84,19 @@ class Section:
 
 
 def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str | Path | None = None,
-          **params: Any) -> Context:
-    """Device, run folder, Result; one thread for the tiny CPU profile (2-core CI boxes)."""
+          **knobs: Any) -> Context:
+    """Parameters checked (the notebook's names and RULES), then device, run folder, Result; one
+    thread for the tiny CPU profile (2-core CI boxes)."""
+    nb = Path(__file__).resolve().parents[2] / "notebooks" / f"{NAME}.ipynb"
+    given = {"device": device, "quick": quick, "seed": seed, "out_dir": out_dir, **knobs}
+    params.check(given, params.notebook_defaults(nb) if nb.exists() else given, RULES, where=NAME)
     dev = env.pick_device(device)
     full = dev.type == "cuda" and not quick
     if not full:
         torch.set_num_threads(1)
     torch.manual_seed(seed)
     folder = run_dir(NAME, out_dir)
-    res = Result(name=NAME, params=dict(device=str(dev), quick=quick, seed=seed, **params))
+    res = Result(name=NAME, params=dict(device=str(dev), quick=quick, seed=seed, **knobs))
     return Context(dev, bool(quick), int(seed), folder, res, env.machine_label(), full)
 
 
@@ -1203,7 +1216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [n for n in names if n not in SECTIONS]
     if bad:
         raise SystemExit(f"unknown sections {bad}; choose from {list(SECTIONS)}")
-    ctx = setup(a.device, a.quick, a.seed, a.out, sections=names, command="python -m lab.experiments.serving")
+    ctx = setup(a.device, a.quick, a.seed, a.out)
+    ctx.res.params.update(sections=names, command="python -m lab.experiments.serving", kv_budget_s=a.kv_budget_s)
     ctx.full = ctx.full or a.full
     ctx.res.provenance = provenance()
     kw = {"feature_cache": {"script_path": a.script}, "kv_cache": {"budget_s": a.kv_budget_s}}
