@@ -310,3 +310,32 @@ def test_bad_fidelity_config():
         mt.Config(face_crop="square").check()
     with pytest.raises(InputError, match="extra_margin"):
         mt.Config(extra_margin=-1).check()
+
+
+def test_encoder_ceiling_rate_and_bad_option(engine, speech, tmp_path):
+    """Recorded frames re-encoded alone: a positive rate for the writer's settings; an option
+    libx264 refuses is a clear error, not a silent zero."""
+    from lab.errors import BackendUnavailable
+
+    a, sr = speech
+    clip = profiling.Clip(a, sr, 18, None, "default avatar")
+    frames, pix = profiling.record_frames(engine, clip, 6)
+    assert frames.shape == (6, FS[1], FS[0], 3) and pix == "rgb24"
+    fps = profiling.encoder_rate(frames, pix, FS, 30.0, 12, "ultrafast", 18, folder=tmp_path)
+    assert fps > 0 and list(tmp_path.iterdir()) == []  # temp files removed
+    assert profiling.encoder_rate(frames, pix, FS, 30.0, 12, "ultrafast", 18, parallel=2, folder=tmp_path) > 0
+    with pytest.raises(BackendUnavailable, match="libx264"):
+        profiling.encoder_rate(frames, pix, FS, 30.0, 4, "ultrafast", 18, args=["-tune", "nonsense"])
+
+
+@pytest.mark.parametrize("bad, name", [(dict(face_crop="square"), "face_crop"), (dict(landmarks="/no/fan.zip"), "landmarks"),
+                                       (dict(memory_minutes=[1, 0]), r"memory_minutes\[1\]"), (dict(encoder_frames=0), "encoder_frames")])
+def test_profiling_fidelity_knobs_are_checked(bad, name):
+    from lab import params
+    from lab.experiments.common import notebook_path
+
+    defaults = params.notebook_defaults(notebook_path(profiling.NAME))
+    with pytest.raises(InputError, match=name):
+        params.check(bad, defaults, profiling.RULES, where=profiling.NAME)
+    p = profiling.profile(params.check({"quick": True}, defaults, profiling.RULES, where=profiling.NAME), torch.device("cpu"))
+    assert p["memory_seconds"] == [0.4, 4.0] and p["encoder_frames"] == 8

@@ -49,6 +49,15 @@ def _optional_file(name: str, v: Any) -> Any:
     return v
 
 
+def _landmarks(name: str, v: Any) -> Any:
+    if v in ("random", "none"):
+        return v
+    if not isinstance(v, (str, Path)) or not Path(v).expanduser().is_file():
+        raise InputError(f"parameter {name}={v!r}: expected 'random', 'none' or an existing FAN weights file "
+                         f"(face-alignment's 2DFAN4 .zip or a .pth state dict)")
+    return str(v)
+
+
 RULES: dict[str, params.Rule] = {
     "n_frames": params.positive(integer=True),
     "fps": params.positive(),
@@ -67,6 +76,10 @@ RULES: dict[str, params.Rule] = {
     "audio_path": _optional_file,
     "avatar_path": _optional_file,
     "allow_silence": params.flag,
+    "face_crop": params.one_of("upstream", "geometric"),
+    "landmarks": _landmarks,
+    "memory_minutes": params.list_of(params.positive()),
+    "encoder_frames": params.positive(integer=True),
 }
 
 
@@ -86,7 +99,11 @@ def profile(p: dict[str, Any], device: torch.device) -> dict[str, Any]:
              sfd_repeats=1 if q else 5, sfd_warmup=0 if q else 1,
              ceiling_n=256 if q else (1024 if cpu else 8192), ceiling_iters=3 if q else 20,
              neural_iters=1 if q else 30, resample_repeats=3, trace_frames=2 * p["batch_size"],
-             threads=1 if q and cpu else None)  # tiny models on a shared CPU: one thread is fastest and steadiest
+             threads=1 if q and cpu else None,  # tiny models on a shared CPU: one thread is fastest and steadiest
+             # memory by audio length: the minutes asked for; quick: seconds instead (a smoke run)
+             memory_seconds=[float(m) * (0.4 if q else 60) for m in p["memory_minutes"]],
+             encoder_frames=min(p["encoder_frames"], 8) if q else p["encoder_frames"],
+             encoder_distinct=4 if q else 96)
     return p
 
 
@@ -160,14 +177,13 @@ def config(run: Run, clip: Clip) -> mt.Config:
                      resampler=run.resampler, mode=run.mode, size=run.size, frame_size=frame_size, crop=run.crop,
                      loop_frames=run.loop_frames, writer=run.writer, preset=run.preset, compile=run.compile,
                      subpixel=run.subpixel, allow_silence=run.allow_silence, seed=run.seed,
+                     face_crop=run.face_crop, landmarks=run.landmarks,
                      weights={"whisper": run.weights_whisper, "unet": run.weights_unet, "vae": run.weights_vae})
 
 
 def build(run: Run, clip: Clip) -> Engine:
     """Load the models, build the avatar vault (then prepare it again to time the cache), warm up.
-    Times into metrics["avatar"], the weights into the Result."""
-    from lab.models import face
-
+    Times into metrics["avatar"] with the face-crop path taken, the weights into the Result."""
     cfg = config(run, clip)
     run.result.params["frame_size"] = list(cfg.frame_size)
     t = time.perf_counter()
@@ -178,14 +194,36 @@ def build(run: Run, clip: Clip) -> Engine:
     mt.prepare(engine, clip.frames, clip.source, cache_dir=vault)
     t_vault = time.perf_counter() - t
     t = time.perf_counter()
-    face.prepare_avatar(engine.avatar.frames, clip.source, cache_dir=vault, crop=cfg.crop)
+    mt.avatar_for(cfg, engine.avatar.frames, clip.source, cache_dir=vault, device=run.device)
     t_cached = time.perf_counter() - t
     mt.warmup(engine)
     run.result.weights = dict(engine.weights)
+    av = engine.avatar.params
     run.result.metrics["avatar"] = {"vault_build_s": t_vault, "vault_cached_s": t_cached,
                                     "box": engine.avatar.boxes[0].tolist(), "model_load_s": t_load,
-                                    "compile_s": engine.compile_s}
+                                    "compile_s": engine.compile_s, "face_crop": cfg.face_crop,
+                                    "crop_path": av.get("crop_path"), "fan": av.get("fan"),
+                                    "fallback_frames": av.get("fallback_frames"),
+                                    "blend_mask": _mask_kind(cfg, av), "audio_windows": cfg.audio_windows}
+    run.headline(**{"face crop": crop_label(run)})
     return engine
+
+
+def _mask_kind(cfg: mt.Config, av: dict) -> str:
+    if cfg.face_crop == "upstream" and av.get("crop_path") != "detector box":
+        return "jaw polygon from the landmarks, feathered as v1.5 (no face-parsing model here)"
+    return "geometric feathered lower half"
+
+
+def crop_label(run: Run) -> str:
+    """Which face-crop path the run took, in words (random landmark weights said so)."""
+    a = run.result.metrics["avatar"]
+    if a["face_crop"] == "geometric":
+        return "geometric: 1.5× square around the detector box, bicubic"
+    if a["crop_path"] == "detector box":
+        return f"v1.5 box from the detector (no landmarks: fan={a['fan']}), LANCZOS4"
+    rnd = " (random weights: box and mask meaningless)" if str(a["fan"]).startswith("random") else ""
+    return f"v1.5 box from 2D FAN landmarks{rnd}, LANCZOS4, {a['crop_path']}"
 
 
 def build_summary(run: Run, engine: Engine) -> str:
@@ -207,8 +245,9 @@ def vault_figure(run: Run, engine: Engine) -> Any:
     av = engine.avatar
     x0, y0, x1, y1 = av.boxes[0]
     h, w = av.frames.shape[1:3]
+    mask = "jaw mask (landmarks)" if av.params.get("crop_path") in ("landmarks", "mixed") else "feathered lower-face mask"
     fig = image_row([av.frames[0], av.crops[0], av.masks[0]],
-                    [f"frame {w}×{h}, face box", f"{av.crops.shape[1]}² crop", "feathered lower-face mask"],
+                    [f"frame {w}×{h}, face box ({av.params.get('crop_path')})", f"{av.crops.shape[1]}² crop", mask],
                     suptitle="avatar vault" + run.suffix())
     fig.axes[0].add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, color="lime"))
     return run.figure(fig, "avatar_vault")
@@ -540,3 +579,176 @@ def finish(run: Run) -> Any:
     """results.json into the run folder; returns the headline table."""
     run.save()
     return run.show_headline()
+
+
+# ---------------------------------------------------------------- the encoder's own ceiling
+
+class _Recorder:
+    """A sink that keeps what the pipeline would pipe to the encoder (first `limit` frames)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.frames = limit, []
+
+    def write(self, frames: Any) -> None:
+        have = sum(len(f) for f in self.frames)
+        if have < self.limit:
+            self.frames.append(np.array(frames[: self.limit - have]))
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def record_frames(engine: Engine, clip: Clip, n: int) -> tuple[np.ndarray, str]:
+    """n composited frames exactly as the run pipes them to the encoder, and their pixel format."""
+    e = mt.reconfigure(engine, writer="ffmpeg") if engine.cfg.writer == "null" else engine
+    rec = _Recorder(n)
+    mt.run(e, clip.audio, clip.sr, None, n_frames=min(n, clip.n_frames), sink=rec)
+    return np.concatenate(rec.frames), mt.pipe_format(e)
+
+
+ENCODER_OPTIONS = [  # each alone against the pipeline's own settings; none changes the output format
+    ("pipeline's settings", {}),
+    ("threads = host cores", {"args": ["-threads", "{cores}"]}),
+    ("sliced threads", {"args": ["-x264-params", "sliced-threads=1"]}),
+    ("lookahead off", {"args": ["-x264-params", "rc-lookahead=0"]}),
+    ("tune zerolatency", {"args": ["-tune", "zerolatency"]}),
+    ("2 parallel encoders (halves of the clip)", {"parallel": 2}),
+]
+
+
+def _expand(args: list[str] | None) -> list[str]:
+    import os
+
+    return [a.replace("{cores}", str(os.cpu_count() or 1)) for a in (args or [])]
+
+
+def encoder_rate(frames: np.ndarray, pix_fmt: str, size: tuple[int, int], fps: float, n: int, preset: str,
+                 crf: int, args: list[str] | None = None, parallel: int = 1, folder: str | Path | None = None) -> float:
+    """Frames per second libx264 encodes `n` frames (the recorded ones cycled) with nothing else
+    running: raw frames piped to ffmpeg as the pipeline's writer pipes them (same preset, crf,
+    input pixel format, yuv420p out, mp4 file), timed from the first frame written to the files
+    closed. `parallel` encoders each take a contiguous share of the frames."""
+    import os
+    import subprocess
+    import tempfile
+    import threading
+    from fractions import Fraction
+
+    import imageio_ffmpeg
+
+    w, h = size
+    rate = Fraction(fps).limit_denominator(100_000)
+    exe = imageio_ffmpeg.get_ffmpeg_exe()
+    extra = _expand(args)
+    tmp = tempfile.mkdtemp(dir=folder)
+    procs, outs = [], []
+    for k in range(parallel):
+        out = Path(tmp) / f"enc{k}.mp4"
+        cmd = [exe, "-hide_banner", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", pix_fmt,
+               "-s", f"{w}x{h}", "-r", f"{rate.numerator}/{rate.denominator}", "-i", "pipe:0",
+               "-c:v", "libx264", "-preset", preset, "-crf", str(crf), "-pix_fmt", "yuv420p", *extra, str(out)]
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE))
+        outs.append(out)
+    shares = np.array_split(np.arange(n), parallel)
+    errors: list[str] = []
+
+    def feed(proc: subprocess.Popen, idx: np.ndarray) -> None:
+        try:
+            for i in idx:
+                proc.stdin.write(memoryview(frames[i % len(frames)]).cast("B"))
+            proc.stdin.close()
+        except OSError as e:
+            errors.append(str(e))
+        if proc.wait() != 0:
+            errors.append(proc.stderr.read().decode(errors="replace")[-500:])
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=feed, args=(p, s)) for p, s in zip(procs, shares)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for p in procs:
+        p.stderr.close()
+    for o in outs:
+        o.unlink(missing_ok=True)
+    os.rmdir(tmp)
+    if errors:
+        raise BackendUnavailable(f"libx264 via ffmpeg failed: {errors[0]}")
+    return n / wall
+
+
+def measure_encoder(run: Run, engine: Engine, clip: Clip) -> list[dict]:
+    """The encoder's own ceiling, in this run: frames recorded from the pipeline, re-encoded with
+    the writer's settings and nothing else running ("pipeline's settings" row), then each option
+    alone; table "encoder_ceiling", headline: the ceiling and end to end as a % of it."""
+    cfg = engine.cfg
+    frames, pix = record_frames(engine, clip, run.encoder_distinct)
+    rows = []
+    for label, opt in ENCODER_OPTIONS:
+        fps = encoder_rate(frames, pix, cfg.frame_size, cfg.fps, run.encoder_frames, cfg.preset, cfg.crf,
+                           folder=run.folder, **opt)
+        rows.append({"option": label, "fps": fps, "speedup": 0.0, "pix_fmt_in": pix, "frames": run.encoder_frames,
+                     "args": " ".join(_expand(opt.get("args"))), "parallel": opt.get("parallel", 1)})
+    for r in rows:
+        r["speedup"] = r["fps"] / rows[0]["fps"]
+    run.table("encoder_ceiling", rows, show=False)
+    ceiling = rows[0]["fps"]
+    e2e = run.result.metrics.get("run", {}).get("fps")
+    run.result.metrics["encoder"] = {"ceiling_fps": ceiling, "e2e_fps": e2e, "preset": cfg.preset, "crf": cfg.crf,
+                                     "pix_fmt_in": pix, "frame_size": list(cfg.frame_size),
+                                     "distinct_frames": int(len(frames)), "frames": run.encoder_frames,
+                                     "e2e_pct_of_ceiling": 100 * e2e / ceiling if e2e else None,
+                                     "best_option": max(rows, key=lambda r: r["fps"])["option"]}
+    run.headline(**{"encoder ceiling FPS": round(ceiling, 1)})
+    if e2e:
+        run.headline(**{"end-to-end % of encoder ceiling": round(100 * e2e / ceiling, 1)})
+    return rows
+
+
+def encoder_summary(run: Run) -> str:
+    m, nb = run.result.metrics["encoder"], run.result.metrics.get("neural")
+    best = max(run.result.tables["encoder_ceiling"], key=lambda r: r["fps"])
+    lines = [f"libx264 {m['preset']} crf {m['crf']} on {m['frame_size'][0]}×{m['frame_size'][1]} {m['pix_fmt_in']} "
+             f"frames alone: {m['ceiling_fps']:.1f} FPS (the ceiling); end to end {m['e2e_fps'] or float('nan'):.1f} FPS "
+             f"= {m['e2e_pct_of_ceiling'] or float('nan'):.1f} % of it"]
+    if nb is not None:
+        lines.append(f"neural part: {nb['pct_of_ceiling'] or 0:.1f} % of the matrix ceiling")
+    lines.append(f"fastest option: {best['option']} ({best['speedup']:.2f}× the pipeline's settings)"
+                 if best["speedup"] > 1.03 else "no option lifts the ceiling by more than 3 %: the host's cores are the limit")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- memory by audio length
+
+def measure_memory(run: Run, engine: Engine, clip: Clip) -> list[dict]:
+    """Peak host RSS and GPU memory of whole runs over `memory_seconds` of speech (the clip tiled),
+    each peak reset before its run (lab.memory). Null writer: the pipeline's own memory (ffmpeg is
+    another process). Table "memory_by_length"; headline: longest vs shortest, in %."""
+    import gc
+
+    from lab import memory
+
+    e = mt.reconfigure(engine, writer="null")
+    rows = []
+    for secs in run.memory_seconds:
+        n = int(secs * clip.sr)
+        audio = np.resize(clip.audio, n).astype(np.float32)  # speech repeated to the length
+        gc.collect()
+        before = memory.reset_peak(run.device)
+        r = mt.run(e, audio, clip.sr, None)
+        peak, gpu = memory.peak_rss_bytes(), memory.gpu_peak_bytes(run.device)
+        rows.append({"audio_s": secs, "frames": r.n_frames, "fps": r.fps, "host_peak_mib": peak / 2**20,
+                     "host_added_mib": (peak - before) / 2**20, "input_mib": audio.nbytes / 2**20,
+                     "gpu_peak_mib": gpu / 2**20 if gpu is not None else None})
+        del audio
+    run.table("memory_by_length", rows, show=False)
+    lo, hi = rows[0], rows[-1]
+    run.headline(**{"host peak RSS, longest vs shortest audio %": round(100 * (hi["host_peak_mib"] / lo["host_peak_mib"] - 1), 2)})
+    if lo["gpu_peak_mib"]:
+        run.headline(**{"GPU peak, longest vs shortest audio %": round(100 * (hi["gpu_peak_mib"] / lo["gpu_peak_mib"] - 1), 2)})
+    return rows

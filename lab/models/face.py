@@ -495,7 +495,12 @@ def jaw_blend_mask(landmarks: np.ndarray | None, box: Box, size: int = 256, expa
     return cv2.resize(inbox, (size, size), interpolation=cv2.INTER_LINEAR)
 
 
-def prepare_avatar_upstream(frames: np.ndarray, source_name: str, fan: torch.nn.Module | None = None,
+def fan_label(weights: str, seed: int = 0) -> str:
+    """What `load_fan(weights, seed=seed)` will report, without building it."""
+    return "none" if weights == "none" else f"random (seed {seed})" if weights == "random" else f"local file {Path(weights).expanduser()}"
+
+
+def prepare_avatar_upstream(frames: np.ndarray, source_name: str, fan: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
                             fan_weights: str = "none", cache_dir: str | Path | None = None, crop: int = 256,
                             extra_margin: int = 10, per_frame: bool = False,
                             detector: Callable[[np.ndarray, str], Box] | None = None,
@@ -503,7 +508,8 @@ def prepare_avatar_upstream(frames: np.ndarray, source_name: str, fan: torch.nn.
     """Avatar cropped as MuseTalk v1.5 crops it: the landmark box (`upstream_face_box`) resized
     with LANCZOS4, blended through `jaw_blend_mask`.
 
-    Landmarks come from `fan` (see `load_fan`; `fan_weights` names its weights for the record).
+    Landmarks come from `fan` (see `load_fan`; or a callable returning it, called only when the
+    vault has no copy; `fan_weights` names its weights for the record).
     With no FAN, or where its landmarks give no usable box, the detector box (LBP cascade unless
     `detector` is given) plus `extra_margin` is used, as upstream falls back to its detector's
     box. `avatar.params["crop_path"]` says which path each frame took ("landmarks",
@@ -527,6 +533,8 @@ def prepare_avatar_upstream(frames: np.ndarray, source_name: str, fan: torch.nn.
                               params={**params, **_path_summary(c["fallback"])})
         except Exception:  # a damaged cache file is recomputed, not fatal
             pass
+    if fan is not None and not isinstance(fan, torch.nn.Module):
+        fan = fan()
     n, hgt, wid = frames.shape[:3]
     boxes = np.zeros((n, 4), np.int64)
     crops = np.zeros((n, crop, crop, 3), np.uint8)

@@ -231,24 +231,15 @@ def prepare(engine: Engine, frames: np.ndarray | None = None, source_name: str =
     they give no usable box, the detector box; `engine.avatar.params["crop_path"]` says which.
     face_crop="geometric": a 1.5× square around the detector box, bicubic, a feathered lower half.
     """
-    from lab.models.face import load_fan, prepare_avatar, prepare_avatar_upstream
     from lab.models.musetalk import masked_latent_input
 
     cfg = engine.cfg
     if frames is None:
         frames = avatar_loop(cfg.loop_frames, cfg.frame_size, seed=cfg.seed)
+    av = avatar_for(cfg, frames, source_name, cache_dir, engine.device)
     if cfg.face_crop == "upstream":
-        fan, fan_src = None, "none"
-        if cfg.landmarks != "none":
-            # 2DFAN-4 at full size; one hourglass for the CPU test size (same code path)
-            fan, fan_src = load_fan(cfg.landmarks, modules=4 if cfg.size == "full" else 1,
-                                    device=engine.device, seed=cfg.seed)
-        av = prepare_avatar_upstream(frames, source_name, fan=fan, fan_weights=fan_src, cache_dir=cache_dir,
-                                     crop=cfg.crop, extra_margin=cfg.extra_margin)
-        engine.weights["fan"] = fan_src
+        engine.weights["fan"] = av.params["fan"]
     else:
-        av = prepare_avatar(frames, source_name, cache_dir=cache_dir, crop=cfg.crop)
-        av.params["crop_path"] = "geometric"
         engine.weights.pop("fan", None)
     faces = torch.from_numpy(av.crops).permute(0, 3, 1, 2).float().div(255)
     m, r = [], []
@@ -270,6 +261,25 @@ def prepare(engine: Engine, frames: np.ndarray | None = None, source_name: str =
 def _recipe(cfg: Config) -> tuple:
     """What decides the avatar's crops and masks (a change re-prepares the avatar)."""
     return (cfg.face_crop, cfg.landmarks, cfg.extra_margin, cfg.crop)
+
+
+def avatar_for(cfg: Config, frames: np.ndarray, source_name: str, cache_dir: str | Path | None = None,
+               device: torch.device | str = "cpu"):
+    """The avatar's boxes, crops and masks per cfg.face_crop (from the vault when cached; the FAN
+    is only built on a cache miss)."""
+    from lab.models.face import fan_label, load_fan, prepare_avatar, prepare_avatar_upstream
+
+    if cfg.face_crop == "upstream":
+        fan = None
+        if cfg.landmarks != "none":
+            # 2DFAN-4 at full size; one hourglass for the CPU test size (same code path)
+            def fan():
+                return load_fan(cfg.landmarks, modules=4 if cfg.size == "full" else 1, device=device, seed=cfg.seed)[0]
+        return prepare_avatar_upstream(frames, source_name, fan=fan, fan_weights=fan_label(cfg.landmarks, cfg.seed),
+                                       cache_dir=cache_dir, crop=cfg.crop, extra_margin=cfg.extra_margin)
+    av = prepare_avatar(frames, source_name, cache_dir=cache_dir, crop=cfg.crop)
+    av.params["crop_path"] = "geometric"
+    return av
 
 
 def _blend_on_gpu(engine: Engine) -> bool:
@@ -449,6 +459,11 @@ def _pipe_format(engine: Engine) -> str:
     return f
 
 
+def pipe_format(engine: Engine) -> str:
+    """What the writer is fed: "rgb24" (B, H, W, 3) or "yuv420p" (B, H·W·3/2) I420 planes."""
+    return _pipe_format(engine)
+
+
 def _faces_uint8(images: torch.Tensor) -> torch.Tensor:
     """(B, 3, h, w) in [0, 1] → (B, h, w, 3) uint8 on the same device."""
     return images.mul(255).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
@@ -530,8 +545,12 @@ def warmup(engine: Engine) -> None:
 
 
 def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None = None,
-        n_frames: int | None = None, progress: bool = False) -> RunReport:
-    """Render a lip-synced video of `audio` with the prepared avatar; every stage timed."""
+        n_frames: int | None = None, progress: bool = False, sink: Any = None) -> RunReport:
+    """Render a lip-synced video of `audio` with the prepared avatar; every stage timed.
+
+    `sink`: instead of opening a writer, hand the frames (as the writer would get them: RGB
+    (B, H, W, 3) or I420 planes per the pipe format) to any object with write / close / abort,
+    e.g. to record them for the encoder-ceiling measurement."""
     from lab.progress import tqdm
 
     cfg = engine.cfg
@@ -552,7 +571,7 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
     if yuv and not gpu_blend:
         raise InputError("pipe_format='yuv420p' needs blend='gpu' (the conversion runs after the GPU blend)")
     # the input itself is muxed (its own rate; a view, not a copy): no 16 kHz clip is ever held
-    writer = _open_writer(engine, out_path, (stream.audio[: int(round(T / cfg.fps * sr))], sr))
+    writer = sink if sink is not None else _open_writer(engine, out_path, (stream.audio[: int(round(T / cfg.fps * sr))], sr))
     batches = [(s, min(s + cfg.batch_size, T)) for s in range(0, T, cfg.batch_size)]
     first = [None]
     post_busy = [0.0]
@@ -630,7 +649,7 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
     return RunReport(n_frames=T, wall_s=wall, fps=T / wall, generation_wall_s=gen_wall, first_frame_s=first[0] or wall,
                      stages=timer.report(n_frames=T), gpu_busy_s=gpu_busy, post_busy_s=post_busy[0],
                      hidden_fraction=hidden, overlap_efficiency=overlap, unet_frames=lat.unet_frames, duty_cycle=lat.unet_frames / max(T, 1),
-                     config={k: v for k, v in asdict(cfg).items()}, output=str(out_path) if writer else None,
+                     config={k: v for k, v in asdict(cfg).items()}, output=str(out_path) if writer is not None and sink is None else None,
                      weights=engine.weights)
 
 
