@@ -16,8 +16,8 @@ index comes last), an Annex B stream after the first frame.
 - Every session is tracked in `Registry`: frames encoded and sent, why it ended, and whether its
   encoder was closed. A client that disconnects mid-stream stops the encoding for it at the next
   frame and its encoder is closed.
-- `browser_run`: the page in headless Chromium through Selenium (Debian's chromium and
-  chromium-driver); BackendUnavailable with the reason when either is missing.
+- `browser_run`: the page in headless Chromium (the system's) driven by Playwright;
+  BackendUnavailable with the reason when either is missing.
 """
 from __future__ import annotations
 
@@ -367,49 +367,62 @@ class Server:
 
 # ----------------------------------------------------------------------------- the browser
 
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-dev-shm-usage", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--autoplay-policy=no-user-gesture-required"]
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
 def browser_available() -> tuple[bool, str]:
-    """Headless Chromium + chromedriver + Selenium present?"""
+    """Headless Chromium (the system's) and Playwright present?"""
     try:
-        import selenium  # noqa: F401
+        import playwright.sync_api  # noqa: F401
     except ImportError:
-        return False, "selenium is not installed (pip install selenium)"
-    for exe in ("chromium", "chromedriver"):
-        if not shutil.which(exe):
-            return False, f"{exe} is not installed (apt-get install chromium chromium-driver)"
+        return False, "playwright is not installed (pip install playwright; it drives the system Chromium)"
+    if _chromium() is None:
+        return False, "no Chromium on this machine (Debian: apt-get install chromium)"
     return True, ""
+
+
+def _drive(url: str, streams: list[str], timeout: float) -> dict[str, Any]:
+    from playwright.sync_api import sync_playwright
+
+    out: dict[str, Any] = {}
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_FLAGS, headless=True)
+        try:
+            page = browser.new_page()
+            for name in streams:
+                page.goto(f"{url}/?stream={name}")
+                try:
+                    page.wait_for_function("() => window.__result != null", timeout=timeout * 1e3, polling=50)
+                except Exception:  # noqa: BLE001 - Playwright's timeout: say what the page had reached
+                    raise TimeoutError(f"the page did not finish stream {name!r} within {timeout} s: "
+                                       f"{page.evaluate('() => window.__status || null')}") from None
+                out[name] = page.evaluate("() => window.__result")
+        finally:
+            browser.close()
+    return out
 
 
 def browser_run(url: str, stream: str | list[str], timeout: float = 120.0) -> dict[str, Any]:
     """Open the page for `stream` in headless Chromium and return what it measured
     (window.__result: frames decoded, times, composite rate, the captured box region). A list of
-    streams runs them one after another in one browser and returns {stream: result}."""
+    streams runs them one after another in one browser and returns {stream: result}. Playwright's
+    synchronous API runs in a thread of its own, so this also works inside a notebook's event loop."""
+    from concurrent.futures import ThreadPoolExecutor
+
     ok, why = browser_available()
     if not ok:
         raise BackendUnavailable(why)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = shutil.which("chromium")
-    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--autoplay-policy=no-user-gesture-required"):
-        opts.add_argument(a)
-    drv = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
-    out: dict[str, Any] = {}
-    try:
-        for name in [stream] if isinstance(stream, str) else stream:
-            drv.get(f"{url}/?stream={name}")
-            t0 = time.perf_counter()
-            while name not in out:
-                r = drv.execute_script("return window.__result || null")
-                if r is not None:
-                    out[name] = r
-                elif time.perf_counter() - t0 > timeout:
-                    raise TimeoutError(f"the page did not finish stream {name!r} within {timeout} s: "
-                                       f"{drv.execute_script('return window.__status || null')}")
-                else:
-                    time.sleep(0.05)
-    finally:
-        drv.quit()
+    names = [stream] if isinstance(stream, str) else list(stream)
+    with ThreadPoolExecutor(1) as ex:
+        out = ex.submit(_drive, url, names, timeout).result()
     return out[stream] if isinstance(stream, str) else out
 
 
