@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--only", default="", help="comma-separated notebook numbers, e.g. 00,01")
     rp.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     rp.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
+    c = sub.add_parser("calibrate", help="each family's engines at their best backend and batch: projected vs measured FPS (JSON)")
+    c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    c.add_argument("--quick", action="store_true", help="tiny models, few frames (the CPU test profile)")
+    c.add_argument("--families", default="musetalk,ditto,latentsync", help="comma-separated subset")
+    c.add_argument("--out", default=None, help="write the JSON here (default: print it)")
     sub.add_parser("env", help="print the hardware/software fingerprint and backend availability")
     sub.add_parser("list", help="list the notebooks")
     t = sub.add_parser("tidy", help="put notebooks in their committed form (no outputs, the project's kernel metadata)")
@@ -47,6 +52,22 @@ def main(argv: list[str] | None = None) -> int:
             from lab.env import backends, fingerprint
 
             print(json.dumps({"fingerprint": fingerprint(), "backends": backends()}, indent=2))
+            return 0
+        if a.cmd == "calibrate":
+            from pathlib import Path
+
+            from lab.experiments.calibrate import calibrate
+
+            device, quick = _banner(a.device, a.quick)
+            rep = calibrate(device, quick=quick, families=tuple(f.strip() for f in a.families.split(",") if f.strip()),
+                            log=lambda m: print(m, file=sys.stderr, flush=True))
+            text = json.dumps(rep, indent=2, default=str)
+            if a.out:
+                Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(a.out).write_text(text + "\n")
+                print(f"calibration: {a.out}", file=sys.stderr)
+            else:
+                print(text)
             return 0
         if a.cmd == "tidy":
             from lab.notebook_format import tidy_file

@@ -25,6 +25,21 @@ def _is_cuda(device: torch.device | str | None) -> bool:
     return device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
+# callbacks told about every StageTimer made while they are registered (`watching`): a live view
+# (a notebook HUD) reads a pipeline's own timer without the pipeline knowing about it
+_WATCHERS: list[Callable[["StageTimer"], None]] = []
+
+
+@contextmanager
+def watching(callback: Callable[["StageTimer"], None]) -> Iterator[None]:
+    """Call `callback(timer)` for each StageTimer created inside the block (e.g. by a pipeline's run)."""
+    _WATCHERS.append(callback)
+    try:
+        yield
+    finally:
+        _WATCHERS.remove(callback)
+
+
 @dataclass
 class _Span:
     name: str
@@ -54,6 +69,8 @@ class StageTimer:
         self._stack: list[str] = []
         self._wall0 = time.perf_counter()
         self._wall1: float | None = None
+        for w in tuple(_WATCHERS):
+            w(self)
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:

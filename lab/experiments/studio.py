@@ -1,0 +1,336 @@
+"""The studio in a notebook: a compile panel (family, backend, precision, batch, the family's
+technique switches, "run") and a telemetry HUD fed live from the pipeline's own stage timer.
+
+    hud = Hud(built)                 # displayed: an HTML readout under a display id
+    with hud:                        # every StageTimer the run makes is watched (lab.timing.watching)
+        out = families.render(built)
+    hud.finish(out)                  # the final figures replace the live readout: a static snapshot
+
+The HUD reads the timer from a side thread a few times a second: the spans the pipeline already
+records (CUDA events are only queried, never waited on), the allocator's current bytes and the
+process RSS. It adds nothing to the pipeline's loop; `hud_overhead` measures what the side thread
+costs anyway (the same render with and without it).
+
+Both views are plain output (HTML and PNG under display ids, updated in place), so a saved or
+headless notebook keeps the last state; the panel's controls are widgets above them.
+"""
+from __future__ import annotations
+
+import html
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lab import memory
+from lab.errors import BackendUnavailable, LabError
+from lab.experiments import families as F
+from lab.timing import watching
+
+# the stage each family closes once per batch/block of finished frames, and what queues it has
+PROGRESS = {"musetalk": "encode", "ditto": "putback_encode", "latentsync": "write"}
+
+
+def frames_per_call(built: F.Built) -> int:
+    cfg = built.engine.cfg
+    if built.setting.family == "musetalk":
+        return cfg.batch_size
+    if built.setting.family == "ditto":
+        return max(16, cfg.batch_size * cfg.stride * 2)
+    return cfg.block
+
+
+def planned_saved(setting: F.Setting) -> float | None:
+    """The share of the heavy network's work the switches plan to skip (None: decided by the audio)."""
+    fam = setting.family
+    if fam in ("musetalk", "ditto"):
+        k = setting.opt("stride")
+        return None if k == "adaptive" else 1.0 - 1.0 / int(k)
+    from lab.accel import sampling
+
+    m = sampling.parse_mode(setting.opt("mode"))
+    full = m.steps if m.cache_interval <= 1 else int(np.ceil(m.steps / m.cache_interval))
+    return 1.0 - full / 20
+
+
+class Hud:
+    """Live FPS, real-time factor, per-stage ms/frame, memory, queue depth and compute saved."""
+
+    def __init__(self, built: F.Built, n_frames: int | None = None, period_s: float = 0.25, live: bool = True):
+        self.built = built
+        self.n = built.clip.n_frames if n_frames is None else int(n_frames)
+        self.period_s = period_s
+        self.live = live
+        self.timers: list[Any] = []
+        self._seen: dict[int, int] = {}       # id(timer) → spans already read
+        self._pending: list[Any] = []         # CUDA spans whose events had not completed yet
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.t0: float | None = None
+        self.updates = 0
+        self.readings: list[dict] = []
+        self.final: dict | None = None
+        self._handle: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._watch: Any = None
+
+    # -- reading the timer (side thread) --
+    def _span_s(self, timer: Any, sp: Any) -> float | None:
+        if timer.cuda and sp.start is not None:
+            if not sp.end.query():      # not done on the GPU yet: read it next time
+                return None
+            return sp.start.elapsed_time(sp.end) / 1e3
+        return sp.cpu_end - sp.cpu_start
+
+    def _collect(self) -> None:
+        todo = self._pending
+        self._pending = []
+        for t in list(self.timers):
+            k = id(t)
+            spans = t.spans[:]            # a copy: the pipeline keeps appending
+            todo += [(t, sp) for sp in spans[self._seen.get(k, 0):]]
+            self._seen[k] = len(spans)
+        for t, sp in todo:
+            s = self._span_s(t, sp)
+            if s is None:
+                self._pending.append((t, sp))
+                continue
+            self.totals[sp.name] = self.totals.get(sp.name, 0.0) + s
+            self.counts[sp.name] = self.counts.get(sp.name, 0) + 1
+
+    def reading(self) -> dict[str, Any]:
+        self._collect()
+        fam = self.built.setting.family
+        el = time.perf_counter() - (self.t0 or time.perf_counter())
+        done = min(self.n, self.counts.get(PROGRESS[fam], 0) * frames_per_call(self.built))
+        fps = done / el if el > 0 and done else 0.0
+        dev = self.built.device
+        gpu = torch.cuda.memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
+        try:
+            rss = memory.rss_bytes() / 2**20
+        except BackendUnavailable:
+            rss = None
+        queue = None
+        if fam == "musetalk" and self.built.engine.cfg.mode == "async":
+            queue = max(0, self.counts.get("d2h", 0) - self.counts.get("encode", 0))
+        r = {"elapsed_s": el, "frames": done, "of": self.n, "fps": fps, "rtf": fps / F.FPS,
+             "stages_ms_per_frame": {k: 1e3 * v / max(done, 1) for k, v in self.totals.items() if "/" not in k},
+             "gpu_mb": gpu, "rss_mb": rss, "queue": queue, "compute_saved": planned_saved(self.built.setting)}
+        self.readings.append(r)
+        return r
+
+    # -- showing it --
+    def html(self, r: dict[str, Any], final: bool = False) -> str:
+        s = self.built.setting
+        head = "final" if final else ("running" if self.t0 is not None else "ready")
+        q = "—" if r.get("queue") is None else str(r["queue"])
+        saved = r.get("compute_saved")
+        saved_s = "decided by the audio" if saved is None else f"{100 * saved:.0f}%"
+        mem = (f"GPU {r['gpu_mb']:.0f} MB · " if r.get("gpu_mb") is not None else "") + \
+            (f"host RSS {r['rss_mb']:.0f} MB" if r.get("rss_mb") is not None else "")
+        stages = "".join(f"<tr><td>{html.escape(k)}</td><td style='text-align:right'>{v:.2f}</td></tr>"
+                         for k, v in r.get("stages_ms_per_frame", {}).items())
+        extra = ""
+        if final and self.final:
+            f = self.final
+            extra = (f"<div>time to first frame {f['first_frame_s'] * 1e3:.0f} ms · peak GPU "
+                     f"{'—' if f['gpu_peak_mb'] is None else format(f['gpu_peak_mb'], '.0f') + ' MB'} · peak host "
+                     f"{f['rss_peak_mb']:.0f} MB · {html.escape(f['saved_what'])}</div>")
+        return (f"<div class='lab-hud' data-state='{head}' data-updates='{self.updates}' style='font-family:monospace;"
+                f"border:1px solid #888;padding:6px;max-width:760px'>"
+                f"<b>HUD · {html.escape(s.label())}</b> · <span class='lab-hud-state'>{head}</span><br>"
+                f"⚡ {r['fps']:.1f} FPS · real-time factor {r['rtf']:.2f}× · frames {r['frames']}/{r['of']} · "
+                f"{r['elapsed_s']:.2f} s · compute saved {saved_s} · queue {q}<br>{mem}{extra}"
+                f"<table style='font-size:90%'><tr><th>stage</th><th>ms/frame</th></tr>{stages}</table></div>")
+
+    def _show(self, text: str) -> None:
+        from IPython.display import HTML
+
+        if self._handle is not None:
+            self._handle.update(HTML(text))
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import HTML, display
+
+        r = self.readings[-1] if self.readings else {"elapsed_s": 0.0, "frames": 0, "of": self.n, "fps": 0.0, "rtf": 0.0}
+        self._handle = display(HTML(self.html(r, final=self.final is not None)), display_id=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            r = self.reading()
+            self.updates += 1
+            if self.live:
+                self._show(self.html(r))
+
+    def __enter__(self) -> "Hud":
+        self.t0 = time.perf_counter()
+        self._watch = watching(self.timers.append)
+        self._watch.__enter__()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="hud", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._watch.__exit__(*exc)
+
+    def finish(self, out: F.Outcome) -> dict[str, Any]:
+        """The static snapshot: the run's own figures (not the last live reading) replace the readout."""
+        self.final = out.row()
+        r = {"elapsed_s": out.wall_s, "frames": out.n_frames, "of": self.n, "fps": out.fps, "rtf": out.rtf,
+             "stages_ms_per_frame": {k: 1e3 * v / max(out.n_frames, 1) for k, v in out.stages.items() if "/" not in k},
+             "gpu_mb": out.gpu_peak_mb, "rss_mb": out.rss_peak_mb, "queue": self.readings[-1]["queue"] if self.readings else None,
+             "compute_saved": out.compute_saved}
+        self.readings.append(r)
+        self._show(self.html(r, final=True))
+        return r
+
+
+def hud_overhead(built: F.Built, repeats: int = 3, period_s: float = 0.1) -> dict[str, Any]:
+    """The same render with and without a live HUD (alternating, `repeats` each, medians)."""
+    plain, with_hud, updates = [], [], []
+    for _ in range(repeats):
+        plain.append(F.render(built).fps)
+        hud = Hud(built, period_s=period_s, live=False)
+        with hud:
+            out = F.render(built)
+        with_hud.append(out.fps)
+        updates.append(hud.updates)
+    a, b = statistics.median(plain), statistics.median(with_hud)
+    return {"fps_without_hud": a, "fps_with_hud": b, "overhead_pct": 100 * (1 - b / a), "repeats": repeats,
+            "hud_period_s": period_s, "hud_updates_median": statistics.median(updates), "label": built.setting.label()}
+
+
+# ----------------------------------------------------------------------------- the compile panel
+
+def strip_figure(frames: np.ndarray, title: str = ""):
+    from lab.plots import image_row
+
+    idx = np.linspace(0, len(frames) - 1, min(4, len(frames))).round().astype(int)
+    return image_row([frames[i] for i in idx], [f"frame {i}" for i in idx], suptitle=title)
+
+
+class Panel:
+    """Family / backend / precision / batch / switches → "run": build, render with the HUD, a frame strip.
+
+    Unusable backends and precisions are listed with the reason instead of being offered."""
+
+    def __init__(self, clip: F.Clip, device: torch.device, size: str, folder: Path | None = None,
+                 family: str = "musetalk", batches: tuple[int, ...] = (1, 2, 4, 8, 16), batch: int = 4, seed: int = 0,
+                 suffix: str = ""):
+        import ipywidgets as W
+
+        self.clip, self.device, self.size, self.folder, self.seed, self.suffix = clip, device, size, folder, seed, suffix
+        self.family = W.Dropdown(options=list(F.FAMILIES), value=family, description="family")
+        self.backend = W.Dropdown(description="backend")
+        self.precision = W.Dropdown(description="precision")
+        self.batch = W.Dropdown(options=list(batches), value=batch, description="batch")
+        self.switches = W.VBox()
+        self.notes = W.HTML()
+        self.button = W.Button(description="run", button_style="primary")
+        self.status = W.HTML("ready")
+        self.controls = W.VBox([W.HBox([self.family, self.backend]), W.HBox([self.precision, self.batch]),
+                                self.switches, self.notes, W.HBox([self.button, self.status])])
+        self.hud: Hud | None = None
+        self.outcome: F.Outcome | None = None
+        self.built: dict[str, F.Built] = {}
+        self._pic: Any = None
+        self._hud_handle: Any = None
+        self.family.observe(self._family_changed, names="value")
+        self.button.on_click(lambda _b: self.start())
+        self._family_changed()
+
+    def _family_changed(self, *_: Any) -> None:
+        import ipywidgets as W
+
+        fam = self.family.value
+        bk = F.backend_options(fam, self.device)
+        pr = F.precision_options(fam, self.device)
+        self.backend.options = [(F.BACKEND_TEXT[b], b) for b, ok, _ in bk if ok]
+        self.backend.value = "eager"
+        self.precision.options = [p for p, ok, _ in pr if ok]
+        self.precision.value = "fp16"
+        self._toggles = {}
+        for name, (choices, default) in F.TOGGLES[fam].items():
+            self._toggles[name] = W.Dropdown(options=[(str(c), c) for c in choices], value=default, description=name)
+        self.switches.children = tuple(self._toggles.values())
+        no = [f"{F.BACKEND_TEXT[b]}: {html.escape(why)}" for b, ok, why in bk if not ok] + \
+             [f"{p}: {html.escape(why)}" for p, ok, why in pr if not ok]
+        self.notes.value = "<small>not offered here — " + "<br>".join(no) + "</small>" if no else ""
+
+    def setting(self) -> F.Setting:
+        return F.Setting(self.family.value, self.backend.value, self.precision.value, int(self.batch.value),
+                         {k: w.value for k, w in self._toggles.items()})
+
+    def start(self) -> F.Outcome | None:
+        """Build (reusing an engine built for the same setting), render the clip under the HUD, show a strip."""
+        from IPython.display import Image
+
+        from lab.widgets import figure_png
+
+        s = self.setting()
+        self.status.value = f"building {html.escape(s.label())} …"
+        try:
+            key = repr(s)
+            if key not in self.built:
+                self.built[key] = F.build(s, self.clip, self.device, self.size, seed=self.seed)
+            b = self.built[key]
+            self.hud = Hud(b)
+            self._show_hud()
+            self.status.value = "running …"
+            with self.hud:
+                out = F.render(b, keep=self.clip.n_frames)
+            self.hud.finish(out)
+        except LabError as e:
+            self.status.value = f"<span style='color:#b00'>{html.escape(str(e))}</span>"
+            return None
+        self.outcome = out
+        self.status.value = f"done: {out.n_frames} frames in {out.wall_s:.2f} s (build {b.build_s:.1f} s, not timed)"
+        png = figure_png(strip_figure(out.frames, s.label() + self.suffix))
+        if self._pic is not None:
+            self._pic.update(Image(data=png))
+        self._png = png
+        if self.folder is not None:
+            (Path(self.folder) / "studio_clip.png").write_bytes(png)
+            _write_clip(out.frames, self.clip, Path(self.folder) / "studio_clip.mp4")
+        return out
+
+    def _show_hud(self) -> None:
+        from IPython.display import HTML
+
+        if self._hud_handle is not None and self.hud is not None:
+            self._hud_handle.update(HTML(self.hud.html(self.hud.reading())))
+            self.hud._handle = self._hud_handle
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import HTML, Image, display
+
+        display(self.controls)
+        text = self.hud.html(self.hud.readings[-1], final=self.hud.final is not None) if self.hud and self.hud.readings \
+            else "<div class='lab-hud' data-state='ready' data-updates='0'>HUD · press run</div>"
+        self._hud_handle = display(HTML(text), display_id=True)
+        if self.hud is not None:
+            self.hud._handle = self._hud_handle
+        png = getattr(self, "_png", None)
+        self._pic = display(Image(data=png) if png else HTML("<i>no clip yet</i>"), display_id=True)
+
+
+def _write_clip(frames: np.ndarray, clip: F.Clip, path: Path) -> None:
+    """The rendered frames as H.264 with their audio (skipped with a note where ffmpeg is missing)."""
+    try:
+        from lab.video import FFmpegWriter
+
+        n = len(frames)
+        with FFmpegWriter(path, F.FPS, (frames.shape[2], frames.shape[1]),
+                          audio=(clip.audio[: int(round(n / F.FPS * clip.sr))], clip.sr), overwrite=True) as w:
+            w.write(frames)
+    except (ImportError, OSError, LabError) as e:
+        path.with_suffix(".txt").write_text(f"clip not written: {e}\n")
