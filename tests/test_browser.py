@@ -270,3 +270,49 @@ def test_committed_notebooks_open_unmodified(lab):
         finally:
             p.close()
         assert (folder / nb.name).read_bytes() == nb.read_bytes(), nb.name
+
+
+def _hud(page) -> dict:
+    hud = page.locator(".lab-hud").last
+    return {"state": hud.get_attribute("data-state"), "updates": int(hud.get_attribute("data-updates") or 0),
+            "text": hud.inner_text()}
+
+
+def test_studio_panel_in_lab(lab):
+    """Notebook 09 quick: the compile panel's family changed, "run" pressed, the HUD updates live from the
+    pipeline's timer and ends on a snapshot of the new run; no widget error."""
+    name = "09_leaderboard"
+    root = lab["root"]
+    _quick_copy(name, root / "notebooks", root / "runs" / name)
+    p = Page(lab, f"notebooks/{name}.ipynb")
+    try:
+        p.run_all(timeout_s=300)
+        assert not p.cell_outputs_with_errors(), p.cell_outputs_with_errors()[:1]
+        cells = p.page.locator(".jp-Notebook .jp-CodeCell")
+        cell = next(cells.nth(i) for i in range(cells.count()) if cells.nth(i).locator(".widget-button").count())
+        before = _hud(cell)
+        assert before["state"] == "final" and "musetalk" in before["text"], before
+        family = cell.locator(".widget-dropdown select").first
+        family.select_option(value=None, label="latentsync")
+        t_end = time.time() + 20   # the family's own switches replace MuseTalk's
+        while time.time() < t_end and not cell.locator(".widget-dropdown", has_text="mode").count():
+            time.sleep(0.2)
+        assert cell.locator(".widget-dropdown", has_text="mode").count(), "the LatentSync switches did not appear"
+        cell.locator(".widget-button", has_text="run").click()
+        seen, t_end = set(), time.time() + 120
+        while time.time() < t_end:
+            h = _hud(cell)
+            seen.add(h["state"])
+            if h["state"] == "final" and "latentsync" in h["text"]:
+                break
+            time.sleep(0.1)
+        after = _hud(cell)
+        assert after["state"] == "final" and "latentsync" in after["text"], (after, seen)
+        assert "running" in seen, f"the HUD was never seen live in the page (states seen: {seen})"
+        assert after["updates"] >= 2, f"the HUD refreshed {after['updates']} times during the run"
+        assert "FPS" in after["text"] and "unet" in after["text"], after["text"]
+        p.page.screenshot(path=str(root / f"{name}.png"), full_page=True)
+        assert "Error displaying widget" not in p.text()
+        assert not p.severe(), p.severe()
+    finally:
+        p.close()

@@ -225,9 +225,10 @@ class Panel:
 
     def __init__(self, clip: F.Clip, device: torch.device, size: str, folder: Path | None = None,
                  family: str = "musetalk", batches: tuple[int, ...] = (1, 2, 4, 8, 16), batch: int = 4, seed: int = 0,
-                 suffix: str = ""):
+                 suffix: str = "", interactive: bool = True, precision: str = "fp16", period_s: float = 0.25):
         import ipywidgets as W
 
+        self.interactive, self.default_precision, self.period_s = interactive, precision, period_s
         self.clip, self.device, self.size, self.folder, self.seed, self.suffix = clip, device, size, folder, seed, suffix
         self.family = W.Dropdown(options=list(F.FAMILIES), value=family, description="family")
         self.backend = W.Dropdown(description="backend")
@@ -257,7 +258,7 @@ class Panel:
         self.backend.options = [(F.BACKEND_TEXT[b], b) for b, ok, _ in bk if ok]
         self.backend.value = "eager"
         self.precision.options = [p for p, ok, _ in pr if ok]
-        self.precision.value = "fp16"
+        self.precision.value = self.default_precision if self.default_precision in self.precision.options else "fp32"
         self._toggles = {}
         for name, (choices, default) in F.TOGGLES[fam].items():
             self._toggles[name] = W.Dropdown(options=[(str(c), c) for c in choices], value=default, description=name)
@@ -283,7 +284,7 @@ class Panel:
             if key not in self.built:
                 self.built[key] = F.build(s, self.clip, self.device, self.size, seed=self.seed)
             b = self.built[key]
-            self.hud = Hud(b)
+            self.hud = Hud(b, period_s=self.period_s)
             self._show_hud()
             self.status.value = "running …"
             with self.hud:
@@ -313,7 +314,8 @@ class Panel:
     def _ipython_display_(self) -> None:
         from IPython.display import HTML, Image, display
 
-        display(self.controls)
+        if self.interactive:
+            display(self.controls)
         text = self.hud.html(self.hud.readings[-1], final=self.hud.final is not None) if self.hud and self.hud.readings \
             else "<div class='lab-hud' data-state='ready' data-updates='0'>HUD · press run</div>"
         self._hud_handle = display(HTML(text), display_id=True)

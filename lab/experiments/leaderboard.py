@@ -1,0 +1,272 @@
+"""Notebook 09: the three families on one leaderboard, the studio panel with its HUD, and what the HUD costs.
+
+MuseTalk, Ditto and LatentSync get the same speech and the same avatar video on the same device.
+Each runs twice: at its fastest exact configuration (the fastest of the profile's backend × batch
+candidates with every switch on its exact value) and at its fastest approximate one (the same
+backend and batch with the family's speed/quality trades on: MuseTalk TAESD + stride 3, Ditto
+stride 3 + silence bypass, LatentSync DPM-Solver++ in 4 steps). Rows: FPS (median of `repeats`
+renders), real-time factor, time to first frame, peak GPU / host memory, compute saved, and PSNR /
+SSIM of the approximate output against the same family's exact output (face region). Ranked by FPS.
+
+    run = start(globals())
+    rows = measure(run)            # the "leaderboard" table (ranked)
+    leaderboard_figure(run)        # leaderboard.png
+    panel(run) / panel_run(run, p) # the compile panel + HUD (a static snapshot headless)
+    overhead(run)                  # the same render with and without a live HUD
+    finish(run)
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import numpy as np
+import torch
+
+from lab import params
+from lab.errors import InputError
+from lab.experiments import families as F
+from lab.experiments import studio
+from lab.experiments.common import Run, weights_label
+from lab.experiments.common import start as _start
+
+NAME = "09_leaderboard"
+SOURCE_HUD = "Beyond Eager PyTorch (studio §4–5)"
+SOURCE_CAL = "Temporal Cadence Strides (§6.2 /calibrate)"
+THEIR_HW = "RTX 5090 Laptop (write-up)"
+
+APPROX = {"musetalk": {"decoder": "taesd", "stride": 3}, "ditto": {"stride": 3, "silence": "bypass"},
+          "latentsync": {"mode": "dpm4"}}
+
+
+def _families(name: str, v: Any) -> Any:
+    if not isinstance(v, (list, tuple)) or not v or any(f not in F.FAMILIES for f in v):
+        raise InputError(f"parameter {name}={v!r}: expected a non-empty list of {list(F.FAMILIES)}")
+    return list(v)
+
+
+RULES: dict[str, params.Rule] = {
+    "n_frames": params.positive(integer=True),
+    "quality_frames": params.positive(integer=True),
+    "repeats": params.positive(integer=True),
+    "families": _families,
+    "panel_family": params.one_of(*F.FAMILIES),
+    "hud_period_s": params.positive(),
+    "overhead_repeats": params.positive(integer=True),
+}
+
+
+def profile(p: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """quick (and any CPU run): tiny models, a 128×192 canvas, 8 frames, batch 4, eager, one render —
+    smoke-test numbers. A GPU: full-size models on a 1280×720 canvas, eager and CUDA-graph candidates
+    at batch 16 (MuseTalk's "CUDA graphs" is torch.compile reduce-overhead: minutes of build)."""
+    q, gpu = bool(p["quick"]), device.type == "cuda"
+    if q or not gpu:
+        p.update(size="tiny", frame_size=(128, 192), loop_frames=4, n_frames=min(p["n_frames"], 8 if q else 32),
+                 quality_frames=min(p["quality_frames"], 4), repeats=1 if q else p["repeats"],
+                 overhead_repeats=1 if q else p["overhead_repeats"], hud_period_s=min(p["hud_period_s"], 0.05) if q else p["hud_period_s"],
+                 candidates={f: [("eager", 4)] for f in F.FAMILIES}, panel_batch=4, precision="fp32")
+    else:
+        p.update(size="full", frame_size=(1280, 720), loop_frames=16,
+                 candidates={"musetalk": [("eager", 16)], "ditto": [("eager", 16), ("cudagraph", 16)],
+                             "latentsync": [("eager", 16), ("cudagraph", 16)]}, panel_batch=16, precision="fp16")
+    p["quality_frames"] = min(p["quality_frames"], p["n_frames"])
+    return p
+
+
+def start(namespace: dict[str, Any]) -> Run:
+    run = _start(NAME, namespace, RULES, profile)
+    if run.device.type == "cpu":
+        torch.set_num_threads(1)   # tiny models on a shared CPU: one thread is fastest and steadiest
+    run.clip = F.make_clip(run.n_frames, run.frame_size, run.loop_frames, run.seed)
+    run.built = {}
+    run.outcomes = {}
+    return run
+
+
+def describe(run: Run) -> str:
+    return (f"{run.machine} | {run.size} models, {run.n_frames} frames at {F.FPS:.0f} fps on a "
+            f"{run.frame_size[0]}×{run.frame_size[1]} canvas, {run.precision} | families {run.families} | "
+            f"run folder: {run.folder}")
+
+
+def _exact_options(run: Run, family: str) -> dict[str, Any]:
+    if family == "musetalk" and run.device.type == "cuda":
+        return {"mode": "async", "subpixel": True}   # both keep the output (notebooks 01 / 02)
+    return {}
+
+
+def _median(outs: list[F.Outcome]) -> F.Outcome:
+    """The render with the median FPS; memory peaks are the largest of all."""
+    o = sorted(outs, key=lambda x: x.fps)[len(outs) // 2]
+    o.first_frame_s = statistics.median(x.first_frame_s for x in outs)
+    gp = [x.gpu_peak_mb for x in outs if x.gpu_peak_mb is not None]
+    o.gpu_peak_mb = max(gp) if gp else None
+    o.rss_peak_mb = max(x.rss_peak_mb for x in outs)
+    o.frames = outs[0].frames
+    return o
+
+
+def _timed(run: Run, setting: F.Setting) -> tuple[F.Built, F.Outcome]:
+    b = F.build(setting, run.clip, run.device, run.size, seed=run.seed)
+    outs = [F.render(b, keep=run.quality_frames) for _ in range(run.repeats)]
+    return b, _median(outs)
+
+
+def _row(kind: str, b: F.Built, o: F.Outcome, q: dict) -> dict[str, Any]:
+    return {"family": o.family, "config": kind, "setting": o.label, "fps": o.fps, "rtf": o.rtf,
+            "first_frame_ms": 1e3 * o.first_frame_s, "gpu_peak_mb": o.gpu_peak_mb, "rss_peak_mb": o.rss_peak_mb,
+            "compute_saved_pct": 100 * o.compute_saved, "saved": o.saved_what, "psnr_vs_exact_db": q["psnr_db"],
+            "ssim_vs_exact": q["ssim"], "build_s": b.build_s, "frames": o.n_frames}
+
+
+def measure(run: Run) -> Any:
+    """Every family: the exact candidates (fastest kept), then the approximate at its backend and batch."""
+    rows = []
+    box = run.clip.face_box()
+    for fam in run.families:
+        best = None
+        for backend, batch in run.candidates[fam]:
+            s = F.Setting(fam, backend, run.precision, batch, _exact_options(run, fam))
+            b, o = _timed(run, s)
+            print(f"  {o.label:60s} {o.fps:9.2f} FPS", flush=True)
+            if best is None or o.fps > best[1].fps:
+                best = (b, o)
+        b, exact = best
+        run.built[fam] = b
+        rows.append(_row("exact fastest", b, exact, {"psnr_db": float("inf"), "ssim": 1.0}))
+        s = F.Setting(fam, b.setting.backend, run.precision, b.setting.batch, _exact_options(run, fam) | APPROX[fam])
+        ba, approx = _timed(run, s)
+        print(f"  {approx.label:60s} {approx.fps:9.2f} FPS", flush=True)
+        rows.append(_row("fastest approximate", ba, approx, F.quality(approx, exact, box)))
+        run.outcomes[fam] = (exact, approx)
+        run.result.weights.update({f"{fam}:{k}": v for k, v in b.weights.items()})
+    rows.sort(key=lambda r: -r["fps"])
+    for i, r in enumerate(rows, 1):
+        r["rank"] = i
+    return run.table("leaderboard", rows, ["rank", "family", "config", "fps", "rtf", "first_frame_ms", "gpu_peak_mb",
+                                           "rss_peak_mb", "compute_saved_pct", "psnr_vs_exact_db", "ssim_vs_exact", "setting"])
+
+
+COLORS = {"musetalk": "#1f77b4", "ditto": "#2ca02c", "latentsync": "#d62728"}
+
+
+def leaderboard_figure(run: Run) -> Any:
+    """FPS per configuration (ranked; hatched = approximate) with the real-time line, and time to first frame."""
+    import matplotlib.pyplot as plt
+
+    rows = run.result.tables["leaderboard"]
+    labels = [f"#{r['rank']} {r['family']} · {r['config']}" for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.5 * len(rows) + 2), sharey=True)
+    y = np.arange(len(rows))[::-1]
+    for ax, key, unit in ((a, "fps", "FPS"), (b, "first_frame_ms", "time to first frame (ms)")):
+        bars = ax.barh(y, [r[key] for r in rows], color=[COLORS[r["family"]] for r in rows])
+        for bar, r in zip(bars, rows):
+            if r["config"] != "exact fastest":
+                bar.set_hatch("//")
+        ax.set_xlabel(unit)
+    a.axvline(F.FPS, color="k", ls="--", lw=1, label=f"real time ({F.FPS:.0f} FPS)")
+    for yy, r in zip(y, rows):
+        p = r["psnr_vs_exact_db"]
+        txt = "exact" if p is None or p == float("inf") else f"{p:.1f} dB vs exact"
+        a.text(r["fps"], yy, f" {r['fps']:.1f} · {txt}", va="center", fontsize=8)
+    a.set_yticks(y, labels)
+    a.legend(loc="lower right", fontsize=8)
+    fig.suptitle("leaderboard: same audio, avatar and device" + run.suffix(weights_label(run.result.weights)), fontsize=10)
+    fig.tight_layout()
+    return run.figure(fig, "leaderboard")
+
+
+def stages_table(run: Run) -> Any:
+    """Per family and configuration: ms per frame of each top-level stage (the pipelines' own timers)."""
+    rows = []
+    for fam, pair in run.outcomes.items():
+        for kind, o in zip(("exact fastest", "fastest approximate"), pair):
+            top = {k: 1e3 * v / o.n_frames for k, v in o.stages.items() if "/" not in k}
+            rows.append({"family": fam, "config": kind, **{k: round(v, 3) for k, v in top.items()}})
+    return run.table("stages_ms_per_frame", rows)
+
+
+# ----------------------------------------------------------------------------- studio
+
+def panel(run: Run, interactive: bool | None = None) -> studio.Panel:
+    """The compile panel over the run's clip (controls only with a front end; headless the HUD and clip remain)."""
+    from lab.widgets import resolve_interactive
+
+    return studio.Panel(run.clip, run.device, run.size, run.folder, family=run.panel_family,
+                        batch=run.panel_batch, seed=run.seed, suffix=run.suffix(),
+                        interactive=resolve_interactive(interactive), precision=run.precision, period_s=run.hud_period_s)
+
+
+def panel_run(run: Run, p: studio.Panel) -> Any:
+    """Press "run" with the panel's current controls; the HUD above updates live and stays as a snapshot."""
+    from IPython.display import Markdown
+
+    out = p.start()
+    if out is None:
+        return Markdown(f"panel run refused: {p.status.value}")
+    run.result.tables["panel_run"] = [out.row() | {"hud_updates": p.hud.updates}]
+    if "studio_clip.png" not in run.result.figures:
+        run.result.figures.append("studio_clip.png")
+    return Markdown(f"panel: **{out.label}**: {out.fps:.1f} FPS, first frame {1e3 * out.first_frame_s:.0f} ms, "
+                    f"HUD refreshed {p.hud.updates}× during the run; clip in the run folder (`studio_clip.mp4`)")
+
+
+def overhead(run: Run) -> Any:
+    """A family's exact engine rendered with and without a live HUD, alternating (medians)."""
+    fam = run.panel_family if run.panel_family in run.built else next(iter(run.built))
+    r = studio.hud_overhead(run.built[fam], repeats=run.overhead_repeats, period_s=run.hud_period_s)
+    return run.table("hud_overhead", [r])
+
+
+def comparisons(run: Run) -> None:
+    res = run.result
+    rows = res.tables.get("leaderboard", [])
+    ours_hw = f"{run.machine}, {run.size} size, {weights_label(res.weights)}"
+    full = run.size == "full"
+    top = rows[0] if rows else None
+    res.compare(source=SOURCE_HUD, claim="a leaderboard ranks the talking-head models by speed on one GPU "
+                "(10-second script, 250 frames at 25 FPS)", their_value="ranking table not given in the text",
+                their_hardware=THEIR_HW, our_value=f"#1 {top['family']} {top['config']} {top['fps']:.1f} FPS" if top else None,
+                our_hardware=ours_hw, unit="FPS", verdict="not comparable",
+                reason="their figures are not in the write-up's text; other GPU; random weights here" +
+                ("" if full else "; tiny CPU configs: mechanics only"))
+    oh = (res.tables.get("hud_overhead") or [{}])[0]
+    pct = oh.get("overhead_pct")
+    res.compare(source=SOURCE_HUD, claim="a live telemetry HUD (FPS, compute saved, active optimizations) beside the preview",
+                their_value="no cost given", their_hardware=THEIR_HW,
+                our_value=None if pct is None else round(pct, 2), our_hardware=ours_hw, unit="% FPS lost with the HUD live",
+                verdict="not comparable" if pct is None or not full else ("reproduced" if abs(pct) < 3 else "differs"),
+                reason="the write-up quotes no overhead; ours is the same render with and without the HUD's reader thread"
+                       + ("" if full else " (tiny CPU configs: noisy)"))
+    mt = next((r for r in rows if r["family"] == "musetalk" and r["config"] == "fastest approximate"), None)
+    res.compare(source=SOURCE_CAL, claim="MuseTalk stride 3 + TAESD projected at 620 FPS (stride 1: 351.6)", their_value=620.0,
+                their_hardware=THEIR_HW, our_value=None if mt is None else round(mt["fps"], 1), our_hardware=ours_hw,
+                unit="FPS (ours measured end to end without encoding)", verdict="not comparable",
+                reason="theirs is a projection from UNet and decoder alone on another GPU; ours is measured through the "
+                       "whole pipeline (`lab calibrate` prints projected vs measured)")
+
+
+def headline(run: Run) -> dict[str, Any]:
+    rows = run.result.tables.get("leaderboard", [])
+    hl: dict[str, Any] = {}
+    for r in rows:
+        p = r["psnr_vs_exact_db"]
+        q = "exact" if p == float("inf") else (f"PSNR {p:.1f} dB vs exact" if p is not None else "")
+        hl[f"#{r['rank']} {r['family']} {r['config']}"] = f"{r['fps']:.1f} FPS ({r['rtf']:.2f}× real time), first frame " \
+                                                          f"{r['first_frame_ms']:.0f} ms, {q}"
+    oh = (run.result.tables.get("hud_overhead") or [{}])[0]
+    if oh:
+        hl["HUD overhead"] = f"{oh['overhead_pct']:.1f}% FPS ({oh['fps_without_hud']:.1f} → {oh['fps_with_hud']:.1f})"
+    hl["weights"] = "random weights: speeds are real, PSNR only says how far each approximation moves the output"
+    if run.quick:
+        hl["profile"] = "quick (tiny configs on CPU): smoke-test numbers"
+    return hl
+
+
+def finish(run: Run) -> Any:
+    comparisons(run)
+    run.result.headline = headline(run)
+    run.result.params["repeats"] = run.repeats
+    run.save()
+    return run.show_headline()
