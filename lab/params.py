@@ -200,3 +200,13 @@ def _out_dir(name: str, v: Any) -> Any:
 
 COMMON_RULES: dict[str, Rule] = {"device": _device, "quick": flag, "seed": non_negative(integer=True),
                                  "out_dir": _out_dir, "interactive": optional_flag}
+
+
+def weights(models: tuple[str, ...] | list[str]) -> Rule:
+    """A weights source ('random', a hub id or a local path) or a dict of them per model in `models`."""
+    def rule(name: str, v: Any) -> Any:
+        if isinstance(v, str) or (isinstance(v, dict) and all(k in models and isinstance(w, str) for k, w in v.items())):
+            return v
+        raise InputError(f"parameter {name}={v!r}: expected a weights source ('random', a hub id or a local path) or "
+                         f"a dict of them per model ({', '.join(models)})")
+    return rule

@@ -651,11 +651,7 @@ STEP_COLS = ["step", "status", "est_s", "seconds", "reason"]
 WRITEUP = "000 §4.2 (Blackwell FP8)"
 
 
-def _weights_rule(name: str, v: Any) -> Any:
-    if isinstance(v, str) or (isinstance(v, dict) and all(k in MODELS and isinstance(w, str) for k, w in v.items())):
-        return v
-    raise InputError(f"parameter {name}={v!r}: expected a weights source ('random', a hub id or a local path) or "
-                     f"a dict of them per model ({', '.join(MODELS)})")
+_weights_rule = params.weights(MODELS)
 
 
 def _image_rule(name: str, v: Any) -> Any:
