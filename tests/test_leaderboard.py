@@ -123,3 +123,14 @@ def test_panel_headless(clip, tmp_path):
     out = p.start()
     assert out is not None and out.family == "ditto" and "done" in p.status.value
     assert (tmp_path / "studio_clip.png").stat().st_size > 0 and p.hud.final["fps"] == out.fps
+
+
+@pytest.mark.parametrize("family, first, then", [("musetalk", {"decoder": "taesd", "stride": 2}, {}),
+                                                 ("latentsync", {"mode": "dpm4"}, {"mode": "ddim8"})])
+def test_derived_engine_renders_like_a_fresh_one(clip, family, first, then):
+    base = F.build(F.Setting(family, batch=4, options=first), clip, "cpu", size="tiny")
+    derived = F.build(F.Setting(family, batch=4, options=then), clip, "cpu", size="tiny", base=base)
+    fresh = F.build(F.Setting(family, batch=4, options=then), clip, "cpu", size="tiny")
+    a, b = F.render(derived, keep=4), F.render(fresh, keep=4)
+    assert derived.engine is not base.engine and np.array_equal(a.frames, b.frames)
+    assert F.render(base, keep=1).label == base.setting.label()   # the base keeps its own switches

@@ -94,7 +94,7 @@ def _setting(family: str, backend: str, batch: int, choice: dict, device: torch.
 
 def calibrate_family(family: str, p: Plan, device: torch.device, clip: F.Clip, seed: int = 0,
                      log: Any = print) -> dict[str, Any]:
-    sweep, best, best_out = [], None, None
+    sweep, best, best_out, base = [], None, None, None
     skipped = []
     for backend in p.backends:
         ok = {b: (u, why) for b, u, why in F.backend_options(family, device)}[backend]
@@ -103,7 +103,8 @@ def calibrate_family(family: str, p: Plan, device: torch.device, clip: F.Clip, s
             continue
         for batch in p.batches[family]:
             s = _setting(family, backend, batch, CHOICES[family][0], device)
-            built = F.build(s, clip, device, p.size, seed=seed)
+            built = F.build(s, clip, device, p.size, seed=seed, base=base)
+            base = base or built
             out = F.render(built)
             sweep.append({"backend": backend, "batch": batch, "fps": out.fps, "build_s": built.build_s})
             log(f"  {family:10s} {backend:9s} b{batch:<3d} {out.fps:9.2f} FPS (dense, exact)")
@@ -113,7 +114,8 @@ def calibrate_family(family: str, p: Plan, device: torch.device, clip: F.Clip, s
     basis = {"dense": best_out, "sd-vae": best_out}
     engines = [{"choice": "dense exact", **r} for r in _engines(family, best_out)]
     if family == "musetalk":   # the other decoder's engine, in its own dense run at the same backend/batch
-        built = F.build(_setting(family, backend, batch, {"decoder": "taesd", "stride": 1}, device), clip, device, p.size, seed)
+        built = F.build(_setting(family, backend, batch, {"decoder": "taesd", "stride": 1}, device), clip, device, p.size, seed,
+                        base=base)
         basis["taesd"] = F.render(built)
         engines += [{"choice": "taesd dense", **r} for r in _engines(family, basis["taesd"]) if r["engine"] == "vae_decode"]
     rows = []
@@ -123,7 +125,7 @@ def calibrate_family(family: str, p: Plan, device: torch.device, clip: F.Clip, s
         if is_basis:
             meas = basis[ch.get("decoder", "dense")]
         else:
-            built = F.build(_setting(family, backend, batch, ch, device), clip, device, p.size, seed=seed)
+            built = F.build(_setting(family, backend, batch, ch, device), clip, device, p.size, seed=seed, base=base)
             meas = F.render(built)
         rows.append({"choice": ", ".join(f"{k}={v}" for k, v in ch.items()), "kind": "basis (measured)" if is_basis else "projected",
                      "duty_cycle": _duty(family, ch, clip.n_frames), "projected_fps": proj, "measured_fps": meas.fps,

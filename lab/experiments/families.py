@@ -177,51 +177,88 @@ def _dtype(setting: Setting) -> str:
     return "fp16" if setting.precision == "fp8" else setting.precision
 
 
-def build(setting: Setting, clip: Clip, device: torch.device | str, size: str = "full", seed: int = 0) -> Built:
-    """Models loaded, avatar prepared, warmed up (compiles and graph captures happen here)."""
+def _musetalk_cfg(setting: Setting, clip: Clip, size: str, seed: int):
+    from lab.pipelines import musetalk as mt
+
+    return mt.Config(fps=FPS, batch_size=setting.batch, dtype=_dtype(setting), decoder=setting.opt("decoder"),
+                     mode=setting.opt("mode"), size=size, frame_size=(clip.frames.shape[2], clip.frames.shape[1]),
+                     crop=256 if size == "full" else 64, loop_frames=len(clip.frames), writer="null", pipe_format="rgb24",
+                     compile={"eager": "none", "compile": "default", "cudagraph": "reduce-overhead"}[setting.backend],
+                     subpixel=bool(setting.opt("subpixel")), stride=setting.opt("stride"), landmarks="none", seed=seed)
+
+
+def _ditto_cfg(setting: Setting, clip: Clip, size: str, seed: int, dev: torch.device):
+    from lab.pipelines import ditto as P
+
+    cuda = dev.type == "cuda"
+    prec = {"fp16": "fp16", "bf16": "fp16", "fp32": "fp32", "fp8": "fp16"}[setting.precision]
+    return P.Config(size=size, precision=prec if cuda else "fp32", batch_size=setting.batch, hubert_batch=setting.batch,
+                    cuda_graphs=setting.backend == "cudagraph", compile="default" if setting.backend == "compile" else "none",
+                    fold_spectral_norm=True, channels_last=cuda, source_pool="vram" if cuda else "host",
+                    putback="gpu" if cuda else "cpu", writer="null", stride=int(setting.opt("stride")),
+                    stride_space=setting.opt("stride_space"), silence=setting.opt("silence"), motion=setting.opt("motion"),
+                    sampling_steps=50 if size == "full" else 2, frame_size=(clip.frames.shape[2], clip.frames.shape[1]),
+                    seed=seed)
+
+
+def _latentsync_cfg(setting: Setting, size: str, seed: int):
+    from lab.pipelines import latentsync as P
+
+    if setting.batch > P.MAX_BLOCK:
+        raise InputError(f"batch={setting.batch}: LatentSync's block holds at most {P.MAX_BLOCK} frames")
+    return P.Config(mode=setting.opt("mode"), block=setting.batch, size=size, dtype=_dtype(setting),
+                    fast={"eager": "eager", "compile": "compile", "cudagraph": "cudagraph"}[setting.backend], seed=seed)
+
+
+def build(setting: Setting, clip: Clip, device: torch.device | str, size: str = "full", seed: int = 0,
+          base: Built | None = None) -> Built:
+    """Models loaded, avatar prepared, warmed up (compiles and graph captures happen here).
+
+    `base`: an engine of the same family, size, clip and seed built before; its networks (and the
+    pipeline's cached variants) are reused through the pipeline's own reconfigure, so a second
+    setting costs its warm-up, not another model load."""
+    from dataclasses import asdict, replace
+
     setting.check()
     dev = torch.device(device)
     usable(setting, dev)
     t0 = time.perf_counter()
     fam = setting.family
+    same = base is not None and base.setting.family == fam and base.size == size and base.clip is clip \
+        and base.device == dev and base.engine.cfg.seed == seed
     if fam == "musetalk":
         from lab.pipelines import musetalk as mt
 
-        crop = 256 if size == "full" else 64
-        cfg = mt.Config(fps=FPS, batch_size=setting.batch, dtype=_dtype(setting), decoder=setting.opt("decoder"),
-                        mode=setting.opt("mode"), size=size, frame_size=(clip.frames.shape[2], clip.frames.shape[1]),
-                        crop=crop, loop_frames=len(clip.frames), writer="null", pipe_format="rgb24",
-                        compile={"eager": "none", "compile": "default", "cudagraph": "reduce-overhead"}[setting.backend],
-                        subpixel=bool(setting.opt("subpixel")), stride=setting.opt("stride"), landmarks="none", seed=seed)
-        engine = mt.build_engine(cfg, dev)
-        mt.prepare(engine, clip.frames, "default avatar")
+        cfg = _musetalk_cfg(setting, clip, size, seed)
+        if same and not (base.engine.cfg.subpixel and not cfg.subpixel and cfg.decoder == "sd-vae"):
+            engine = mt.reconfigure(base.engine, **asdict(cfg))
+        else:
+            engine = mt.build_engine(cfg, dev)
+            mt.prepare(engine, clip.frames, "default avatar")
         mt.warmup(engine)
         b = Built(setting, dev, size, clip, engine)
     elif fam == "ditto":
         from lab.pipelines import ditto as P
 
-        prec = {"fp16": "fp16", "bf16": "fp16", "fp32": "fp32", "fp8": "fp16"}[setting.precision]
-        cuda = dev.type == "cuda"
-        cfg = P.Config(size=size, precision=prec if cuda else "fp32", batch_size=setting.batch, hubert_batch=setting.batch,
-                       cuda_graphs=setting.backend == "cudagraph", compile="default" if setting.backend == "compile" else "none",
-                       fold_spectral_norm=True, channels_last=cuda, source_pool="vram" if cuda else "host",
-                       putback="gpu" if cuda else "cpu", writer="null", stride=int(setting.opt("stride")),
-                       stride_space=setting.opt("stride_space"), silence=setting.opt("silence"), motion=setting.opt("motion"),
-                       sampling_steps=50 if size == "full" else 2, frame_size=(clip.frames.shape[2], clip.frames.shape[1]),
-                       seed=seed)
-        engine = P.build(cfg, dev)
-        avatar = P.prepare(engine, clip.frames, "default avatar")
+        cfg = _ditto_cfg(setting, clip, size, seed, dev)
+        if same:
+            engine, avatar = P.reconfigure(base.engine, **asdict(cfg)), base.state
+        else:
+            engine = P.build(cfg, dev)
+            avatar = P.prepare(engine, clip.frames, "default avatar")
         P.warmup(engine, avatar)
         b = Built(setting, dev, size, clip, engine, avatar)
     else:
         from lab.pipelines import latentsync as P
 
-        if setting.batch > P.MAX_BLOCK:
-            raise InputError(f"batch={setting.batch}: LatentSync's block holds at most {P.MAX_BLOCK} frames")
-        fast = {"eager": "eager", "compile": "compile", "cudagraph": "cudagraph"}[setting.backend]
-        cfg = P.Config(mode=setting.opt("mode"), block=setting.batch, size=size, dtype=_dtype(setting), fast=fast, seed=seed)
-        engine = P.build(cfg, dev)
-        job = P.prepare(engine, clip.frames, clip.audio, clip.sr)
+        cfg = _latentsync_cfg(setting, size, seed)
+        if same and base.engine.cfg.dtype == cfg.dtype:
+            engine = replace(base.engine, cfg=cfg, unet_fn=None, runner=None)
+            P.set_fast(engine, cfg.fast)
+            job = base.state if base.engine.cfg.block == cfg.block else P.prepare(engine, clip.frames, clip.audio, clip.sr)
+        else:
+            engine = P.build(cfg, dev)
+            job = P.prepare(engine, clip.frames, clip.audio, clip.sr)
         P.run(engine, job, max_frames=setting.batch)   # warm-up: one block (kernels, autotuning)
         b = Built(setting, dev, size, clip, engine, job)
     b.build_s = time.perf_counter() - t0

@@ -107,8 +107,8 @@ def _median(outs: list[F.Outcome]) -> F.Outcome:
     return o
 
 
-def _timed(run: Run, setting: F.Setting) -> tuple[F.Built, F.Outcome]:
-    b = F.build(setting, run.clip, run.device, run.size, seed=run.seed)
+def _timed(run: Run, setting: F.Setting, base: F.Built | None = None) -> tuple[F.Built, F.Outcome]:
+    b = F.build(setting, run.clip, run.device, run.size, seed=run.seed, base=base)
     outs = [F.render(b, keep=run.quality_frames) for _ in range(run.repeats)]
     return b, _median(outs)
 
@@ -125,10 +125,11 @@ def measure(run: Run) -> Any:
     rows = []
     box = run.clip.face_box()
     for fam in run.families:
-        best = None
+        best, base = None, None
         for backend, batch in run.candidates[fam]:
             s = F.Setting(fam, backend, run.precision, batch, _exact_options(run, fam))
-            b, o = _timed(run, s)
+            b, o = _timed(run, s, base)
+            base = base or b
             print(f"  {o.label:60s} {o.fps:9.2f} FPS", flush=True)
             if best is None or o.fps > best[1].fps:
                 best = (b, o)
@@ -136,7 +137,7 @@ def measure(run: Run) -> Any:
         run.built[fam] = b
         rows.append(_row("exact fastest", b, exact, {"psnr_db": float("inf"), "ssim": 1.0}))
         s = F.Setting(fam, b.setting.backend, run.precision, b.setting.batch, _exact_options(run, fam) | APPROX[fam])
-        ba, approx = _timed(run, s)
+        ba, approx = _timed(run, s, b)
         print(f"  {approx.label:60s} {approx.fps:9.2f} FPS", flush=True)
         rows.append(_row("fastest approximate", ba, approx, F.quality(approx, exact, box)))
         run.outcomes[fam] = (exact, approx)
