@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     c.add_argument("--quick", action="store_true", help="tiny models, few frames (the CPU test profile)")
     c.add_argument("--families", default="musetalk,ditto,latentsync", help="comma-separated subset")
+    c.add_argument("--frames", type=int, default=None, help="frames per render (default: the profile's)")
     c.add_argument("--out", default=None, help="write the JSON here (default: print it)")
     sub.add_parser("env", help="print the hardware/software fingerprint and backend availability")
     sub.add_parser("list", help="list the notebooks")
@@ -58,8 +59,11 @@ def main(argv: list[str] | None = None) -> int:
 
             from lab.experiments.calibrate import calibrate
 
-            device, quick = _banner(a.device, a.quick)
-            rep = calibrate(device, quick=quick, families=tuple(f.strip() for f in a.families.split(",") if f.strip()),
+            import contextlib
+
+            with contextlib.redirect_stdout(sys.stderr):   # stdout carries the JSON
+                device, quick = _banner(a.device, a.quick)
+            rep = calibrate(device, quick=quick, n_frames=a.frames, families=tuple(f.strip() for f in a.families.split(",") if f.strip()),
                             log=lambda m: print(m, file=sys.stderr, flush=True))
             text = json.dumps(rep, indent=2, default=str)
             if a.out:

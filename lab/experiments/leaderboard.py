@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from lab import params
-from lab.errors import InputError
+from lab.errors import InputError, LabError
 from lab.experiments import families as F
 from lab.experiments import studio
 from lab.experiments.common import Run, weights_label
@@ -120,31 +120,43 @@ def _row(kind: str, b: F.Built, o: F.Outcome, q: dict) -> dict[str, Any]:
             "ssim_vs_exact": q["ssim"], "build_s": b.build_s, "frames": o.n_frames}
 
 
+def _family_rows(run: Run, fam: str, box: tuple[slice, slice]) -> list[dict[str, Any]]:
+    best, base = None, None
+    for backend, batch in run.candidates[fam]:
+        s = F.Setting(fam, backend, run.precision, batch, _exact_options(run, fam))
+        b, o = _timed(run, s, base)
+        base = base or b
+        print(f"  {o.label:60s} {o.fps:9.2f} FPS", flush=True)
+        if best is None or o.fps > best[1].fps:
+            best = (b, o)
+    b, exact = best
+    run.built[fam] = b
+    rows = [_row("exact fastest", b, exact, {"psnr_db": float("inf"), "ssim": 1.0})]
+    s = F.Setting(fam, b.setting.backend, run.precision, b.setting.batch, _exact_options(run, fam) | APPROX[fam])
+    ba, approx = _timed(run, s, b)
+    print(f"  {approx.label:60s} {approx.fps:9.2f} FPS", flush=True)
+    rows.append(_row("fastest approximate", ba, approx, F.quality(approx, exact, box)))
+    run.outcomes[fam] = (exact, approx)
+    run.result.weights.update({f"{fam}:{k}": v for k, v in b.weights.items()})
+    return rows
+
+
 def measure(run: Run) -> Any:
-    """Every family: the exact candidates (fastest kept), then the approximate at its backend and batch."""
-    rows = []
+    """Every family: the exact candidates (fastest kept), then the approximate at its backend and batch.
+    A family that fails (e.g. out of memory) is listed in the "failed" table; the others still run."""
+    rows, failed = [], []
     box = run.clip.face_box()
     for fam in run.families:
-        best, base = None, None
-        for backend, batch in run.candidates[fam]:
-            s = F.Setting(fam, backend, run.precision, batch, _exact_options(run, fam))
-            b, o = _timed(run, s, base)
-            base = base or b
-            print(f"  {o.label:60s} {o.fps:9.2f} FPS", flush=True)
-            if best is None or o.fps > best[1].fps:
-                best = (b, o)
-        b, exact = best
-        run.built[fam] = b
-        rows.append(_row("exact fastest", b, exact, {"psnr_db": float("inf"), "ssim": 1.0}))
-        s = F.Setting(fam, b.setting.backend, run.precision, b.setting.batch, _exact_options(run, fam) | APPROX[fam])
-        ba, approx = _timed(run, s, b)
-        print(f"  {approx.label:60s} {approx.fps:9.2f} FPS", flush=True)
-        rows.append(_row("fastest approximate", ba, approx, F.quality(approx, exact, box)))
-        run.outcomes[fam] = (exact, approx)
-        run.result.weights.update({f"{fam}:{k}": v for k, v in b.weights.items()})
+        try:
+            rows += _family_rows(run, fam, box)
+        except (LabError, RuntimeError) as e:
+            failed.append({"family": fam, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(f"  {fam}: failed: {failed[-1]['error']}", flush=True)
     rows.sort(key=lambda r: -r["fps"])
     for i, r in enumerate(rows, 1):
         r["rank"] = i
+    if failed:
+        run.result.tables["failed"] = failed
     return run.table("leaderboard", rows, ["rank", "family", "config", "fps", "rtf", "first_frame_ms", "gpu_peak_mb",
                                            "rss_peak_mb", "compute_saved_pct", "psnr_vs_exact_db", "ssim_vs_exact", "setting"])
 
@@ -259,6 +271,8 @@ def headline(run: Run) -> dict[str, Any]:
     oh = (run.result.tables.get("hud_overhead") or [{}])[0]
     if oh:
         hl["HUD overhead"] = f"{oh['overhead_pct']:.1f}% FPS ({oh['fps_without_hud']:.1f} → {oh['fps_with_hud']:.1f})"
+    for f in run.result.tables.get("failed", []):
+        hl[f"{f['family']} failed"] = f["error"]
     hl["weights"] = "random weights: speeds are real, PSNR only says how far each approximation moves the output"
     if run.quick:
         hl["profile"] = "quick (tiny configs on CPU): smoke-test numbers"

@@ -246,7 +246,7 @@ class Panel:
         self._pic: Any = None
         self._hud_handle: Any = None
         self.family.observe(self._family_changed, names="value")
-        self.button.on_click(lambda _b: self.start())
+        self.button.on_click(self._clicked)
         self._family_changed()
 
     def _family_changed(self, *_: Any) -> None:
@@ -266,6 +266,12 @@ class Panel:
         no = [f"{F.BACKEND_TEXT[b]}: {html.escape(why)}" for b, ok, why in bk if not ok] + \
              [f"{p}: {html.escape(why)}" for p, ok, why in pr if not ok]
         self.notes.value = "<small>not offered here — " + "<br>".join(no) + "</small>" if no else ""
+
+    def _clicked(self, _b: Any) -> None:
+        try:
+            self.start()
+        except Exception as e:  # a button has no cell to show a traceback in: say it where the user looks
+            self.status.value = f"<span style='color:#b00'>{html.escape(type(e).__name__)}: {html.escape(str(e)[:300])}</span>"
 
     def setting(self) -> F.Setting:
         return F.Setting(self.family.value, self.backend.value, self.precision.value, int(self.batch.value),
