@@ -49,7 +49,7 @@ def test_profile_sizes():
     assert cpu["size"] == "tiny" and cpu["n_frames"] <= 32
     gpu = L.profile(dict(base), torch.device("cuda"))
     assert gpu["size"] == "full" and gpu["n_frames"] == base["n_frames"] and gpu["precision"] == "fp16"
-    assert ("cudagraph", 16) in gpu["candidates"]["latentsync"]
+    assert ("cudagraph", 16) in gpu["candidates"]["ditto"] and gpu["candidates"]["latentsync"] == [("cudagraph", 16)]
 
 
 def test_setting_checks():

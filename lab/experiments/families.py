@@ -153,7 +153,17 @@ def make_clip(n_frames: int, frame_size: tuple[int, int], loop_frames: int = 8, 
     from lab import data
     from lab.pipelines.musetalk import avatar_loop
 
-    a, sr = data.default_audio(16000)
+    try:
+        a, sr = data.default_audio(16000)
+    except ImportError:   # a host without soundfile: the bundled file is a plain 16-bit PCM WAV
+        import wave
+
+        from lab.audio import resample
+
+        with wave.open(str(data.DEFAULT_AUDIO)) as w:
+            raw, ch, rate = w.readframes(w.getnframes()), w.getnchannels(), w.getframerate()
+        x = np.frombuffer(raw, np.int16).reshape(-1, ch).mean(1).astype(np.float32) / 32768
+        a, sr = resample(x, rate, 16000, backend="torchaudio_cpu"), 16000
     n = int(round(n_frames / FPS * sr))
     audio = np.resize(a, n).astype(np.float32)
     return Clip(audio, sr, avatar_loop(loop_frames, tuple(frame_size), seed=seed), int(n_frames))

@@ -58,8 +58,9 @@ RULES: dict[str, params.Rule] = {
 
 def profile(p: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """quick (and any CPU run): tiny models, a 128×192 canvas, 8 frames, batch 4, eager, one render —
-    smoke-test numbers. A GPU: full-size models on a 1280×720 canvas, eager and CUDA-graph candidates
-    at batch 16 (MuseTalk's "CUDA graphs" is torch.compile reduce-overhead: minutes of build)."""
+    smoke-test numbers. A GPU: full-size models on a 1280×720 canvas at batch 16; MuseTalk eager (its CUDA
+    graphs come with torch.compile: minutes of build), Ditto eager and CUDA graphs, LatentSync its CUDA graph
+    (the fastest exact runner of notebook 07; `lab calibrate` times eager beside it)."""
     q, gpu = bool(p["quick"]), device.type == "cuda"
     if q or not gpu:
         p.update(size="tiny", frame_size=(128, 192), loop_frames=4, n_frames=min(p["n_frames"], 8 if q else 32),
@@ -69,7 +70,7 @@ def profile(p: dict[str, Any], device: torch.device) -> dict[str, Any]:
     else:
         p.update(size="full", frame_size=(1280, 720), loop_frames=16,
                  candidates={"musetalk": [("eager", 16)], "ditto": [("eager", 16), ("cudagraph", 16)],
-                             "latentsync": [("eager", 16), ("cudagraph", 16)]}, panel_batch=16, precision="fp16")
+                             "latentsync": [("cudagraph", 16)]}, panel_batch=16, precision="fp16")
     p["quality_frames"] = min(p["quality_frames"], p["n_frames"])
     return p
 
@@ -208,7 +209,8 @@ def panel(run: Run, interactive: bool | None = None) -> studio.Panel:
 
     return studio.Panel(run.clip, run.device, run.size, run.folder, family=run.panel_family,
                         batch=run.panel_batch, seed=run.seed, suffix=run.suffix(),
-                        interactive=resolve_interactive(interactive), precision=run.precision, period_s=run.hud_period_s)
+                        interactive=resolve_interactive(interactive), precision=run.precision, period_s=run.hud_period_s,
+                        bases=run.built)
 
 
 def panel_run(run: Run, p: studio.Panel) -> Any:

@@ -225,7 +225,8 @@ class Panel:
 
     def __init__(self, clip: F.Clip, device: torch.device, size: str, folder: Path | None = None,
                  family: str = "musetalk", batches: tuple[int, ...] = (1, 2, 4, 8, 16), batch: int = 4, seed: int = 0,
-                 suffix: str = "", interactive: bool = True, precision: str = "fp16", period_s: float = 0.25):
+                 suffix: str = "", interactive: bool = True, precision: str = "fp16", period_s: float = 0.25,
+                 bases: dict[str, F.Built] | None = None):
         import ipywidgets as W
 
         self.interactive, self.default_precision, self.period_s = interactive, precision, period_s
@@ -243,6 +244,7 @@ class Panel:
         self.hud: Hud | None = None
         self.outcome: F.Outcome | None = None
         self.built: dict[str, F.Built] = {}
+        self.bases = dict(bases or {})     # family → an engine built before: its networks are reused
         self._pic: Any = None
         self._hud_handle: Any = None
         self.family.observe(self._family_changed, names="value")
@@ -288,7 +290,9 @@ class Panel:
         try:
             key = repr(s)
             if key not in self.built:
-                self.built[key] = F.build(s, self.clip, self.device, self.size, seed=self.seed)
+                self.built[key] = F.build(s, self.clip, self.device, self.size, seed=self.seed,
+                                          base=self.bases.get(s.family))
+                self.bases.setdefault(s.family, self.built[key])
             b = self.built[key]
             self.hud = Hud(b, period_s=self.period_s)
             self._show_hud()
