@@ -134,3 +134,9 @@ def test_derived_engine_renders_like_a_fresh_one(clip, family, first, then):
     a, b = F.render(derived, keep=4), F.render(fresh, keep=4)
     assert derived.engine is not base.engine and np.array_equal(a.frames, b.frames)
     assert F.render(base, keep=1).label == base.setting.label()   # the base keeps its own switches
+
+
+def test_hud_overhead_times_a_refreshing_hud(musetalk):
+    r = S.hud_overhead(musetalk, repeats=1, period_s=1.0)
+    assert r["hud_updates_median"] >= 5, r   # a short render still gets a HUD that refreshes during it
+    assert r["fps_without_hud"] > 0 and r["fps_with_hud"] > 0 and r["hud_period_s"] < 1.0
