@@ -63,12 +63,17 @@ def main(argv: list[str] | None = None) -> int:
 
             with contextlib.redirect_stdout(sys.stderr):   # stdout carries the JSON
                 device, quick = _banner(a.device, a.quick)
+            def write(rep: dict) -> None:   # after each family too: a run cut short keeps what it measured
+                from lab.results import atomic_write_text
+
+                Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(a.out, json.dumps(rep, indent=2, default=str) + "\n", overwrite=True)
+
             rep = calibrate(device, quick=quick, n_frames=a.frames, families=tuple(f.strip() for f in a.families.split(",") if f.strip()),
-                            log=lambda m: print(m, file=sys.stderr, flush=True))
+                            log=lambda m: print(m, file=sys.stderr, flush=True), partial=write if a.out else None)
             text = json.dumps(rep, indent=2, default=str)
             if a.out:
-                Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(a.out).write_text(text + "\n")
+                write(rep)
                 print(f"calibration: {a.out}", file=sys.stderr)
             else:
                 print(text)

@@ -28,7 +28,7 @@ def test_calibrate_cli_quick_cpu(tmp_path, one_thread):
     out = tmp_path / "cal.json"
     assert main(["calibrate", "--device", "cpu", "--quick", "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
-    assert rep["quick"] and rep["device"] == "cpu" and set(rep["benchmarks"]) == set(F.FAMILIES)
+    assert rep["quick"] and rep["complete"] and rep["device"] == "cpu" and set(rep["benchmarks"]) == set(F.FAMILIES)
     for fam, b in rep["benchmarks"].items():
         assert b["best"]["backend"] == "eager" and b["best"]["batch"] in C.plan(__import__("torch").device("cpu"), True).batches[fam]
         assert {r["backend"] for r in b["skipped"]} <= {"compile", "cudagraph"}

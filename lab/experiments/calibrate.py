@@ -138,8 +138,9 @@ def calibrate_family(family: str, p: Plan, device: torch.device, clip: F.Clip, s
 
 
 def calibrate(device: str = "auto", quick: bool = False, seed: int = 0, families: tuple[str, ...] = F.FAMILIES,
-              n_frames: int | None = None, log: Any = print) -> dict[str, Any]:
-    """The whole calibration as a JSON-able dict (see the module docstring)."""
+              n_frames: int | None = None, log: Any = print, partial: Any = None) -> dict[str, Any]:
+    """The whole calibration as a JSON-able dict (see the module docstring). `partial(report)` is
+    called after each family with the report so far (`complete` False until the end)."""
     bad = [f for f in families if f not in F.FAMILIES]
     if bad or not families:
         from lab.errors import InputError
@@ -167,10 +168,13 @@ def calibrate(device: str = "auto", quick: bool = False, seed: int = 0, families
         except (LabError, RuntimeError) as e:   # one family failing (e.g. out of memory) leaves the others
             out["benchmarks"][fam] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
             log(f"  {fam}: failed: {e}")
+        if partial is not None:
+            partial(out | {"complete": False})
     errs = [abs(r["error_pct"]) for b in out["benchmarks"].values() for r in b.get("projections", [])
             if r["kind"] == "projected"]
     out["median_abs_error_pct"] = float(np.median(errs)) if errs else None
     out["wall_s"] = time.perf_counter() - t0
     out["provenance"] = env.provenance()
     out["weights_note"] = "random weights: speeds are real, no quality is implied"
+    out["complete"] = True
     return out
