@@ -1,8 +1,14 @@
 """MuseTalk v1.5-shaped lip-sync pipeline, every stage timed.
 
-    audio (any rate) → resample to 16 kHz → Whisper-tiny features (T, 50, 384)
+    audio (any rate) → resample to 16 kHz → Whisper-tiny features, 30 s at a time → (50, 384) per frame
       → UNet at t=0 on [masked lower-half latent ‖ reference latent] per frame (batched)
       → VAE decode → blend the 256² face into the full frame → H.264 encode (+ audio mux)
+
+The UNet is fed what upstream MuseTalk v1.5 feeds it: audio windows placed and zero-padded as v1.5
+places them (`Config.audio_windows`), the face box v1.5 builds from 68 face landmarks (2D FAN) with
+its bottom margin, resized with LANCZOS4, and a feathered jaw blend mask (`Config.face_crop`;
+"geometric" keeps the earlier 1.5× square crop). The audio features are streamed (an
+AudioFeatureStream), so a run's memory does not grow with the length of the speech.
 
 Two modes:
 
