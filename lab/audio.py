@@ -61,6 +61,8 @@ def resample(x: np.ndarray | torch.Tensor, orig_sr: int, new_sr: int, backend: s
     a = _as_numpy_f32(x)
     if orig_sr == new_sr:
         return a.copy()
+    if backend.startswith("librosa") and importlib.util.find_spec("librosa") is None:
+        raise BackendUnavailable(f"{backend}: the 'librosa' package is not installed (pip install librosa)")
     if backend == "librosa_soxr":
         import librosa
 

@@ -138,3 +138,15 @@ def test_check_not_silent_on_long_stereo_audio():
         check_not_silent(x, sr, "long.wav", fps=30)
     x[1, sr * 65: sr * 65 + 400] = 0.5  # audible in the last block only, one channel
     check_not_silent(x, sr, "long.wav", fps=30)
+
+
+def test_resample_without_librosa_is_unavailable_not_a_crash(monkeypatch):
+    import importlib.util
+
+    from lab import audio
+    from lab.errors import BackendUnavailable
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "librosa" else real(name, *a))
+    with pytest.raises(BackendUnavailable, match="librosa"):
+        audio.resample(np.zeros(1600, np.float32), 24000, 16000, backend="librosa_soxr")
