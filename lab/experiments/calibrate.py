@@ -95,8 +95,9 @@ def _setting(family: str, backend: str, batch: int, choice: dict, device: torch.
 
 
 def calibrate_family(family: str, p: Plan, device: torch.device, clip: F.Clip, seed: int = 0,
-                     log: Any = print) -> dict[str, Any]:
-    sweep, best, best_out, base = [], None, None, None
+                     log: Any = print, base: F.Built | None = None) -> dict[str, Any]:
+    """`base`: an engine of this family already built on `clip` (its networks are reused)."""
+    sweep, best, best_out = [], None, None
     skipped = []
     for backend in p.backends[family]:
         ok = {b: (u, why) for b, u, why in F.backend_options(family, device)}[backend]
@@ -138,9 +139,12 @@ def calibrate_family(family: str, p: Plan, device: torch.device, clip: F.Clip, s
 
 
 def calibrate(device: str = "auto", quick: bool = False, seed: int = 0, families: tuple[str, ...] = F.FAMILIES,
-              n_frames: int | None = None, log: Any = print, partial: Any = None) -> dict[str, Any]:
+              n_frames: int | None = None, log: Any = print, partial: Any = None, clip: F.Clip | None = None,
+              bases: dict[str, F.Built] | None = None) -> dict[str, Any]:
     """The whole calibration as a JSON-able dict (see the module docstring). `partial(report)` is
-    called after each family with the report so far (`complete` False until the end)."""
+    called after each family with the report so far (`complete` False until the end). `clip` and
+    `bases` (family → an engine built on that clip at the plan's size): calibrate on an existing clip,
+    reusing those networks (notebook 09 passes its leaderboard's)."""
     bad = [f for f in families if f not in F.FAMILIES]
     if bad or not families:
         from lab.errors import InputError
@@ -156,7 +160,10 @@ def calibrate(device: str = "auto", quick: bool = False, seed: int = 0, families
 
             raise InputError(f"n_frames={n_frames!r}: expected an integer >= 2")
         p.n_frames = n_frames
-    clip = F.make_clip(p.n_frames, p.frame_size, seed=seed)
+    if clip is None:
+        clip = F.make_clip(p.n_frames, p.frame_size, seed=seed)
+    else:
+        p.n_frames, p.frame_size = clip.n_frames, (clip.frames.shape[2], clip.frames.shape[1])
     t0 = time.perf_counter()
     out: dict[str, Any] = {"machine": env.machine_label(), "device": str(dev), "quick": bool(quick), "size": p.size,
                            "frame_size": list(p.frame_size), "n_frames": p.n_frames, "fps_target": F.FPS,
@@ -164,7 +171,7 @@ def calibrate(device: str = "auto", quick: bool = False, seed: int = 0, families
                            "benchmarks": {}}
     for fam in families:
         try:
-            out["benchmarks"][fam] = calibrate_family(fam, p, dev, clip, seed, log)
+            out["benchmarks"][fam] = calibrate_family(fam, p, dev, clip, seed, log, (bases or {}).get(fam))
         except (LabError, RuntimeError) as e:   # one family failing (e.g. out of memory) leaves the others
             out["benchmarks"][fam] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
             log(f"  {fam}: failed: {e}")
