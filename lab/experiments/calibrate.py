@@ -53,7 +53,7 @@ def plan(device: torch.device, quick: bool) -> Plan:
     if quick or not gpu:
         return Plan("tiny", (128, 192), 8 if quick else 32, {"musetalk": [2, 4], "ditto": [2, 4], "latentsync": [4]},
                     {f: ["eager"] for f in F.FAMILIES}, dict(CHOICES))
-    return Plan("full", (1280, 720), 48, {"musetalk": [8, 16, 32], "ditto": [8, 16], "latentsync": [16]},
+    return Plan("full", (1280, 720), 48, {"musetalk": [16, 32], "ditto": [8, 16], "latentsync": [16]},
                 {"musetalk": ["eager"], "ditto": ["eager", "cudagraph"], "latentsync": ["eager", "cudagraph"]}, dict(CHOICES))
 
 

@@ -263,7 +263,7 @@ def panel(run: Run, interactive: bool | None = None) -> studio.Panel:
     return studio.Panel(run.clip, run.device, run.size, run.folder, family=run.panel_family,
                         batch=run.panel_batch, seed=run.seed, suffix=run.suffix(),
                         interactive=resolve_interactive(interactive), precision=run.precision, period_s=run.hud_period_s,
-                        bases=run.built)
+                        bases=run.built, defaults={f: _exact_options(run, f) for f in F.FAMILIES})
 
 
 def panel_run(run: Run, p: studio.Panel) -> Any:

@@ -232,7 +232,7 @@ class Panel:
     def __init__(self, clip: F.Clip, device: torch.device, size: str, folder: Path | None = None,
                  family: str = "musetalk", batches: tuple[int, ...] = (1, 2, 4, 8, 16), batch: int = 4, seed: int = 0,
                  suffix: str = "", interactive: bool = True, precision: str = "fp16", period_s: float = 0.25,
-                 bases: dict[str, F.Built] | None = None):
+                 bases: dict[str, F.Built] | None = None, defaults: dict[str, dict[str, Any]] | None = None):
         import ipywidgets as W
 
         self.interactive, self.default_precision, self.period_s = interactive, precision, period_s
@@ -251,6 +251,7 @@ class Panel:
         self.outcome: F.Outcome | None = None
         self.built: dict[str, F.Built] = {}
         self.bases = dict(bases or {})     # family → an engine built before: its networks are reused
+        self.defaults = dict(defaults or {})   # family → switch values the controls start on
         self._pic: Any = None
         self._hud_handle: Any = None
         self.family.observe(self._family_changed, names="value")
@@ -268,8 +269,10 @@ class Panel:
         self.precision.options = [p for p, ok, _ in pr if ok]
         self.precision.value = self.default_precision if self.default_precision in self.precision.options else "fp32"
         self._toggles = {}
+        start = self.defaults.get(fam, {})
         for name, (choices, default) in F.TOGGLES[fam].items():
-            self._toggles[name] = W.Dropdown(options=[(str(c), c) for c in choices], value=default, description=name)
+            self._toggles[name] = W.Dropdown(options=[(str(c), c) for c in choices], value=start.get(name, default),
+                                             description=name)
         self.switches.children = tuple(self._toggles.values())
         no = [f"{F.BACKEND_TEXT[b]}: {html.escape(why)}" for b, ok, why in bk if not ok] + \
              [f"{p}: {html.escape(why)}" for p, ok, why in pr if not ok]
