@@ -194,7 +194,10 @@ def _musetalk_cfg(setting: Setting, clip: Clip, size: str, seed: int):
                      mode=setting.opt("mode"), size=size, frame_size=(clip.frames.shape[2], clip.frames.shape[1]),
                      crop=256 if size == "full" else 64, loop_frames=len(clip.frames), writer="null", pipe_format="rgb24",
                      compile={"eager": "none", "compile": "default", "cudagraph": "reduce-overhead"}[setting.backend],
-                     subpixel=bool(setting.opt("subpixel")), stride=setting.opt("stride"), landmarks="none", seed=seed)
+                     subpixel=bool(setting.opt("subpixel")), stride=setting.opt("stride"),
+                     # the crop recipe does not change the networks' work; the geometric one needs no
+                     # landmark model and no OpenCV (notebook 01 compares the two)
+                     face_crop="geometric", seed=seed)
 
 
 def _ditto_cfg(setting: Setting, clip: Clip, size: str, seed: int, dev: torch.device):
