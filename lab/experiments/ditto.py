@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lab import env, metrics, plots
+from lab import env, metrics, params, plots
 from lab.accel import silence as sil
 from lab.models import ditto as D
 from lab.pipelines import ditto as P
@@ -35,6 +35,20 @@ from lab.results import Result, atomic_write_text, run_dir, save_figure
 from lab.timing import bench, count_flops, matmul_ceiling
 
 NAME = "06_ditto"
+
+
+def _source_rule(name: str, v: Any) -> Any:
+    from lab.errors import InputError
+
+    if v is None:
+        return v
+    if not isinstance(v, (str, Path)) or not Path(v).is_file():
+        raise InputError(f"parameter {name}={v!r}: expected None (the bundled avatar) or the path of an image or video file")
+    return v
+
+
+# the notebook's own parameters beyond device / quick / seed / out_dir (checked before anything runs)
+RULES: dict[str, params.Rule] = {"weights": params.weights(D.COMPONENTS), "source": _source_rule}
 SRC_PILLARS = "write-up 004 (Ditto five pillars)"
 SRC_STRIDES = "write-up 003 (cadence strides, Ditto half)"
 WRITEUP_HW = "RTX 5090 laptop (sm_120), PyTorch 2.13, CUDA 12.8"
@@ -158,6 +172,10 @@ def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str
           weights: dict[str, str] | str = "random", source: str | None = None) -> Context:
     """Profile, engine (random weights unless `weights` names released files), avatar, clip, Result."""
     t_start = time.perf_counter()
+    from lab.experiments.common import notebook_path
+
+    params.check({"device": device, "quick": quick, "seed": seed, "out_dir": out_dir, "weights": weights, "source": source},
+                 {**params.notebook_defaults(notebook_path(NAME)), "interactive": None}, RULES, NAME)
     dev = env.pick_device(device)
     prof = profile(quick, dev)
     if dev.type == "cpu":
