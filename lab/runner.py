@@ -125,6 +125,7 @@ def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str
     token = secrets.token_hex(8)
     out = claim(out_dir, token)
     executed = out / nb.name
+    _mark(out, "running", nb.stem)
     params["out_dir"] = str(out)
     t0 = time.perf_counter()
     error = None
@@ -156,7 +157,17 @@ def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str
             entry.status, entry.error = "failed", f"results.json unreadable: {e}"
     elif not error:
         entry.status, entry.error = "failed", "notebook finished without writing results.json"
+    _mark(out, "complete" if entry.status == "ok" else "failed", nb.stem, entry.error)
     return entry
+
+
+def _mark(folder: Path, status: str, notebook: str, error: str | None = None) -> None:
+    """The notebook folder's own run.json: "running" with our pid until it ends (a run killed
+    outright then reads as interrupted through `run_status`)."""
+    import os
+
+    atomic_write_text(folder / "run.json", json.dumps({"status": status, "pid": os.getpid(), "notebook": notebook,
+                                                       "error": error}, indent=2), overwrite=True)
 
 
 def select(only: list[str] | None, notebooks_dir: str | Path = NOTEBOOKS) -> list[Path]:

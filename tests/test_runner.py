@@ -200,3 +200,11 @@ def test_bad_only_before_banner(capsys, monkeypatch):
     assert cli.main(["reproduce", "--only", "42"]) == 2
     out = capsys.readouterr()
     assert "matched no notebook" in out.err and "QUICK profile" not in out.out
+
+
+def test_single_run_records_its_status(nbdir, tmp_path):
+    out = tmp_path / "one"
+    e = runner.run_notebook(nbdir / "00_good.ipynb", out, {"quick": True})
+    assert e.status == "ok" and runner.run_status(out) == "complete"
+    bad = runner.run_notebook(nbdir / "01_fails.ipynb", tmp_path / "two", {})
+    assert bad.status == "failed" and runner.run_status(tmp_path / "two") == "failed"
