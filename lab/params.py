@@ -127,15 +127,6 @@ def non_negative(integer: bool = False) -> Rule:
     return rule
 
 
-def between(lo: float, hi: float, integer: bool = False) -> Rule:
-    def rule(name: str, v: Any) -> Any:
-        v = _num(name, v, integer)
-        if not lo <= v <= hi:
-            raise InputError(f"parameter {name}={v!r}: must be between {lo} and {hi}")
-        return v
-    return rule
-
-
 def one_of(*choices: Any) -> Rule:
     def rule(name: str, v: Any) -> Any:
         if v not in choices:
@@ -146,7 +137,7 @@ def one_of(*choices: Any) -> Rule:
     return rule
 
 
-def list_of(rule: Rule, choices: tuple | None = None, nonempty: bool = True) -> Rule:
+def list_of(rule: Rule, nonempty: bool = True) -> Rule:
     def check_list(name: str, v: Any) -> Any:
         if not isinstance(v, (list, tuple)) or (nonempty and not v):
             raise InputError(f"parameter {name}={v!r}: expected a non-empty list")
@@ -165,10 +156,6 @@ def any_of(*rules: Rule) -> Rule:
                 err = e
         raise err  # type: ignore[misc]
     return rule
-
-
-def literal(*values: Any) -> Rule:
-    return one_of(*values)
 
 
 def flag(name: str, v: Any) -> Any:

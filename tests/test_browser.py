@@ -25,8 +25,7 @@ NOTEBOOKS = ROOT / "notebooks"
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-dev-shm-usage",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 # what a Lab page may log as an error without anything being wrong for the user
-BENIGN = ("favicon", "Failed to load resource: the server responded with a status of 404",
-          "jupyterlab-manager", "Content Security Policy")
+BENIGN = ("favicon", "Failed to load resource: the server responded with a status of 404")
 
 
 def _chromium() -> str | None:

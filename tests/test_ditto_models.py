@@ -3,7 +3,6 @@
 spectral norm) and their errors, spectral-norm folding, HuBERT chunking, the LMDM schedule."""
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lab.accel import fp8, fp8_triton
-from lab.accel.fp8 import E4M3, E4M3_MAX, FP8Conv2d, FP8Linear, quantize_module
+from lab.accel.fp8 import E4M3, FP8Conv2d, FP8Linear, quantize_module
 from lab.errors import InputError
 from lab.results import _clean
 

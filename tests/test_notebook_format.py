@@ -62,3 +62,18 @@ def test_foundation_imports_no_layer():
            if f.name not in ("runner.py", "cli.py", "__main__.py")
            for imp in _imports(f) if imp.startswith(layers)]
     assert not bad, bad
+
+
+def test_saved_notebooks_keep_the_picture_not_the_widget_view():
+    from lab.jupyter_hooks import NOTE, WIDGET_VIEW, pre_save
+
+    png = {"output_type": "display_data", "data": {"image/png": "iVBOR"}, "metadata": {}}
+    view = {"output_type": "display_data", "metadata": {},
+            "data": {WIDGET_VIEW: {"model_id": "abc", "version_major": 2}, "text/plain": "VBox(...)"}}
+    nb = {"cells": [{"cell_type": "code", "outputs": [view, png]}], "metadata": {"widgets": {"state": {}}}}
+    pre_save({"type": "notebook", "content": nb}, path="x.ipynb")
+    outs = nb["cells"][0]["outputs"]
+    assert outs[0]["data"] == {"text/plain": NOTE} and outs[1] == png and "widgets" not in nb["metadata"]
+    other = {"type": "file", "content": "text"}
+    pre_save(other, path="x.txt")
+    assert other == {"type": "file", "content": "text"}

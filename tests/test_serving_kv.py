@@ -1,6 +1,5 @@
 """Streaming attention stack and its caches: exactness vs the causal reference, INT8 error, the
 fused kernel (Triton interpreter on CPU), memory bound, HuBERT hosting."""
-import numpy as np
 import pytest
 import torch
 

@@ -36,7 +36,7 @@ from lab.accel import cache as C
 from lab.budget import RESERVE_S, Budget, BudgetExceeded, budget_seconds, estimate, save_partial
 from lab.errors import BackendUnavailable, InputError
 from lab.experiments import common
-from lab.experiments.common import Run, row, weights_label
+from lab.experiments.common import Run, budget_report, row, weights_label
 from lab.metrics import cosine, mae, max_abs, psnr
 from lab.results import OUTPUTS
 from lab.timing import bench, count_flops
@@ -596,7 +596,6 @@ TABLE_COLS = ["model", "batch", "backend", "status", "fps", "ms_per_batch", "spe
               "build_s", "cache_hit", "psnr_vs_eager", "cos_vs_eager", "max_abs_vs_eager", "psnr_vs_fp32", "cos_vs_fp32",
               "max_abs_vs_fp32"]
 DEMO_COLS = ["step", "result", "ready_s", "build_s", "load_s", "warnings", "file", "max_abs_vs_step1"]
-STEP_COLS = ["step", "status", "est_s", "seconds", "reason"]
 LAYOUT_COLS = ("baseline", "speedup_vs_eager_cl")  # shown only when an 'eager (NCHW)' row was measured
 
 
@@ -981,11 +980,7 @@ def finish(run: Run) -> Any:
     res.metrics["unavailable"] = sorted({r["backend"] for r in rows if r["status"] == "unavailable"})
     res.metrics["failed"] = [f"{r['model']} b{r['batch']} {r['backend']}: {r['reason']}" for r in rows
                              if r["status"] == "failed"]
-    res.metrics["time_budget"] = run.budget.summary()
-    res.tables["time_budget"] = run.budget.table()
+    not_run = budget_report(run)
     path = run.save()
-    text = plots.table_markdown([{"": k, "value": v} for k, v in res.headline.items()])
-    not_run = [s for s in run.budget.table() if s["status"] in ("skipped", "aborted", "failed")]
-    if not_run:
-        text += "\n\n**Steps not run or not finished**\n\n" + plots.table_markdown(not_run, STEP_COLS)
+    text = plots.table_markdown([{"": k, "value": v} for k, v in res.headline.items()]) + not_run
     return _md(f"{text}\n\nSaved `{path.name}` in the run folder ({res.timings['total_s']:.1f} s total).")

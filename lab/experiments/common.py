@@ -146,3 +146,45 @@ def batched(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch: 
 def to_uint8(images: torch.Tensor) -> "Any":
     """(N, 3, H, W) in [0, 1] → uint8 numpy (N, H, W, 3)."""
     return (images.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy())
+
+
+def run_steps(ctx: Any, steps: Sequence[tuple[str, Callable[[Any], Any]]], wanted: Sequence[str],
+              estimates: dict[str, float], deadline_s: float | None = None, checkpoint: bool = False) -> None:
+    """A headless run's steps in order (`ctx` has `res` and `t0`): a step whose estimate no longer fits
+    before `deadline_s` is skipped and a step that raises is recorded — both in `res.metrics` — and the
+    others still run; `checkpoint` calls `ctx.partial()` after each step."""
+    import traceback
+
+    for name, fn in steps:
+        if name not in wanted:
+            continue
+        left = None if deadline_s is None else deadline_s - (time.perf_counter() - ctx.t0)
+        if left is not None and left < estimates.get(name, 0):
+            ctx.res.metrics.setdefault("skipped", {})[name] = f"time budget: {left:.0f} s left, needs ~{estimates[name]} s"
+            print(f"skipped {name}: {ctx.res.metrics['skipped'][name]}", flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            fn(ctx)
+        except Exception as exc:  # headless: record it, keep the other steps' figures
+            ctx.res.metrics.setdefault("failed", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            traceback.print_exc()
+        ctx.res.timings[f"{name}_s"] = time.perf_counter() - t0
+        print(f"[{time.perf_counter() - ctx.t0:7.1f} s] {name} done", flush=True)
+        if checkpoint:
+            ctx.partial()
+
+
+STEP_COLS = ["step", "status", "est_s", "seconds", "reason"]
+
+
+def budget_report(run: Run) -> str:
+    """Keep the time budget's summary and log in the Result; Markdown listing the steps that did
+    not run or not finish ('' when every step ran)."""
+    from lab.plots import table_markdown
+
+    run.result.metrics["time_budget"] = run.budget.summary()
+    run.result.tables["time_budget"] = run.budget.table()
+    not_run = [s for s in run.budget.table() if s["status"] in ("skipped", "aborted", "failed")]
+    return "\n\n**Steps not run or not finished**\n\n" + table_markdown(not_run, STEP_COLS) if not_run else ""
+

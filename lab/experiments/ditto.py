@@ -29,6 +29,7 @@ import torch
 
 from lab import env, metrics, params, plots
 from lab.accel import silence as sil
+from lab.experiments.common import notebook_path, run_steps
 from lab.models import ditto as D
 from lab.pipelines import ditto as P
 from lab.results import Result, atomic_write_text, run_dir, save_figure
@@ -172,7 +173,6 @@ def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str
           weights: dict[str, str] | str = "random", source: str | None = None) -> Context:
     """Profile, engine (random weights unless `weights` names released files), avatar, clip, Result."""
     t_start = time.perf_counter()
-    from lab.experiments.common import notebook_path
 
     params.check({"device": device, "quick": quick, "seed": seed, "out_dir": out_dir, "weights": weights, "source": source},
                  {**params.notebook_defaults(notebook_path(NAME)), "interactive": None}, RULES, NAME)
@@ -823,25 +823,7 @@ def run_all(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: s
     """The notebook's steps in order, headless (what the GPU reference run executes). `deadline_s`: a step
     whose full-size estimate (ESTIMATE_S) no longer fits is skipped, and the Result says so."""
     ctx = setup(device, quick, seed, out_dir, weights)
-    for name, fn in STEPS:
-        if name not in steps:
-            continue
-        left = None if deadline_s is None else deadline_s - (time.perf_counter() - ctx.t0)
-        if left is not None and left < ESTIMATE_S.get(name, 0):
-            ctx.res.metrics.setdefault("skipped", {})[name] = f"time budget: {left:.0f} s left, needs ~{ESTIMATE_S[name]} s"
-            print(f"skipped {name}: {ctx.res.metrics['skipped'][name]}", flush=True)
-            continue
-        t0 = time.perf_counter()
-        try:
-            fn(ctx)
-        except Exception as exc:  # headless: record it, keep the other steps' figures
-            import traceback
-
-            ctx.res.metrics.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-        ctx.res.timings[f"{name}_s"] = time.perf_counter() - t0
-        print(f"[{time.perf_counter() - ctx.t0:7.1f} s] {name} done", flush=True)
-        ctx.partial()
+    run_steps(ctx, STEPS, steps, ESTIMATE_S, deadline_s, checkpoint=True)
     comparisons(ctx)
     for name, fig, need in (("waterfall", waterfall_figure, "waterfall"), ("renderer", renderer_figure, "renderer"),
                             ("silence_plan", silence_figure, None), ("easing_strip", easing_strip, "waterfall")):

@@ -37,7 +37,7 @@ from lab.accel.fp8 import (ACTIVATIONS, CONV_IMPLS, MODES, SCHEMES, FP8Conv2d, F
 from lab.budget import RESERVE_S, Budget, BudgetExceeded, budget_seconds, estimate, save_partial
 from lab.errors import BackendUnavailable, InputError
 from lab.experiments import common
-from lab.experiments.common import Run, row, weights_label
+from lab.experiments.common import Run, budget_report, row, weights_label
 from lab.metrics import drift
 
 MODELS = ("sd-vae", "taesd", "unet")
@@ -647,7 +647,6 @@ SHAPE_COLS = ["model", "label", "count", "M", "N", "K", "fp16_ms", "fp8_im2col_m
 SPLIT_COLS = ["model", "variant", "wall_ms", "total", "conv", "GEMM", "attention",
               "fused elementwise / norms (Inductor)", "other"]
 COMPARE_COLS = ["claim", "their_value", "their_hardware", "our_value", "unit", "verdict", "reason"]
-STEP_COLS = ["step", "status", "est_s", "seconds", "reason"]
 WRITEUP = "000 §4.2 (Blackwell FP8)"
 
 
@@ -1173,13 +1172,10 @@ def finish(run: Run, models: dict[str, dict[str, Any]]) -> Any:
     run.budget.section("save")
     res = run.result
     res.headline = headline(run)
-    res.metrics.update(reports={n: r.summary() for n, r in _reports(models).items()}, time_budget=run.budget.summary())
-    res.tables["time_budget"] = run.budget.table()
+    res.metrics["reports"] = {n: r.summary() for n, r in _reports(models).items()}
+    not_run = budget_report(run)
     path = run.save()
-    text = plots.table_markdown([{"headline": k, "value": v} for k, v in res.headline.items()])
-    not_run = [s for s in run.budget.table() if s["status"] in ("skipped", "aborted", "failed")]
-    if not_run:
-        text += "\n\n**Steps not run or not finished**\n\n" + plots.table_markdown(not_run, STEP_COLS)
+    text = plots.table_markdown([{"headline": k, "value": v} for k, v in res.headline.items()]) + not_run
     return _md(f"{text}\n\nSaved `{path.name}` in the run folder ({res.timings['total_s']:.1f} s).")
 
 

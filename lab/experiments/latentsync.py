@@ -26,6 +26,7 @@ import torch
 from lab import env, metrics, params, plots
 from lab.accel import sampling
 from lab.errors import InputError
+from lab.experiments.common import run_steps
 from lab.pipelines import latentsync as P
 from lab.results import Result, atomic_write_text, run_dir, save_figure
 
@@ -596,24 +597,8 @@ def run_all(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: s
     """The notebook's steps in order, headless (what the GPU reference run executes). `deadline_s`: a step
     whose full-size estimate (ESTIMATE_S) no longer fits is skipped, and the Result says so."""
     ctx = setup(device, quick, seed, out_dir, weights)
-    for name, fn in (("waterfall", step_waterfall), ("vae", vae_cost), ("modes", mode_table),
-                     ("memory", memory_scaling), ("loop", block_loop_costs), ("fp8", fp8_linear)):
-        if name in steps:
-            left = None if deadline_s is None else deadline_s - (time.perf_counter() - ctx.t0)
-            if left is not None and left < ESTIMATE_S.get(name, 0):
-                ctx.res.metrics.setdefault("skipped", {})[name] = f"time budget: {left:.0f} s left, needs ~{ESTIMATE_S[name]} s"
-                print(f"skipped {name}: {ctx.res.metrics['skipped'][name]}", flush=True)
-                continue
-            t0 = time.perf_counter()
-            try:
-                fn(ctx)
-            except Exception as e:  # headless: record the failure, run the remaining steps
-                import traceback
-
-                ctx.res.metrics.setdefault("failed", {})[name] = f"{type(e).__name__}: {str(e)[:300]}"
-                traceback.print_exc()
-            ctx.res.timings[f"{name}_s"] = time.perf_counter() - t0
-            print(f"[{time.perf_counter() - ctx.t0:7.1f} s] {name} done", flush=True)
+    run_steps(ctx, (("waterfall", step_waterfall), ("vae", vae_cost), ("modes", mode_table), ("memory", memory_scaling),
+                    ("loop", block_loop_costs), ("fp8", fp8_linear)), steps, ESTIMATE_S, deadline_s)
     comparisons(ctx)
     for name, fig, table_name in (("waterfall", waterfall_figure, "step_waterfall"),
                                   ("speed_drift", speed_drift_figure, "modes")):
