@@ -130,7 +130,13 @@ def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str
     t0 = time.perf_counter()
     error = None
     old = os.environ.get(TOKEN_ENV)
+    old_path = os.environ.get("PYTHONPATH")
     os.environ[TOKEN_ENV] = token  # the kernel inherits it and so owns the folder
+    # the kernel starts in the notebook's folder: a checkout that was never pip-installed (a GPU host
+    # given the tree and a PYTHONPATH of wheels) must still import this package there
+    parts = [p for p in (old_path or "").split(os.pathsep) if p]
+    if str(ROOT) not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *parts])
     try:
         pm.execute_notebook(str(nb), str(executed), parameters=params, kernel_name=kernel or kernel_name(),
                             progress_bar=progress, cwd=str(nb.parent), kernel_manager_class=_ipc_manager())
@@ -139,10 +145,11 @@ def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str
     except Exception as e:  # kernel died, bad notebook JSON: still a failed entry, not a crash
         error = f"{type(e).__name__}: {e}"
     finally:
-        if old is None:
-            os.environ.pop(TOKEN_ENV, None)
-        else:
-            os.environ[TOKEN_ENV] = old
+        for key, value in ((TOKEN_ENV, old), ("PYTHONPATH", old_path)):
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     wall = time.perf_counter() - t0
     entry = Entry(nb.stem, "failed" if error else "ok", wall, str(out), str(executed), error)
     res_path = out / "results.json"

@@ -208,3 +208,16 @@ def test_single_run_records_its_status(nbdir, tmp_path):
     assert e.status == "ok" and runner.run_status(out) == "complete"
     bad = runner.run_notebook(nbdir / "01_fails.ipynb", tmp_path / "two", {})
     assert bad.status == "failed" and runner.run_status(tmp_path / "two") == "failed"
+
+
+def test_kernel_imports_the_package_from_an_uninstalled_checkout(nbdir, tmp_path, monkeypatch):
+    # a GPU host given the tree and a PYTHONPATH of wheels only: the kernel starts in notebooks/
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    body = ('import os, lab\nfrom lab.results import ROOT\n'
+            'assert str(ROOT) in os.environ["PYTHONPATH"].split(os.pathsep), os.environ["PYTHONPATH"]\n'
+            + GOOD.format(name="05_path"))
+    _nb(nbdir / "05_path.ipynb", body)
+    e = runner.run_notebook(nbdir / "05_path.ipynb", tmp_path / "p", {"quick": True})
+    assert e.status == "ok", e.error
+    import os
+    assert os.environ["PYTHONPATH"] == str(tmp_path / "site")   # restored for the caller
