@@ -77,6 +77,8 @@ class Config:
     fold_spectral_norm: bool = False
     channels_last: bool = False
     pad_channels: bool = False        # warp convs padded to channel multiples of 8 (exact; lab.accel.channel_pad)
+    channels_last_3d: bool = False    # the warp network's 3-D convs in NDHWC (cuDNN's tensor-core layout)
+    fuse_spade: bool = False          # the decoder's SPADE modulation convs merged (exact; lab.accel.spade_fuse)
     silence: str = "off"
     silence_threshold: float = sil.THRESHOLD
     ease_frames: int = sil.RAMP
@@ -115,6 +117,8 @@ class Config:
         if self.fps != 25:
             raise InputError(f"Config.fps must be 25: the motion model and the audio chunking are built for 25 fps "
                              f"(640 samples per frame at 16 kHz), got {self.fps}")
+        if self.fuse_spade and not self.fold_spectral_norm:
+            raise InputError("Config.fuse_spade needs fold_spectral_norm=True (the merged convs take plain weights)")
         unknown = set(self.weights) - set(D.COMPONENTS) - {"hubert"}
         if unknown:
             raise InputError(f"Config.weights has unknown components {sorted(unknown)}; expected {D.COMPONENTS + ('hubert',)}")
@@ -166,31 +170,36 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
 # ---------------------------------------------------------------- renderer variants
 
 def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last: bool,
-            pad: bool = False) -> torch.nn.Module:
-    """The warp or decoder at a precision, spectral norm folded or not, channels-last or not, conv
-    channels padded or not (cached copies; the loaded network itself is never changed)."""
+            pad: bool = False, cl3d: bool = False, fuse: bool = False) -> torch.nn.Module:
+    """The warp or decoder at a precision, spectral norm folded or not, channels-last (2-D convs;
+    `cl3d`: 3-D convs) or not, conv channels padded or not, SPADE convs merged or not (cached
+    copies; the loaded network itself is never changed)."""
     import copy
 
     from lab.accel.channel_pad import pad_conv_channels
+    from lab.accel.spade_fuse import fuse_spade
     from lab.accel.spectral_fold import fold_spectral_norm
 
-    key = ("module", name, precision, fold, channels_last, pad)
+    key = ("module", name, precision, fold, channels_last, pad, cl3d, fuse and name == "decoder")
     if key not in engine.variants:
         m = engine.nets[name]
-        if fold or precision == "fp16" or channels_last or pad:
+        if fold or precision == "fp16" or channels_last or pad or cl3d or fuse:
             m = copy.deepcopy(m)
             if fold:
                 fold_spectral_norm(m)
             if pad:
                 pad_conv_channels(m)
+            if fuse and name == "decoder":
+                m = fuse_spade(m)
             if precision == "fp16":
                 m = m.half()
-            if channels_last:
-                # only the 2-D convs: 3-D tensors have their own channels-last format, which the
-                # hourglass does not profit from
-                for sub in m.modules():
-                    if isinstance(sub, torch.nn.Conv2d):
-                        sub.to(memory_format=torch.channels_last)
+            for sub in m.modules():
+                # weights in a channels-last format make cuDNN pick its NHWC / NDHWC kernels (the
+                # activations follow the weights' format conv by conv)
+                if channels_last and isinstance(sub, torch.nn.Conv2d):
+                    sub.to(memory_format=torch.channels_last)
+                if cl3d and isinstance(sub, torch.nn.Conv3d):
+                    sub.to(memory_format=torch.channels_last_3d)
         engine.variants[key] = m
     return engine.variants[key]
 
@@ -200,7 +209,8 @@ def stage_fn(engine: Engine, kind: str, batch: int):
     "decode" (features) → faces; with the engine's precision, folding, compile and CUDA graphs."""
     cfg = engine.cfg
     precision = cfg.precision if engine.device.type == "cuda" else "fp32"
-    key = (kind, precision, cfg.fold_spectral_norm, cfg.channels_last, cfg.pad_channels, cfg.compile, cfg.cuda_graphs, batch)
+    key = (kind, precision, cfg.fold_spectral_norm, cfg.channels_last, cfg.pad_channels, cfg.channels_last_3d,
+           cfg.fuse_spade, cfg.compile, cfg.cuda_graphs, batch)
     if key in engine.variants:
         return engine.variants[key]
     if cfg.cuda_graphs:
@@ -223,8 +233,10 @@ def stage_fn(engine: Engine, kind: str, batch: int):
         engine.variants[key + ("keep",)] = keep
         engine.variants[key] = fn
         return fn
-    warp = _module(engine, "warp_network", precision, cfg.fold_spectral_norm, False, cfg.pad_channels)
-    dec = _module(engine, "decoder", precision, cfg.fold_spectral_norm, cfg.channels_last, cfg.pad_channels)
+    warp = _module(engine, "warp_network", precision, cfg.fold_spectral_norm, False, cfg.pad_channels,
+                   cfg.channels_last_3d)
+    dec = _module(engine, "decoder", precision, cfg.fold_spectral_norm, cfg.channels_last, cfg.pad_channels,
+                  fuse=cfg.fuse_spade)
     module = {"render": D.Renderer(warp, dec), "warp": warp, "decode": dec}[kind]
     if cfg.compile != "none":
         mode = None if cfg.compile == "default" else cfg.compile
@@ -398,9 +410,17 @@ def mirror_index(i: np.ndarray, n: int) -> np.ndarray:
     return np.where(j < n, j, period - j)
 
 
+def _index(device: torch.device, a: Any) -> torch.Tensor:
+    """Host integer indices → the device without waiting for it: a plain `torch.as_tensor(a, device=...)`
+    copies from pageable memory and then synchronizes the stream, which stalls the host once per
+    call (several per batch) and lets the GPU run dry while Python prepares the next batch."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    return t.to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def _gather_fs(engine: Engine, avatar: Avatar, src: np.ndarray) -> torch.Tensor:
     if engine.cfg.source_pool == "vram":
-        return avatar.f_s_dev[torch.as_tensor(src, device=engine.device)].to(_in_dtype(engine))
+        return avatar.f_s_dev[_index(engine.device, src)].to(_in_dtype(engine))
     # upstream's path: slice the host store, copy from pageable memory, per frame
     parts = [torch.from_numpy(np.array(avatar.f_s_host[i])).to(engine.device) for i in src]
     return torch.stack(parts).to(_in_dtype(engine))
@@ -420,52 +440,66 @@ def condition(engine: Engine, feats: torch.Tensor, avatar: Avatar) -> torch.Tens
     return torch.cat([feats.float(), fixed.expand(t, -1), sc.expand(t, -1)], dim=1)
 
 
-def _lmdm_fn(engine: Engine, batch: int):
-    """LMDM forward (fp32, as upstream), captured into a CUDA graph when the engine uses graphs."""
-    key = ("lmdm", engine.cfg.cuda_graphs, batch)
+def _denoise(engine: Engine, x: torch.Tensor, cf: torch.Tensor, c: torch.Tensor, noises: torch.Tensor,
+             times: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """The DDIM loop of one window: x (1, L, 265) noise → clean motion, guidance as configured."""
+    cfg = engine.cfg
+    net = engine.nets["lmdm"]
+    ac = D.Schedule.make(cfg.sampling_steps).alphas_cumprod
+    steps = D.Schedule.make(cfg.sampling_steps).times
+    for i, (t, t_next) in enumerate(zip(steps[:-1], steps[1:])):
+        if cfg.batch_cfg:
+            out = net(x.expand(2, -1, -1), cf.expand(2, -1), c.expand(2, -1, -1), times[i], drop)
+            unc, con = out[:1], out[1:]
+        else:
+            unc = net(x, cf, c, times[i, :1], drop[:1])
+            con = net(x, cf, c, times[i, :1], drop[1:])
+        x0 = unc + (con - unc) * cfg.guidance
+        x = D.ddim_step(x, x0, float(ac[t]), float(ac[t_next]) if t_next >= 0 else None, noises[i], cfg.eta)
+    return x
+
+
+def _window_fn(engine: Engine):
+    """(x, cond_frame, cond, noises) → denoised window; with CUDA graphs the whole DDIM loop (2·S LMDM
+    forwards and the updates) is one graph: one launch per window instead of ~20 small kernels and
+    a Python round per step, which is what an 8-layer, 80-token model costs on a big GPU."""
+    cfg, dev = engine.cfg, engine.device
+    key = ("lmdm_window", cfg.cuda_graphs, cfg.sampling_steps, cfg.guidance, cfg.eta, cfg.batch_cfg)
     if key in engine.variants:
         return engine.variants[key]
-    net = engine.nets["lmdm"]
-    fn = net
-    if engine.cfg.cuda_graphs:
+    steps = D.Schedule.make(cfg.sampling_steps).times
+    times = torch.tensor([[t, t] for t in steps[:-1]], device=dev)
+    drop = torch.tensor([True, False], device=dev)
+
+    def fn(x, cf, c, noises):
+        return _denoise(engine, x, cf, c, noises, times, drop)
+
+    run = fn
+    if cfg.cuda_graphs:
         from lab.accel.backends import capture
 
-        d, dev = engine.dims, engine.device
-        ex = [torch.randn(batch, d.seq_frames, D.MOTION_DIM, device=dev), torch.randn(batch, D.MOTION_DIM, device=dev),
-              torch.randn(batch, d.seq_frames, d.cond_dim, device=dev), torch.full((batch,), 500, device=dev),
-              torch.arange(batch, device=dev) % 2 == 0]
+        d, L = engine.dims, engine.dims.seq_frames
+        ex = [torch.randn(1, L, D.MOTION_DIM, device=dev), torch.randn(1, D.MOTION_DIM, device=dev),
+              torch.randn(1, L, d.cond_dim, device=dev), torch.randn(cfg.sampling_steps, 1, L, D.MOTION_DIM, device=dev)]
         t0 = time.perf_counter()
-        fn, keep = capture(net, ex, warmup=2, clone_output=True)
+        run, keep = capture(fn, ex, warmup=2, clone_output=True)
         engine.compile_s += time.perf_counter() - t0
-        engine.variants[key + ("keep",)] = keep
-    engine.variants[key] = fn
-    return fn
+        engine.variants[key + ("keep",)] = keep + [times, drop]
+    engine.variants[key] = run
+    return run
 
 
 @torch.no_grad()
 def sample_window(engine: Engine, cond_frame: torch.Tensor, cond: torch.Tensor, sched: D.Schedule,
                   noises: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """One 80-frame window by DDIM (η from the config) with classifier-free guidance → (80, 265)."""
-    cfg, dev = engine.cfg, engine.device
+    dev = engine.device
     L = engine.dims.seq_frames
+    if len(sched.times) != engine.cfg.sampling_steps + 1:
+        raise InputError(f"schedule of {len(sched.times) - 1} steps for an engine of {engine.cfg.sampling_steps}")
     x = torch.randn(1, L, D.MOTION_DIM, generator=gen, device="cpu").to(dev)
     cf, c = cond_frame.reshape(1, -1).float(), cond.reshape(1, L, -1).float()
-    ac = sched.alphas_cumprod
-    fn2 = _lmdm_fn(engine, 2) if cfg.batch_cfg else None
-    fn1 = None if cfg.batch_cfg else _lmdm_fn(engine, 1)
-    drop2 = torch.tensor([True, False], device=dev)
-    for i, (t, t_next) in enumerate(zip(sched.times[:-1], sched.times[1:])):
-        if cfg.batch_cfg:
-            tt = torch.full((2,), t, device=dev)
-            out = fn2(x.expand(2, -1, -1), cf.expand(2, -1), c.expand(2, -1, -1), tt, drop2)
-            unc, con = out[:1], out[1:]
-        else:
-            tt = torch.full((1,), t, device=dev)
-            unc = fn1(x, cf, c, tt, drop2[:1])
-            con = fn1(x, cf, c, tt, drop2[1:])
-        x0 = unc + (con - unc) * cfg.guidance
-        x = D.ddim_step(x, x0, float(ac[t]), float(ac[t_next]) if t_next >= 0 else None, noises[i], cfg.eta)
-    return x[0]
+    return _window_fn(engine)(x, cf, c, noises)[0]
 
 
 def motion_windows(n_frames: int, seq: int, overlap: int) -> list[int]:
@@ -553,18 +587,20 @@ def _run_stage(engine: Engine, avatar: Avatar, kind: str, idx: np.ndarray, src: 
     for part in _batches(idx, b):
         p = _pad(part, b)
         if kind == "decode":
-            y = fn(feats[torch.as_tensor(np.searchsorted(idx, p), device=feats.device)])
+            y = fn(feats[_index(feats.device, np.searchsorted(idx, p))])
         else:
             s = src[p]
-            ks = avatar.kp_s[torch.as_tensor(s, device=engine.device)].to(_in_dtype(engine))
-            y = fn(_gather_fs(engine, avatar, s), ks, kp_d[torch.as_tensor(p, device=engine.device)].to(_in_dtype(engine)))
+            ks = avatar.kp_s[_index(engine.device, s)].to(_in_dtype(engine))
+            y = fn(_gather_fs(engine, avatar, s), ks, kp_d[_index(engine.device, p)].to(_in_dtype(engine)))
         outs.append(y[: len(part)])
     return torch.cat(outs)
 
 
 def _rest(engine: Engine, avatar: Avatar, kind: str, i: int) -> torch.Tensor:
     """The render (or warped feature) of source frame i at rest: kp_d = its own keypoints, stitched."""
-    key = (kind, i, engine.cfg.precision, engine.cfg.fold_spectral_norm, engine.cfg.pad_channels)
+    c = engine.cfg
+    key = (kind, i, c.precision, c.fold_spectral_norm, c.pad_channels, c.channels_last, c.channels_last_3d,
+           c.fuse_spade, c.compile)
     if key not in avatar.rest:
         kp = avatar.kp_s[i:i + 1]
         kd = _stitch(engine, kp, kp)
@@ -583,7 +619,77 @@ def _interp(keys: np.ndarray, cache: dict[int, torch.Tensor], frames: np.ndarray
     a = np.where(hi > lo, (frames - lo) / np.maximum(hi - lo, 1), 0.0)
     z0 = torch.stack([cache[int(k)] for k in lo])
     z1 = torch.stack([cache[int(k)] for k in hi])
-    return st.slerp(z0, z1, torch.as_tensor(a, dtype=torch.float32, device=z0.device))
+    w = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+    return st.slerp(z0, z1, w.to(z0.device, non_blocking=True) if z0.device.type == "cuda" else w)
+
+
+class DenseRenders:
+    """The renderer over every frame that is not bypassed, in full batches that run across block
+    boundaries: the frames to render are packed clip-wide, so a pause costs no padded batch (only
+    the clip's last batch is padded). Faces rendered ahead of the current block (fewer than a
+    batch) are carried to the next one."""
+
+    def __init__(self, engine: Engine, avatar: Avatar, src: np.ndarray, kp_d: torch.Tensor, bypass: np.ndarray,
+                 counts: dict[str, int]):
+        self.engine, self.avatar, self.src, self.bypass, self.counts = engine, avatar, src, bypass, counts
+        b = engine.cfg.batch_size
+        self.b = b
+        self.need = np.flatnonzero(~bypass)
+        self.byp = np.flatnonzero(bypass)
+        padded = _pad(self.need, -(-len(self.need) // b) * b) if len(self.need) else self.need
+        dev = engine.device
+        self.need_dev = _index(dev, padded)                    # one upload per run; batches are slices
+        self.src_dev = _index(dev, src)
+        self.byp_dev = _index(dev, self.byp)
+        self.kp_d = kp_d.to(_in_dtype(engine))
+        self.kp_s = avatar.kp_s.to(_in_dtype(engine))
+        self.fn = stage_fn(engine, "render", b)
+        self.padded = padded
+        self.done: dict[int, torch.Tensor] = {}
+        self.next = 0
+
+    def _render(self, k: int) -> torch.Tensor:
+        e, av = self.engine, self.avatar
+        idx = self.need_dev[k * self.b:(k + 1) * self.b]
+        s = self.src_dev[idx]
+        if e.cfg.source_pool == "vram":
+            fs = av.f_s_dev[s].to(_in_dtype(e))
+        else:
+            fs = _gather_fs(e, av, self.src[self.padded[k * self.b:(k + 1) * self.b]])
+        self.counts["rendered"] += int(min(len(self.need), (k + 1) * self.b) - k * self.b)
+        return self.fn(fs, self.kp_s[s], self.kp_d[idx])
+
+    def block(self, s: int, e: int) -> torch.Tensor:
+        """Faces (e − s, 3, hw, hw) for output frames s … e − 1."""
+        a, z = np.searchsorted(self.need, [s, e])
+        k_hi = -(-z // self.b)
+        while self.next < k_hi:
+            self.done[self.next] = self._render(self.next)
+            self.next += 1
+        out = None
+        for k in range(a // self.b, k_hi):
+            lo, hi = max(a, k * self.b), min(z, (k + 1) * self.b)
+            y = self.done[k]
+            if out is None:
+                out = torch.empty((e - s, *y.shape[1:]), device=y.device, dtype=y.dtype)
+            out.index_copy_(0, self.need_dev[lo:hi] - s, y[lo - k * self.b:hi - k * self.b])
+        for k in [k for k in self.done if (k + 1) * self.b <= z]:
+            del self.done[k]
+        c, d = np.searchsorted(self.byp, [s, e])
+        if d > c:
+            srcs = self.src[self.byp[c:d]]
+            first = int(srcs[0])
+            if (srcs == first).all():
+                rest = _rest(self.engine, self.avatar, "render", first)
+                if out is None:
+                    out = torch.empty((e - s, *rest.shape), device=rest.device, dtype=rest.dtype)
+                out.index_copy_(0, self.byp_dev[c:d] - s, rest.to(out.dtype)[None].expand(d - c, *rest.shape))
+            else:
+                rests = [_rest(self.engine, self.avatar, "render", int(i)) for i in srcs]
+                if out is None:
+                    out = torch.empty((e - s, *rests[0].shape), device=rests[0].device, dtype=rests[0].dtype)
+                out.index_copy_(0, self.byp_dev[c:d] - s, torch.stack(rests).to(out.dtype))
+        return out
 
 
 def render_block(engine: Engine, avatar: Avatar, frames: np.ndarray, src: np.ndarray, kp_d: torch.Tensor,
@@ -601,7 +707,7 @@ def render_block(engine: Engine, avatar: Avatar, frames: np.ndarray, src: np.nda
             got = _run_stage(engine, avatar, "render", need, src, kp_d)
             counts["rendered"] += len(need)
             out = torch.empty((len(frames), *got.shape[1:]), device=got.device, dtype=got.dtype)
-            out[torch.as_tensor(np.searchsorted(frames, need), device=got.device)] = got
+            out[_index(got.device, np.searchsorted(frames, need))] = got
         for j, t in enumerate(frames):
             if bypass[t]:
                 r = _rest(engine, avatar, "render", int(src[t]))
@@ -629,13 +735,13 @@ def render_block(engine: Engine, avatar: Avatar, frames: np.ndarray, src: np.nda
         need = frames[~bypass[frames]]
         faces = None
         if len(need):
-            dec = _run_stage(engine, avatar, "decode", need, src, kp_d, feats=vals[torch.as_tensor(
-                np.searchsorted(frames, need), device=vals.device)])
+            dec = _run_stage(engine, avatar, "decode", need, src, kp_d,
+                             feats=vals[_index(vals.device, np.searchsorted(frames, need))])
             counts["decoded"] += len(need)
         r0 = _rest(engine, avatar, "render", int(src[frames[0]]))
         faces = torch.empty((len(frames), *r0.shape), device=r0.device, dtype=r0.dtype)
         if len(need):
-            faces[torch.as_tensor(np.searchsorted(frames, need), device=faces.device)] = dec.to(faces.dtype)
+            faces[_index(faces.device, np.searchsorted(frames, need))] = dec.to(faces.dtype)
         for j, t in enumerate(frames):
             if bypass[t]:
                 faces[j] = _rest(engine, avatar, "render", int(src[t]))
@@ -666,7 +772,7 @@ class NullWriter:
         return None
 
 
-def _open_writer(engine: Engine, out_path: str | Path | None, size: tuple[int, int], a16: np.ndarray):
+def _open_writer(engine: Engine, out_path: str | Path | None, size: tuple[int, int], a16: np.ndarray) -> "Sink":
     cfg = engine.cfg
     if cfg.writer == "null" or out_path is None:
         w: Any = NullWriter()
@@ -680,58 +786,118 @@ def _open_writer(engine: Engine, out_path: str | Path | None, size: tuple[int, i
             track = None
         w = FFmpegWriter(out_path, cfg.fps, size, audio=track, crf=cfg.crf, preset=cfg.preset,
                          pix_fmt="yuv420p" if cfg.putback == "gpu" else "rgb24")
-    if cfg.async_writer:
-        from lab.video import AsyncWriter
-
-        if isinstance(w, NullWriter):
-            return _AsyncNull(w, max(1, cfg.queue_frames // cfg.batch_size))
-        return AsyncWriter(w, maxsize=max(1, cfg.queue_frames // cfg.batch_size))
-    return w
+    return Sink(engine, w, cfg.async_writer, max(1, cfg.queue_frames // cfg.batch_size))
 
 
-class _AsyncNull:
-    """AsyncWriter semantics for the null writer (lab.video.AsyncWriter wraps file writers)."""
+class Sink:
+    """Frames → the writer. A device tensor is copied into one of a ring of pinned host buffers
+    (one DMA per batch, `non_blocking`, an event recorded after it): the host never waits for the
+    GPU here. Synchronous: wait for that event, write. Asynchronous: a background thread waits for
+    the event and writes, through a queue of `maxsize` batches (bounded memory: the ring has
+    maxsize + 2 buffers, so a buffer is refilled only after its write has finished). Errors of
+    the thread come back on the next `write` or on `close`."""
 
-    def __init__(self, inner: NullWriter, maxsize: int):
+    def __init__(self, engine: Engine, inner: Any, background: bool, maxsize: int):
         import queue
         import threading
 
-        self.inner, self.q = inner, queue.Queue(maxsize=maxsize)
-        self.t = threading.Thread(target=self._loop, daemon=True)
-        self.t.start()
-
-    def _loop(self) -> None:
-        while (item := self.q.get()) is not None:
-            self.inner.write(item)
-
-    def write(self, frames: Any) -> None:
-        self.q.put(frames)
+        self.engine, self.inner, self.maxsize = engine, inner, maxsize
+        self.ring_size = maxsize + 2
+        self.i = 0
+        self.error: BaseException | None = None
+        self.busy_s = 0.0
+        self.q: Any = None
+        if background:
+            self.q = queue.Queue(maxsize=maxsize)
+            self.t = threading.Thread(target=self._loop, name="ditto-writer", daemon=True)
+            self.t.start()
 
     @property
     def n_frames(self) -> int:
         return self.inner.n_frames
 
+    def _buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        # pinned buffers cached on the engine (allocating pinned memory costs milliseconds per MB)
+        key = ("pinned", shape, self.i % self.ring_size)
+        self.i += 1
+        if key not in self.engine.variants:
+            self.engine.variants[key] = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+        return self.engine.variants[key]
+
+    def _write(self, item: tuple[np.ndarray, Any]) -> None:
+        arr, ev = item
+        t0 = time.perf_counter()
+        if ev is not None:
+            ev.synchronize()
+        self.inner.write(arr)
+        self.busy_s += time.perf_counter() - t0
+
+    def _loop(self) -> None:
+        while (item := self.q.get()) is not None:
+            if self.error is None:
+                try:
+                    self._write(item)
+                except BaseException as e:  # handed to the producer on its next call
+                    self.error = e
+
+    def write(self, frames: Any) -> None:
+        if self.error is not None:
+            raise self.error
+        if isinstance(frames, torch.Tensor) and frames.device.type == "cuda" and frames.dtype == torch.uint8:
+            per = tuple(frames.shape[1:])
+            buf = self._buffer((_ring_rows(self.engine, len(frames)), *per))
+            host = buf[:len(frames)]
+            host.copy_(frames, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            item = (host.numpy(), ev)
+        else:
+            item = (frames.cpu().numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames), None)
+        if self.q is None:
+            self._write(item)
+        else:
+            self.q.put(item)
+
+    def _stop(self) -> None:
+        if self.q is not None and self.t.is_alive():
+            self.q.put(None)
+            self.t.join()
+
     def close(self) -> None:
-        self.q.put(None)
-        self.t.join()
+        self._stop()
+        if self.error is not None:
+            self.inner.abort()
+            raise self.error
+        self.inner.close()
 
     def abort(self) -> None:
-        self.close()
+        self._stop()
+        self.inner.abort()
+
+
+def _ring_rows(engine: Engine, n: int) -> int:
+    """Rows of a pinned buffer: the larger of the batch and the putback chunk (one shape per run)."""
+    return max(n, engine.cfg.batch_size, 8)
 
 
 def _putback_and_write(engine: Engine, avatar: Avatar, faces: torch.Tensor, frames: np.ndarray, src: np.ndarray,
-                       writer: Any, mask_dev: torch.Tensor | None, mask_np: np.ndarray, keep: dict[int, np.ndarray],
+                       writer: Sink, mask_dev: torch.Tensor | None, mask_np: np.ndarray, keep: dict[int, np.ndarray],
                        keep_idx: set[int]) -> None:
     cfg = engine.cfg
     if cfg.putback == "gpu":
         from lab.video import rgb_to_yuv420p
 
-        s = torch.as_tensor(src[frames], device=engine.device)
+        sf = src[frames]
         if avatar.frames_dev is not None:
-            bg = avatar.frames_dev[s]
+            bg = avatar.frames_dev[_index(engine.device, sf)]
         else:
-            bg = torch.from_numpy(avatar.frames[src[frames]]).to(engine.device)
-        grids = torch.stack([_grid(engine, avatar, int(i)) for i in src[frames]])
+            bg = torch.from_numpy(avatar.frames[sf]).to(engine.device)
+        if _one_matrix(avatar):
+            # one crop matrix for every source frame (the box is found once): one grid, broadcast
+            g = _grid(engine, avatar, 0)
+            grids = g[None].expand(len(frames), *g.shape)
+        else:
+            grids = torch.stack([_grid(engine, avatar, int(i)) for i in sf])
         comp = pb.putback_gpu(bg, faces, mask_dev, grids)
         for j, t in enumerate(frames):
             if int(t) in keep_idx:
@@ -745,6 +911,10 @@ def _putback_and_write(engine: Engine, avatar: Avatar, faces: torch.Tensor, fram
         if int(t) in keep_idx:
             keep[int(t)] = out[j]
     writer.write(out)
+
+
+def _one_matrix(avatar: Avatar) -> bool:
+    return bool((avatar.m_c2o == avatar.m_c2o[:1]).all())
 
 
 def _grid(engine: Engine, avatar: Avatar, i: int) -> torch.Tensor:
@@ -833,14 +1003,14 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
         motion_source = "RMS demo drive (jaw keypoints open with loudness; not the motion model)"
     keys = st.keyframe_indices(n, cfg.stride) if cfg.stride > 1 else None
     if keys is not None and cfg.stride_space == "motion":
-        motion = st.expand_keyframes(motion[torch.as_tensor(keys, device=dev)], keys, n)
+        motion = st.expand_keyframes(motion[_index(dev, keys)], keys, n)
 
     # 3. keypoints: motion → driving keypoints, eased toward rest around pauses, stitched
     with timer.stage("keypoints"):
         kp_d = driving_keypoints(engine, avatar, motion, src)
         speech = sil.speech_frames(a16, n, cfg.silence_threshold, D.AUDIO_SR, cfg.fps)
         alpha = sil.speech_weight(speech, cfg.ease_frames) if cfg.silence != "off" else np.ones(n, np.float32)
-        kp_rest = avatar.kp_s[torch.as_tensor(src, device=dev)]
+        kp_rest = avatar.kp_s[_index(dev, src)]
         kp_d = sil.ease_keypoints(kp_d, kp_rest, torch.from_numpy(alpha).to(dev))
         kp_d = _stitch(engine, kp_rest, kp_d)
     bypass = (alpha == 0) if cfg.silence == "bypass" else np.zeros(n, dtype=bool)
@@ -858,11 +1028,15 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
     keep_idx = set(int(i) for i in keep_frames)
     block = block_frames or max(16, cfg.batch_size * cfg.stride * 2)
     t_loop = time.perf_counter()
+    dense = DenseRenders(engine, avatar, src, kp_d, bypass, counts) if keys is None or cfg.stride_space == "motion" else None
     try:
         for s in range(0, n, block):
             frames = np.arange(s, min(s + block, n))
             with timer.stage("render"):
-                faces = render_block(engine, avatar, frames, src, kp_d, bypass, keys, cache, counts)
+                if dense is not None:
+                    faces = dense.block(int(frames[0]), int(frames[-1]) + 1)
+                else:
+                    faces = render_block(engine, avatar, frames, src, kp_d, bypass, keys, cache, counts)
             if faces_kept is not None:
                 faces_kept[frames[0]:frames[-1] + 1] = (faces.float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1)
             with timer.stage("putback_encode"):

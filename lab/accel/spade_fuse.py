@@ -1,0 +1,127 @@
+"""The SPADE decoder with its modulation convs merged: the same function in fewer, larger GEMMs.
+
+Every SPADE norm in the decoder runs a 3×3 conv on the *same* segmentation map (the warped
+feature, resized by nearest neighbour to the block's resolution): the 12 norms of the six middle
+blocks all at 64², three at 128², three at 256². Their first convs ("mlp_shared") therefore read
+one input and can be one conv with the output channels of all of them stacked (256 → 12·128 at
+64²): one large GEMM instead of twelve small ones. Each norm's γ and β convs read the same hidden
+map, so they become one conv with 2c outputs. A block with a learned shortcut normalizes the same
+x twice (for the shortcut and for the main branch): the instance norm is computed once.
+
+Exact up to floating-point summation order (the weights are copied, not changed). Takes the
+spectral norm folded (plain `weight` parameters): fold first.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lab.errors import InputError
+from lab.models.ditto import SPADE, SPADEDecoder, SPADEResnetBlock
+
+
+def _stack_convs(convs: list[nn.Conv2d]) -> nn.Conv2d:
+    """Convs of the same input and kernel → one conv with their outputs concatenated in order."""
+    c0 = convs[0]
+    out = sum(c.out_channels for c in convs)
+    m = nn.Conv2d(c0.in_channels, out, c0.kernel_size, padding=c0.padding, bias=c0.bias is not None)
+    with torch.no_grad():
+        m.weight.copy_(torch.cat([c.weight for c in convs]))
+        if c0.bias is not None:
+            m.bias.copy_(torch.cat([c.bias for c in convs]))
+    return m.to(c0.weight.device, c0.weight.dtype)
+
+
+def _plain(conv: nn.Module) -> nn.Module:
+    if hasattr(conv, "weight_orig"):
+        raise InputError("fuse_spade needs plain conv weights: fold the spectral norm first "
+                         "(lab.accel.spectral_fold.fold_spectral_norm)")
+    return conv
+
+
+class FusedBlock(nn.Module):
+    """One SPADE resnet block reading its norms' hidden maps from a shared tensor."""
+
+    def __init__(self, blk: SPADEResnetBlock):
+        super().__init__()
+        self.learned_shortcut = blk.learned_shortcut
+        self.conv_0, self.conv_1 = _plain(blk.conv_0), _plain(blk.conv_1)
+        norms = ([blk.norm_s] if blk.learned_shortcut else []) + [blk.norm_0, blk.norm_1]
+        self.hidden = norms[0].mlp_gamma.in_channels
+        self.gb = nn.ModuleList([_stack_convs([n.mlp_gamma, n.mlp_beta]) for n in norms])
+        self.chans = [n.mlp_gamma.out_channels for n in norms]
+        if blk.learned_shortcut:
+            self.conv_s = _plain(blk.conv_s)
+
+    @property
+    def n_norms(self) -> int:
+        return len(self.gb)
+
+    def _mod(self, normalized: torch.Tensor, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        gamma, beta = self.gb[i](hidden).split(self.chans[i], dim=1)
+        return normalized * (1 + gamma) + beta
+
+    def forward(self, x: torch.Tensor, hiddens: list[torch.Tensor]) -> torch.Tensor:
+        nx = F.instance_norm(x, eps=1e-5)
+        j = 0
+        if self.learned_shortcut:
+            xs = self.conv_s(self._mod(nx, 0, hiddens[0]))
+            j = 1
+        else:
+            xs = x
+        dx = self.conv_0(F.leaky_relu(self._mod(nx, j, hiddens[j]), 0.2))
+        dx = self.conv_1(F.leaky_relu(self._mod(F.instance_norm(dx, eps=1e-5), j + 1, hiddens[j + 1]), 0.2))
+        return xs + dx
+
+
+class FusedSPADEDecoder(nn.Module):
+    """SPADEDecoder's function: warped feature (B, 256, 64, 64) → RGB (B, 3, 512, 512)."""
+
+    def __init__(self, dec: SPADEDecoder):
+        super().__init__()
+        self.fc = dec.fc
+        self.n_middle = dec.n_middle
+        self.middle = nn.ModuleList([FusedBlock(getattr(dec, f"G_middle_{i}")) for i in range(dec.n_middle)])
+        self.up_0 = FusedBlock(dec.up_0)
+        self.up_1 = FusedBlock(dec.up_1)
+        self.conv_img = dec.conv_img
+
+        def shared(blocks: list[SPADEResnetBlock]) -> nn.Conv2d:
+            norms: list[SPADE] = []
+            for b in blocks:
+                norms += ([b.norm_s] if b.learned_shortcut else []) + [b.norm_0, b.norm_1]
+            return _stack_convs([n.mlp_shared[0] for n in norms])
+
+        self.shared_lo = shared([getattr(dec, f"G_middle_{i}") for i in range(dec.n_middle)])
+        self.shared_0 = shared([dec.up_0])
+        self.shared_1 = shared([dec.up_1])
+
+    @staticmethod
+    def _split(h: torch.Tensor, blocks: list[FusedBlock]) -> list[list[torch.Tensor]]:
+        parts = F.relu(h).split(blocks[0].hidden, dim=1)
+        out, k = [], 0
+        for b in blocks:
+            out.append(list(parts[k:k + b.n_norms]))
+            k += b.n_norms
+        return out
+
+    def forward(self, feature: torch.Tensor) -> torch.Tensor:
+        seg = feature
+        x = self.fc(feature)
+        for blk, hs in zip(self.middle, self._split(self.shared_lo(seg), list(self.middle))):
+            x = blk(x, hs)
+        x = F.interpolate(x, scale_factor=2)
+        seg0 = F.interpolate(seg, size=x.shape[-2:], mode="nearest")
+        x = self.up_0(x, self._split(self.shared_0(seg0), [self.up_0])[0])
+        x = F.interpolate(x, scale_factor=2)
+        seg1 = F.interpolate(seg, size=x.shape[-2:], mode="nearest")
+        x = self.up_1(x, self._split(self.shared_1(seg1), [self.up_1])[0])
+        return torch.sigmoid(self.conv_img(F.leaky_relu(x, 0.2)))
+
+
+def fuse_spade(decoder: SPADEDecoder) -> FusedSPADEDecoder:
+    """The decoder with merged modulation convs (shares the other convs' parameters with `decoder`)."""
+    if not isinstance(decoder, SPADEDecoder):
+        raise InputError(f"fuse_spade takes a SPADEDecoder, got {type(decoder).__name__}")
+    return FusedSPADEDecoder(decoder).eval()

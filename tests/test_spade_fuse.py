@@ -1,0 +1,31 @@
+"""Merged SPADE modulation convs: the same function as the decoder, and a clear error before folding."""
+import copy
+
+import pytest
+import torch
+
+from lab.accel.spade_fuse import fuse_spade
+from lab.accel.spectral_fold import fold_spectral_norm
+from lab.errors import InputError
+from lab.models import ditto as D
+
+
+def test_fused_decoder_is_the_same_function():
+    torch.manual_seed(0)
+    dec, _ = D.load_component("decoder", "random", "tiny", seed=3)
+    d = D.dims("tiny")
+    with pytest.raises(InputError, match="fold the spectral norm"):
+        fuse_spade(dec)
+    dec = copy.deepcopy(dec)
+    fold_spectral_norm(dec)
+    fused = fuse_spade(dec)
+    # 2 middle blocks × 2 norms share one conv at the low resolution; up blocks have 3 norms each
+    assert fused.shared_lo.out_channels == 2 * d.dec_middle * d.dec_hidden
+    assert fused.shared_1.out_channels == 3 * d.dec_hidden
+    x = torch.randn(2, d.warp_out, d.feature_hw, d.feature_hw)
+    with torch.no_grad():
+        ref, out = dec(x), fused(x)
+    assert out.shape == ref.shape == (2, 3, d.render_hw, d.render_hw)
+    assert torch.allclose(out, ref, atol=1e-5)
+    with pytest.raises(InputError, match="SPADEDecoder"):
+        fuse_spade(torch.nn.Conv2d(1, 1, 1))
