@@ -127,3 +127,34 @@ def test_hosts_hubert_layers():
     bad = {k: v for k, v in hub.state_dict().items() if "layers.1.attention.q_proj" not in k}
     with pytest.raises(WeightsError, match="missing"):
         kv.load_hubert_layers(stack, bad)
+
+
+def test_cache_state_restores_and_capture_needs_fused_cuda():
+    stack = _stack()
+    caches = stack.new_caches("window", window=3)
+    x = torch.randn(5, 64)
+    saved = [c._state() for c in caches]
+    for t in range(5):
+        stack.step(x[t:t + 1], caches)
+    assert caches[0].n == 5 and caches[0].n_evicted == 2
+    for c, s in zip(caches, saved):
+        c._restore(s)
+    assert caches[0].n == 0 and caches[0].n_evicted == 0 and not caches[0].k.any()
+    with pytest.raises(Exception, match="CUDA device with Triton"):
+        kv.capture_step(stack, caches, x[:1])
+
+
+@pytest.mark.gpu
+def test_captured_step_matches_eager_stream():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    stack = kv.streaming_stack(kv.TINY, "cuda", torch.float16, seed=0)
+    x = torch.randn(40, 64, device="cuda", dtype=torch.float16)
+    eager, graphed = stack.new_caches("window", window=8, mode="fused"), stack.new_caches("window", window=8, mode="fused")
+    step = kv.capture_step(stack, graphed, x[:1])
+    with pytest.raises(InputError, match="fused"):
+        kv.capture_step(stack, stack.new_caches("window", window=8, mode="dequant"), x[:1])
+    for t in range(40):
+        a, b = stack.step(x[t:t + 1], eager), step(x[t:t + 1])
+        assert torch.allclose(a.float(), b.float(), atol=2e-3), (t, (a - b).abs().max())
+    assert graphed[0].n == 40 and graphed[0].n_evicted == 32 and int(graphed[0].pos) == 40

@@ -27,13 +27,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lab.errors import InputError, WeightsError
+from lab.errors import BackendUnavailable, InputError, WeightsError
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -149,13 +149,18 @@ class WindowCache:
         self.sv = torch.zeros_like(self.sk)
         self.n = 0          # tokens seen
         self.n_evicted = 0
+        # the same count on the device, read by the fused kernels: no step argument changes from one
+        # frame to the next, so a whole step can be captured once as a CUDA graph (`capture_step`)
+        self.pos = torch.zeros(1, device=device, dtype=torch.int32)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         slot = self.n % self.window
         evict = self.n >= self.window and self.use_summary
         if self.int8 and self.mode == "fused" and (fused_backend(k.device) == "triton" or _interpreting_on(k)):
             self.n_evicted += int(evict)
-            int8_append(k, v, self.k, self.v, self.ks, self.vs, self.sk, self.sv, slot, evict, self.n_evicted)
+            int8_append(k, v, self.k, self.v, self.ks, self.vs, self.sk, self.sv, slot, evict, self.n_evicted,
+                        pos=self.pos, summary=self.use_summary)
+            self.pos += 1
             self.n += 1
             return
         if evict:
@@ -188,7 +193,8 @@ class WindowCache:
 
     def attend(self, q: torch.Tensor) -> torch.Tensor:
         if self.int8 and self.mode == "fused":
-            return int8_window_attention(q, self.k, self.v, self.ks, self.vs, self.sk, self.sv, self.valid, self.has_summary)
+            return int8_window_attention(q, self.k, self.v, self.ks, self.vs, self.sk, self.sv, self.valid, self.has_summary,
+                                         pos=self.pos, summary=self.use_summary)
         w = self.valid
         if self.int8:
             k, v = dequantize(self.k[:, :, :w], self.ks[:, :, :w], q.dtype), dequantize(self.v[:, :, :w], self.vs[:, :, :w], q.dtype)
@@ -205,14 +211,31 @@ class WindowCache:
 
     used_bytes = nbytes
 
+    def _state(self) -> tuple:
+        return (self.n, self.n_evicted, [t.clone() for t in self._tensors()])
+
+    def _restore(self, state: tuple) -> None:
+        self.n, self.n_evicted, saved = state
+        for t, v in zip(self._tensors(), saved):
+            t.copy_(v)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v, self.sk, self.sv, self.pos] + ([self.ks, self.vs] if self.int8 else [])
+
 
 # ----------------------------------------------------------------------------- fused INT8 attention
 
 if HAVE_TRITON:
     def _int8_attn_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, sk_ptr, sv_ptr, o_ptr, n_valid, has_summary, sm_scale,
-                        W: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr):
-        # one program per (batch, head): a single query against ≤ W INT8 keys + the summary token
+                        pos_ptr, W: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr, FROM_POS: tl.constexpr):
+        # one program per (batch, head): a single query against ≤ W INT8 keys + the summary token;
+        # FROM_POS: the tokens seen come from the cache's device counter (has_summary then says only
+        # whether a summary is kept), so the launch's arguments are the same at every step
         pid = tl.program_id(0)
+        if FROM_POS:
+            n_seen = tl.load(pos_ptr)
+            has_summary = (has_summary > 0) & (n_seen > W)
+            n_valid = tl.minimum(n_seen, W)
         offs_w = tl.arange(0, BLOCK_W)
         offs_d = tl.arange(0, D)
         ok = offs_w < n_valid
@@ -236,10 +259,16 @@ if HAVE_TRITON:
         tl.store(o_ptr + pid * D + offs_d, (o / denom).to(o_ptr.dtype.element_ty))
 
     def _int8_append_body(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, sk_ptr, sv_ptr, slot, evict, count,
-                          W: tl.constexpr, D: tl.constexpr):
+                          pos_ptr, W: tl.constexpr, D: tl.constexpr, FROM_POS: tl.constexpr):
         # one program per (batch, head): fold the slot's old token into the summary (running mean),
-        # then quantize the new K and V per token and write them into the slot
+        # then quantize the new K and V per token and write them into the slot; FROM_POS: slot, eviction
+        # and count follow from the device counter of tokens seen (evict then says only whether a summary is kept)
         pid = tl.program_id(0)
+        if FROM_POS:
+            n_seen = tl.load(pos_ptr)
+            slot = n_seen % W
+            evict = (evict > 0) & (n_seen >= W)
+            count = (n_seen - W + 1).to(tl.float32)
         offs = tl.arange(0, D)
         at = pid * W * D + slot * D + offs
         if evict > 0:
@@ -283,14 +312,19 @@ def _interpreting_on(t: torch.Tensor) -> bool:
 
 
 def int8_append(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ks: torch.Tensor,
-                vs: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, slot: int, evict: bool, count: int) -> None:
+                vs: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, slot: int, evict: bool, count: int,
+                pos: torch.Tensor | None = None, summary: bool = True) -> None:
     """Fused WindowCache append: k, v (B, H, D) into slot `slot` of the INT8 ring (B, H, W, D) with
     per-token scales, first folding the slot's old token into the summary mean (count = evicted
-    tokens so far, this one included) when `evict`."""
+    tokens so far, this one included) when `evict`. With `pos` (int32 device tensor: tokens seen
+    before this one) slot, eviction and count are read from it instead and `summary` says whether
+    evicted tokens are folded: the launch is then the same at every step."""
     b, h, d = k.shape
     W = kc.shape[2]
-    _append_kernel()[(b * h,)](k.contiguous(), v.contiguous(), kc, vc, ks, vs, sk, sv, int(slot), int(bool(evict)),
-                               float(max(count, 1)), W=W, D=d, num_warps=1)
+    from_pos = pos is not None
+    _append_kernel()[(b * h,)](k.contiguous(), v.contiguous(), kc, vc, ks, vs, sk, sv, 0 if from_pos else int(slot),
+                               int(bool(summary if from_pos else evict)), 1.0 if from_pos else float(max(count, 1)),
+                               pos if from_pos else sk, W=W, D=d, FROM_POS=from_pos, num_warps=1)
 
 
 def _interpreting() -> bool:
@@ -319,12 +353,15 @@ def _int8_attention_torch(q, k, v, ks, vs, sk, sv, n_valid, has_summary):
 
 
 def int8_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
-                          sk: torch.Tensor, sv: torch.Tensor, n_valid: int, has_summary: bool) -> torch.Tensor:
+                          sk: torch.Tensor, sv: torch.Tensor, n_valid: int, has_summary: bool,
+                          pos: torch.Tensor | None = None, summary: bool = True) -> torch.Tensor:
     """One query per (batch, head) — q (B, H, 1, D) — over INT8 k, v (B, H, W, D) with per-token
     scales ks, vs (B, H, W), the first `n_valid` slots valid, plus the summary sk, sv (B, H, 1, D)
     when `has_summary`. Dequantization happens in registers. On a CPU the kernel runs only under
     Triton's interpreter (TRITON_INTERPRET=1 in the environment before triton is imported); else
-    the same math runs unfused in torch."""
+    the same math runs unfused in torch. With `pos` (int32 device tensor: tokens seen, this step's
+    included) the kernel reads the valid count and whether the summary holds anything from it, and
+    `summary` says whether one is kept; `n_valid` and `has_summary` are then only checked."""
     b, h, _, d = q.shape
     W = k.shape[2]
     if not 1 <= n_valid <= W:
@@ -336,9 +373,10 @@ def int8_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks:
         raise InputError(f"head dim {d} must be a power of two for the fused kernel")
     out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
     args = (q.contiguous(), k.contiguous(), v.contiguous(), ks.contiguous(), vs.contiguous(), sk.contiguous(),
-            sv.contiguous(), out, int(n_valid), int(bool(has_summary)), 1.0 / math.sqrt(d))
+            sv.contiguous(), out, int(n_valid), int(bool(summary if pos is not None else has_summary)), 1.0 / math.sqrt(d),
+            pos if pos is not None else sk)
     block = max(16, 1 << (W - 1).bit_length())
-    _kernel()[(b * h,)](*args, W=W, D=d, BLOCK_W=block, num_warps=4)
+    _kernel()[(b * h,)](*args, W=W, D=d, BLOCK_W=block, FROM_POS=pos is not None, num_warps=4)
     return out
 
 
@@ -444,6 +482,45 @@ def streaming_stack(dims: Dims = HUBERT_LARGE, device: torch.device | str = "cpu
     """Random weights from `seed`."""
     torch.manual_seed(seed)
     return StreamingStack(dims).eval().to(device, dtype).fuse()
+
+
+def capture_step(stack: StreamingStack, caches: list, example: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The stack's whole step captured once as a CUDA graph over fused INT8 window caches.
+
+    Their ring position lives on the GPU, so no launch argument changes between frames and one
+    replay stands for every layer's projections, append, attention and MLP: the step's time no longer
+    follows how fast the host dispatches ~10 launches per layer. The unbounded cache cannot be
+    captured (its shapes grow every step). The caches are left as they were; each call of the
+    returned function advances them by one frame and returns that frame's output (B, d)."""
+    dev = example.device
+    if dev.type != "cuda" or fused_backend(dev) != "triton":
+        raise BackendUnavailable(f"a captured step needs a CUDA device with Triton (got {dev.type})")
+    bad = [i for i, c in enumerate(caches) if not (isinstance(c, WindowCache) and c.int8 and c.mode == "fused")]
+    if bad:
+        raise InputError(f"capture_step takes INT8 window caches in 'fused' mode; layers {bad[:5]} are not")
+    static_x = example.clone()
+    saved = [c._state() for c in caches]
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(3):                  # compiles the kernels before capture
+            stack.step(static_x, caches)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = stack.step(static_x, caches)
+    for c, state in zip(caches, saved):     # the warm-up and the capture moved them on
+        c._restore(state)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        static_x.copy_(x)
+        graph.replay()
+        for c in caches:                    # host bookkeeping the replay skips
+            c.n_evicted += int(c.use_summary and c.n >= c.window)
+            c.n += 1
+        return static_out.clone()
+
+    return step
 
 
 def cache_bytes(caches: list) -> int:
