@@ -47,3 +47,18 @@ def test_pipeline_graph_runner_equals_eager_including_short_block():
     assert fast.n_frames == eager.n_frames == 20
     assert cosine(fast.latents, eager.latents) > 0.9999
     assert np.isfinite(fast.latents.numpy()).all()
+
+
+def test_compiled_graph_with_guided_shortcuts_matches_eager(tiny):
+    from lab.models.latentsync import fuse_qkv
+
+    m, _ = tiny
+    ex = sampling.guided_example(m, 16, (16, 16), "cuda", torch.float16)
+    with torch.inference_mode():
+        ref = m(*ex).float()
+    fuse_qkv(m)
+    try:
+        r = sampling.fast_unet(sampling.GuidedShortcuts(m), "compile+cudagraph", ex)
+        assert cosine(r(*ex).float(), ref) > 0.9999
+    finally:
+        fuse_qkv(m, False)

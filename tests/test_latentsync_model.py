@@ -226,3 +226,37 @@ def test_attention_kernels_per_kind_keep_the_output(tiny_pair):
     assert all(m.kernel is None for m in ours.modules() if isinstance(m, ls.Attention))
     with pytest.raises(InputError, match="temporal"):
         ls.set_attention_kernels(ours, temporal="fastest")
+
+
+def _guided(m, seed=0):
+    from lab.accel import sampling
+
+    x, t, a = sampling.example_inputs(m, 1, 4, (8, 8), "cpu", torch.float32, seed=seed)
+    return torch.cat([x, x]), torch.cat([t, t]), torch.cat([torch.zeros_like(a), a])
+
+
+def test_guided_shortcuts_and_fused_qkv_compute_the_same():
+    from lab.models.latentsync import fuse_qkv, load_latentsync_unet
+
+    m = load_latentsync_unet("random", "tiny", seed=3).model
+    assert all(mod.to_k.bias is None and mod.to_v.bias is None for mod in m.modules() if hasattr(mod, "to_k"))
+    x, t, a = _guided(m)
+    with torch.no_grad():
+        ref = m(x, t, a)
+        # the null half of each audio cross-attention is to_out's bias: bit for bit
+        assert torch.equal(m(x, t, a, null_audio=True), ref)
+        for kw in ({"shared_prefix": True}, {"null_audio": True, "shared_prefix": True}):
+            torch.testing.assert_close(m(x, t, a, **kw), ref, rtol=1e-5, atol=1e-5)
+        n, keys = sum(p.numel() for p in m.parameters()), set(m.state_dict())
+        fuse_qkv(m)
+        assert sum(p.numel() for p in m.parameters()) == n and set(m.state_dict()) == keys
+        torch.testing.assert_close(m(x, t, a, null_audio=True, shared_prefix=True), ref, rtol=1e-5, atol=1e-5)
+        # the shortcuts rest on the guided layout: a batch that breaks it gives another answer
+        a_bad = a.clone()
+        a_bad[: len(a) // 2] = a[len(a) // 2:]
+        assert (m(x, t, a_bad, null_audio=True) - m(x, t, a_bad)).abs().max() > 1e-3
+        x_bad = x.clone()
+        x_bad[0] = torch.randn_like(x[0])
+        assert (m(x_bad, t, a, shared_prefix=True) - m(x_bad, t, a)).abs().max() > 1e-3
+    with pytest.raises(InputError, match="even"):
+        m(x[:1], t[:1], a[: len(a) // 2], null_audio=True)

@@ -138,3 +138,33 @@ def test_notebook_parameters_checked_before_any_work():
                        (dict(quick="yes"), "quick")):
         with pytest.raises(InputError, match=match):
             X.setup(**bad)
+
+
+def test_exact_switches_keep_the_output_and_the_encode_cache_hits(clip, frames):
+    eng = P.build(P.Config(size="tiny", mode="ddim2", block=4, keep_faces=True))
+    job = P.prepare(eng, frames, *clip)                 # 3 source frames looped to 10
+    ref = P.run(eng, job)
+    fast_eng = P.build(P.Config(size="tiny", mode="ddim2", block=4, keep_faces=True, guided_shortcuts=True,
+                                fused_qkv=True, cache_encodes=True))
+    calls = []
+    enc = fast_eng.vae.model.encode
+    fast_eng.vae.model.encode = lambda x: calls.append(len(x)) or enc(x)
+    job2 = P.prepare(fast_eng, frames, *clip)
+    rep = P.run(fast_eng, job2)
+    assert sorted(job2.encodes) == [0, 1, 2]
+    assert len(calls) < 2 * rep.blocks                 # cached blocks skipped both encodes
+    torch.testing.assert_close(rep.latents, ref.latents, rtol=1e-4, atol=1e-4)
+    assert np.abs(rep.faces.int() - ref.faces.int()).max() <= 1
+
+
+def test_kernel_kinds_from_names():
+    from lab.experiments.latentsync import kernel_kind
+
+    assert kernel_kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>") == "attention"
+    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
+    assert kernel_kind("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc") == "convolution"
+    assert kernel_kind("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_TNN") == "GEMM (linear)"
+    assert kernel_kind("triton_red_fused_native_group_norm_12") == "Triton reduction (norms)"
+    assert kernel_kind("triton_poi_fused_add_gelu_mul_7") == "Triton pointwise"
+    assert kernel_kind("triton_poi_fused__scaled_dot_product_cudnn_attention_3") == "Triton pointwise"
+    assert kernel_kind("something_else") == "other"

@@ -233,6 +233,28 @@ def example_inputs(model: torch.nn.Module, batch: int, frames: int, latent_hw: t
     return x.to(device, dtype), t.to(device), a.to(device, dtype)
 
 
+class GuidedShortcuts(torch.nn.Module):
+    """The UNet called with its exact guided-batch shortcuts (`null_audio`, `shared_prefix`).
+
+    Valid only for the batches `staging` builds: [null-audio copy ‖ conditioned] halves with the
+    same latents, conditioning and timestep, null audio all zeros — what `denoise` passes."""
+
+    def __init__(self, model: torch.nn.Module, null_audio: bool = True, shared_prefix: bool = True):
+        super().__init__()
+        self.model, self.null_audio, self.shared_prefix = model, null_audio, shared_prefix
+        self.cfg = model.cfg
+
+    def forward(self, sample: torch.Tensor, t: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        return self.model(sample, t, audio, null_audio=self.null_audio, shared_prefix=self.shared_prefix)
+
+
+def guided_example(model: torch.nn.Module, frames: int, latent_hw: tuple[int, int], device: torch.device | str,
+                   dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """(sample, t, audio) of one guided call in the loop's layout: two equal halves, null audio first."""
+    x, t, a = example_inputs(model, 1, frames, latent_hw, device, dtype, seed)
+    return torch.cat([x, x]), torch.cat([t, t]), torch.cat([torch.zeros_like(a), a])
+
+
 def fast_unet(model: torch.nn.Module, how: str, example: tuple[torch.Tensor, ...], precision: str = "fp16"):
     """A runner with the UNet's call signature: "eager" | "cudagraph" | "compile" | "compile+cudagraph".
 

@@ -152,10 +152,24 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(kv_dim or dim, dim, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
         self.kernel: str | None = None   # one SDPA kernel for this module (set_attention_kernels), else SDPA's choice
+        self.qkv: torch.Tensor | None = None  # (3·dim, dim) self-attention weights in one GEMM (fuse_qkv)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        c = x if context is None else context
-        q, k, v = self.to_q(x), self.to_k(c), self.to_v(c)
+        if context is not None and context.shape[0] < x.shape[0]:
+            # the leading rows attend to null (all-zero) audio: with bias-free to_k / to_v their keys and
+            # values are exactly 0, so attention gives 0 and to_out gives its bias — no need to compute it
+            n0 = x.shape[0] - context.shape[0]
+            out = self._attend(x[n0:], context)
+            null = self.to_out[0].bias.to(out.dtype).expand(n0, *out.shape[1:])
+            return torch.cat([null, out])
+        return self._attend(x, context)
+
+    def _attend(self, x: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+        if context is None and self.qkv is not None:
+            q, k, v = F.linear(x, self.qkv).chunk(3, dim=-1)
+        else:
+            c = x if context is None else context
+            q, k, v = self.to_q(x), self.to_k(c), self.to_v(c)
         if self.kernel is None:
             return self.to_out[0](attention(q, k, v, self.heads))
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -197,8 +211,10 @@ class BasicTransformerBlock(nn.Module):
         self.attn2 = Attention(dim, heads, kv_dim=audio_dim)
         self.ff = FeedForward(dim)
 
-    def forward(self, x: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, audio: torch.Tensor, repeat: int = 1) -> torch.Tensor:
         x = self.attn1(self.norm1(x)) + x
+        if repeat > 1:  # the shared prefix ends here: the halves differ from the audio on
+            x = torch.cat([x] * repeat)
         x = self.attn2(self.norm2(x), audio) + x
         return self.ff(self.norm3(x)) + x
 
@@ -213,12 +229,14 @@ class Transformer3DModel(nn.Module):
         self.transformer_blocks = nn.ModuleList([BasicTransformerBlock(dim, cfg.heads, cfg.cross_attention_dim)])
         self.proj_out = nn.Conv2d(dim, dim, 1)
 
-    def forward(self, x: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, audio: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+        """`repeat` > 1: x is one copy of a batch repeated `repeat` times; the output is for the whole batch."""
         bf, c, h, w = x.shape
         y = self.proj_in(self.norm(x)).permute(0, 2, 3, 1).reshape(bf, h * w, c)
-        for blk in self.transformer_blocks:
-            y = blk(y, audio)
-        return self.proj_out(y.reshape(bf, h, w, c).permute(0, 3, 1, 2)) + x
+        for j, blk in enumerate(self.transformer_blocks):
+            y = blk(y, audio, repeat if j == 0 else 1)
+        x = torch.cat([x] * repeat) if repeat > 1 else x
+        return self.proj_out(y.reshape(len(y), h, w, c).permute(0, 3, 1, 2)) + x
 
 
 def sinusoid_table(length: int, dim: int) -> torch.Tensor:
@@ -421,17 +439,45 @@ class UNet3D(nn.Module):
         return x.reshape(b, f, -1, *x.shape[-2:]).transpose(1, 2)
 
     def forward(self, sample: torch.Tensor, t: torch.Tensor | float, audio: torch.Tensor,
-                features: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                features: dict[str, torch.Tensor] | None = None, null_audio: bool = False,
+                shared_prefix: bool = False) -> torch.Tensor:
         """eps (B, 4, F, H, W). `features`: a dict that receives "deep", the input of the last up
-        layer before its skip (what a DeepCache-style shallow step reuses: `forward_shallow`)."""
+        layer before its skip (what a DeepCache-style shallow step reuses: `forward_shallow`).
+
+        Exact shortcuts of the guided batch. Both need the layout of the sampling loop, which the
+        caller promises (nothing is checked at run time: a check would read the GPU's data on every
+        call and break graph capture): B even, the first B/2 items a copy of the last B/2 (same
+        latents, conditioning and timestep) with all-zero audio.
+        `null_audio`: the null half of every audio cross-attention is to_out's bias (`Attention`).
+        `shared_prefix`: everything before the first audio cross-attention (conv_in, the first
+        ResNet, the first self-attention) runs once on the last half and is repeated."""
         audio = self.check_inputs(sample, t, audio)
         b, c, f, h, w = sample.shape
+        if (null_audio or shared_prefix) and (b % 2 or features is not None):
+            raise InputError(f"null_audio / shared_prefix need an even guided batch (uncond ‖ cond halves) and no "
+                             f"feature capture, got B={b}")
         temb = self._embed(sample, t)
-        x = self.conv_in(sample.transpose(1, 2).reshape(b * f, c, h, w))
+        half = b // 2
+        if null_audio:
+            audio = audio[half * f:]                    # the cond rows; the null rows are implied
+        if not shared_prefix:
+            x = self.conv_in(sample.transpose(1, 2).reshape(b * f, c, h, w))
+            return self._rest(x, temb, audio.to(x.dtype), b, f, [x], 0, features)
+        x = self.conv_in(sample[half:].transpose(1, 2).reshape(half * f, c, h, w))
         audio = audio.to(x.dtype)
-        skips = [x]
-        for blk in self.down_blocks:
-            for i in range(len(blk.resnets)):
+        skips = [torch.cat([x, x])]
+        blk = self.down_blocks[0]
+        x = blk.resnets[0](x, temb[half:], f)
+        x = blk.attentions[0](x, audio, repeat=2) if blk.attentions is not None else torch.cat([x, x])
+        x = blk.motion_modules[0](x, f)
+        skips.append(x)
+        return self._rest(x, temb, audio, b, f, skips, 1, None)
+
+    def _rest(self, x: torch.Tensor, temb: torch.Tensor, audio: torch.Tensor, b: int, f: int,
+              skips: list[torch.Tensor], start: int, features: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """The UNet from down block 0's layer `start` on."""
+        for k, blk in enumerate(self.down_blocks):
+            for i in range(start if k == 0 else 0, len(blk.resnets)):
                 x = blk.layer(i, x, temb, audio, f)
                 skips.append(x)
             if hasattr(blk, "downsamplers"):
@@ -474,6 +520,26 @@ def set_attention_kernels(model: nn.Module, spatial: str | None = None, temporal
             mod.attn1.kernel, mod.attn2.kernel = spatial, cross
         elif isinstance(mod, TemporalAttention):
             mod.kernel = temporal
+    return model
+
+
+def fuse_qkv(model: nn.Module, on: bool = True) -> nn.Module:
+    """Every self-attention's (spatial and temporal) q, k, v projections as one GEMM of 3× the width.
+
+    The same products, one kernel launch and one read of the input instead of three. to_q / to_k /
+    to_v keep their parameters (state-dict keys unchanged) as views into the fused weight, so no
+    memory is added; call it after the model has its final device and dtype. on=False: back to
+    three GEMMs through to_q / to_k / to_v (e.g. before replacing those layers)."""
+    selfs = [m.attn1 for m in model.modules() if isinstance(m, BasicTransformerBlock)] + \
+        [m for m in model.modules() if isinstance(m, TemporalAttention)]
+    for mod in selfs:
+        if not on:
+            mod.qkv = None
+        elif mod.qkv is None:
+            w = torch.cat([mod.to_q.weight.data, mod.to_k.weight.data, mod.to_v.weight.data])
+            n = mod.to_q.out_features
+            mod.to_q.weight.data, mod.to_k.weight.data, mod.to_v.weight.data = w[:n], w[n:2 * n], w[2 * n:]
+            mod.qkv = w
     return model
 
 

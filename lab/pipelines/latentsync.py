@@ -68,6 +68,10 @@ class Config:
     fast: str = "eager"                 # "eager" | "cudagraph" | "compile" | "compile+cudagraph" (same output)
     attention: str = "auto"             # SDPA kernel: "auto" | "flash" | "efficient" | "cudnn" | "math"
     channels_last: bool = False
+    guided_shortcuts: bool = False      # exact: null-audio cross-attention = bias, shared prefix (sampling.GuidedShortcuts)
+    fused_qkv: bool = False             # exact: self-attention q, k, v as one GEMM
+    cache_encodes: bool = False         # exact: VAE moments kept per source frame when the video loops
+    vae_fast: str = "eager"             # VAE decode: "eager" | "cudagraph" | "compile" | "compile+cudagraph"
     last_block: str = "short"           # "short" (upstream) | "pad"
     flush_every_block: bool = False     # gc.collect() + empty_cache() after each block (to measure its cost)
     encode_sample: bool = True          # VAE posterior sample (upstream) instead of its mean
@@ -89,6 +93,8 @@ class Config:
             raise InputError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.fast not in sampling.FAST_OPTIONS:
             raise InputError(f"fast must be one of {sampling.FAST_OPTIONS}, got {self.fast!r}")
+        if self.vae_fast not in sampling.FAST_OPTIONS:
+            raise InputError(f"vae_fast must be one of {sampling.FAST_OPTIONS}, got {self.vae_fast!r}")
         if self.last_block not in ("short", "pad"):
             raise InputError(f"last_block must be 'short' or 'pad', got {self.last_block!r}")
         if self.size not in ("full", "tiny"):
@@ -111,6 +117,7 @@ class Engine:
     unet_fn: Callable = None     # what the loop calls: the model or its graph/compiled runner
     runner: Any = None           # the Accelerated runner (build_s, notes) when fast != "eager"
     mask: torch.Tensor | None = None   # (1, 1, S, S) 1 = keep, 0 = regenerate
+    vae_decode: Callable | None = None  # a decoder runner for the block shape (set_vae_fast), else eager
     weights: dict[str, str] = field(default_factory=dict)
 
 
@@ -134,9 +141,43 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
     if cfg.channels_last:
         unet.model.to(memory_format=torch.channels_last)
         vae.model.to(memory_format=torch.channels_last)
+    if cfg.fused_qkv:
+        from lab.models.latentsync import fuse_qkv
+
+        fuse_qkv(unet.model)
     engine = Engine(cfg, dev, dt, unet, vae, whisper, mask=fixed_mask(cfg.face).to(dev, dt),
                     weights={"latentsync_unet": unet.weights, "sd-vae": vae.weights, "whisper-tiny": w_src})
+    if cfg.vae_fast != "eager":
+        set_vae_fast(engine, cfg.vae_fast)
     return set_fast(engine, cfg.fast)
+
+
+def eager_unet(engine: Engine) -> Callable:
+    """The eager UNet as the loop calls it (with the guided shortcuts when they are on)."""
+    cfg = engine.cfg
+    model = engine.unet.model
+    if cfg.guided_shortcuts and cfg.guidance > 1:
+        return sampling.GuidedShortcuts(model)
+    return model
+
+
+def set_vae_fast(engine: Engine, how: str, runner: Any = None) -> Engine:
+    """The VAE decode of a full block through a cudagraph / compiled runner (same output); "eager" drops it."""
+    from lab.accel.backends import accelerate
+
+    cfg = engine.cfg
+    if how == "eager":
+        engine.vae_decode = None
+    elif runner is not None:
+        engine.vae_decode = runner
+    else:
+        h = cfg.face // 8
+        g = torch.Generator().manual_seed(cfg.seed)
+        ex = (torch.randn(cfg.block, 4, h, h, generator=g).to(engine.device, engine.dtype),)
+        engine.vae_decode = accelerate(engine.vae.decoder_module(), how, ex, precision=_precision(engine.dtype),
+                                       name="sd_vae_decoder", **({"clone_output": False} if "cudagraph" in how else {}))
+    cfg.vae_fast = how
+    return engine
 
 
 def set_fast(engine: Engine, how: str, runner: Any = None) -> Engine:
@@ -147,12 +188,12 @@ def set_fast(engine: Engine, how: str, runner: Any = None) -> Engine:
     if runner is not None:
         engine.unet_fn, engine.runner = _with_attention(runner, cfg.attention), runner
     elif how == "eager":
-        engine.unet_fn, engine.runner = _with_attention(model, cfg.attention), None
+        engine.unet_fn, engine.runner = _with_attention(eager_unet(engine), cfg.attention), None
     else:
         batch = 2 if cfg.guidance > 1 else 1
         ex = sampling.example_inputs(model, batch, cfg.block, (cfg.face // 8,) * 2, engine.device, engine.dtype)
         with sampling.sdpa_backend(cfg.attention):
-            engine.runner = sampling.fast_unet(model, how, ex, precision=_precision(engine.dtype))
+            engine.runner = sampling.fast_unet(eager_unet(engine), how, ex, precision=_precision(engine.dtype))
         engine.unet_fn = _with_attention(engine.runner, cfg.attention)
     engine.cfg.fast = how
     return engine
@@ -280,6 +321,7 @@ class Job:
     transforms: np.ndarray        # (N, 2, 3) per input frame
     n_out: int
     noise: torch.Tensor           # (1, 4, block, h, w): one draw repeated over the frames
+    encodes: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # source frame → VAE moments
 
     def source_index(self, i: np.ndarray) -> np.ndarray:
         """Output frame → input frame: the video plays forward, then backward, … (ping-pong)."""
@@ -331,27 +373,52 @@ def blocks(n: int, size: int) -> list[tuple[int, int]]:
 
 # ----------------------------------------------------------------------------- the block's stages
 
-def encode(engine: Engine, faces: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Faces (F, 3, S, S) in [0, 1] → conditioning (1, 9, F, S/8, S/8) = mask ‖ masked face ‖ reference face."""
+MAX_CACHED_FRAMES = 4096     # source frames whose VAE moments are kept (131 KB each at 512²)
+
+
+def encode(engine: Engine, faces: torch.Tensor, generator: torch.Generator | None,
+           keys: np.ndarray | None = None, cache: dict[int, tuple[torch.Tensor, ...]] | None = None) -> torch.Tensor:
+    """Faces (F, 3, S, S) in [0, 1] → conditioning (1, 9, F, S/8, S/8) = mask ‖ masked face ‖ reference face.
+
+    `cache` (with `keys`, the source frame of each face): the encoder's mean and std of both images
+    per source frame. A block whose frames are all cached skips both encodes; the posterior sample
+    is still drawn from `generator` in the same order and shape (as diffusers draws it), so the
+    result is the same as without the cache. Only a looping video (output longer than the source)
+    ever hits it."""
+    from diffusers.utils.torch_utils import randn_tensor
+
     vae = engine.vae
-    px = faces.to(engine.dtype) * 2 - 1
-    masked = px * engine.mask
+    hit = cache is not None and keys is not None and all(int(k) in cache for k in keys)
+    if hit:
+        moments = [torch.stack([cache[int(k)][j] for k in keys]) for j in range(4)]
+    else:
+        px = faces.to(engine.dtype) * 2 - 1
+        dm, dr = vae.model.encode(px * engine.mask).latent_dist, vae.model.encode(px).latent_dist
+        moments = [dm.mean, dm.std, dr.mean, dr.std]
+        if cache is not None and keys is not None:
+            for j, k in enumerate(keys):
+                if len(cache) < MAX_CACHED_FRAMES:
+                    cache.setdefault(int(k), tuple(m[j].clone() for m in moments))
 
-    def enc(x: torch.Tensor) -> torch.Tensor:
-        d = vae.model.encode(x).latent_dist
-        z = d.sample(generator) if engine.cfg.encode_sample else d.mode()
-        return z * vae.scaling_factor
+    def latent(mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+        if not engine.cfg.encode_sample:
+            return mean * vae.scaling_factor
+        noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+        return (mean + std * noise) * vae.scaling_factor
 
-    lat_m, lat_r = enc(masked), enc(px)
-    m = F.interpolate(engine.mask, size=lat_m.shape[-2:], mode="nearest").expand(len(px), -1, -1, -1)
+    lat_m, lat_r = latent(*moments[:2]), latent(*moments[2:])
+    m = F.interpolate(engine.mask, size=lat_m.shape[-2:], mode="nearest").expand(len(faces), -1, -1, -1)
     cond = torch.cat([m.to(lat_m.dtype), lat_m, lat_r], 1)      # (F, 9, h, w)
     return cond.transpose(0, 1)[None]                            # (1, 9, F, h, w)
 
 
 def decode(engine: Engine, latents: torch.Tensor, faces: torch.Tensor) -> torch.Tensor:
     """Latents (1, 4, F, h, w) → faces (F, 3, S, S) in [0, 1], the kept region pasted back from the input."""
-    z = latents[0].transpose(0, 1).to(engine.dtype) / engine.vae.scaling_factor
-    out = (engine.vae.model.decode(z).sample / 2 + 0.5).clamp(0, 1)
+    if engine.vae_decode is not None and latents.shape[2] == engine.cfg.block:
+        out = engine.vae_decode(latents[0].transpose(0, 1).to(engine.dtype).contiguous())
+    else:
+        z = latents[0].transpose(0, 1).to(engine.dtype) / engine.vae.scaling_factor
+        out = (engine.vae.model.decode(z).sample / 2 + 0.5).clamp(0, 1)
     keep = engine.mask.to(out.dtype)
     return out * (1 - keep) + faces.to(out.dtype) * keep
 
@@ -411,13 +478,14 @@ def run(engine: Engine, job: Job, sink: Callable[[np.ndarray], None] | None = No
                 frames = torch.from_numpy(job.frames[idx]).to(dev).permute(0, 3, 1, 2).float() / 255
                 faces = align(frames, job.transforms[idx], cfg.face)
             with timer.stage("vae_encode"):
-                cond = encode(engine, faces, gen)
+                looping = cfg.cache_encodes and job.n_out > len(job.frames)
+                cond = encode(engine, faces, gen, idx, job.encodes if looping else None)
             with timer.stage("unet"):
                 audio = job.tokens[np.minimum(np.arange(s, s + span), job.n_out - 1)]
                 latents = job.noise[:, :, :span]
                 # a runner replays the block shape it was built for; a short last block runs eager
                 fn = engine.unet_fn if engine.runner is None or span == cfg.block else \
-                    _with_attention(engine.unet.model, cfg.attention)
+                    _with_attention(eager_unet(engine), cfg.attention)
                 interval = sampling.parse_mode(cfg.mode).cache_interval
                 if interval > 1:  # two graphs per step kind would be needed: the cache runs eager
                     fn = sampling.FeatureCache(engine.unet.model, interval)
