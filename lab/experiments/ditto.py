@@ -837,6 +837,90 @@ def table(rows: list[dict], cols: list[str] | None = None, title: str = "") -> A
     return Markdown((f"**{title}**\n\n" if title else "") + plots.table_markdown(rows, cols, floatfmt=".4g"))
 
 
+# the columns each notebook section shows (the Result keeps every column)
+COLUMNS = {
+    "renderer": ["variant", "batch", "fps", "ms_per_frame", "tflops", "pct_of_ceiling", "psnr_vs_upstream_db",
+                 "build_s", "runs", "status", "reason"],
+    "stages": ["stage", "ms_per_frame", "share_of_renderer", "ms_per_window", "new_frames_per_window", "batch", "runs"],
+    "waterfall": ["step", "fps", "fps_min", "fps_max", "runs", "ms_per_frame", "loop_fps", "pre_loop_ms", "render_ms",
+                  "putback_encode_ms", "rendered", "bypassed", "gpu_peak_mb", "rss_peak_mb", "psnr_vs_dense_db",
+                  "ssim_vs_dense", "psnr_speech_frames_db", "psnr_silence_vs_eased_db", "status", "reason"],
+    "e2e_stages": ["stage", "ms_per_frame", "share", "calls"],
+    "strides": ["step", "config", "fps", "runs", "speedup", "rendered", "psnr_vs_dense_db", "ssim_vs_dense",
+                "psnr_speech_frames_db"],
+    "comparisons": ["source", "claim", "their_value", "our_value", "unit", "verdict", "reason"],
+}
+
+
+def summary(ctx: Context) -> str:
+    """One paragraph: machine, sizes, clip, weights, run folder, parameter counts."""
+    return (f"{ctx.machine} | {ctx.prof.size} size, {ctx.prof.frame_size[0]}×{ctx.prof.frame_size[1]} frames, "
+            f"{ctx.audio.size / 16000:.1f} s clip | weights {ctx.engine.weights['decoder']} | run folder {ctx.folder}\n"
+            f"parameters: {ctx.res.metrics['params']}")
+
+
+def renderer_section(ctx: Context) -> Any:
+    """Section 1: the renderer table (every variant), its figure saved, the variants explained."""
+    rows = renderer_table(ctx)
+    save_figure(renderer_figure(ctx), ctx.folder, "renderer", ctx.res)
+    text = "\n".join(f"- `{k}`: {v}" for k, v in VARIANT_TEXT.items() if k in ctx.prof.variants)
+    return table(rows, COLUMNS["renderer"], f"warp + decode{ctx.suffix}\n\n"
+                 f"{ctx.res.metrics['renderer_gflop_per_frame']:.1f} GFLOP per frame\n\n{text}")
+
+
+def stage_section(ctx: Context) -> Any:
+    return table(stage_profile(ctx), COLUMNS["stages"], f"stage profile{ctx.suffix}")
+
+
+def waterfall_section(ctx: Context) -> Any:
+    """Section 3: the waterfall rows, then the last row's own stages (where an end-to-end frame goes)."""
+    rows = waterfall(ctx)
+    stages = ctx.res.tables.get("e2e_stages", [])
+    md = table(rows, COLUMNS["waterfall"], f"end to end{ctx.suffix}").data
+    md += "\n\n" + table(stages, COLUMNS["e2e_stages"], "stages of the last row (ms per output frame)").data
+    from IPython.display import Markdown
+
+    return Markdown(md)
+
+
+def silence_section(ctx: Context) -> None:
+    """Section 4: the silence plan and the easing strip (figures shown and saved)."""
+    save_figure(silence_figure(ctx), ctx.folder, "silence_plan", ctx.res)
+    save_figure(easing_strip(ctx), ctx.folder, "easing_strip", ctx.res)
+
+
+def stride_section(ctx: Context) -> Any:
+    rows = stride_table(ctx)
+    save_figure(waterfall_figure(ctx), ctx.folder, "waterfall", ctx.res)
+    return table(rows, COLUMNS["strides"], f"strides{ctx.suffix}")
+
+
+def host_section(ctx: Context) -> Any:
+    """Section 6: the encoder ceiling and host memory, short vs long clip."""
+    enc, mem = encoder_ceiling(ctx), memory_flat(ctx)
+    rows = [{"measure": "encoder ceiling", **enc}] + [
+        {"measure": f"host memory, {label} clip", **mem[label]} for label in ("short", "long")]
+    return table(rows, None, f"encoder and memory (RSS growth {100 * mem['rss_growth']:+.2f} %, "
+                             f"stride {mem['stride']}){ctx.suffix}")
+
+
+def scrubber_section(ctx: Context, interactive: bool | None = None) -> Any:
+    view = scrubber(ctx, interactive=interactive)
+    if hasattr(view, "savefig"):
+        save_figure(view, ctx.folder, "scrubber", ctx.res)
+    return view
+
+
+def comparison_section(ctx: Context) -> Any:
+    return table(comparisons(ctx), COLUMNS["comparisons"])
+
+
+def finish(ctx: Context) -> Any:
+    """Save the Result; the headline as a table."""
+    path = save(ctx)
+    return table([{"headline": k, "value": v} for k, v in ctx.res.headline.items()], None, f"saved {path}")
+
+
 def headline(ctx: Context) -> dict:
     h: dict[str, Any] = {}
     full = ctx.prof.full_gpu and ctx.prof.size == "full"
