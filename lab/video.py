@@ -22,6 +22,7 @@ of a process that no longer runs are removed by the next writer in that folder
 """
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import re
@@ -134,7 +135,7 @@ def blend_torch(frames: torch.Tensor, faces: torch.Tensor, masks: torch.Tensor, 
         groups.setdefault(_box(bx, (H, W)), []).append(i)
     for b, idx in groups.items():
         bh, bw = b[3] - b[1], b[2] - b[0]
-        sel = slice(None) if len(idx) == B else torch.tensor(idx, device=frames.device)
+        sel = slice(None) if len(idx) == B else _index(idx, frames.device)
         f = faces[sel].to(frames.device, torch.float32).permute(0, 3, 1, 2)
         m = masks[sel].to(torch.float32)[:, None]
         if f.shape[-2:] != (bh, bw):
@@ -183,10 +184,69 @@ def rgb_to_yuv420p(frames: torch.Tensor) -> torch.Tensor:
     cr = 128 + (112.439 * r - 94.154 * g - 18.285 * bl) / 256
 
     def sub(c: torch.Tensor) -> torch.Tensor:
-        return c.reshape(b, h // 2, 2, w // 2, 2).mean(dim=(2, 4))
+        # explicit adds, not a mean: the same arithmetic on any crop of the frame (a reduction's
+        # order may depend on the tensor's shape), which composite_yuv420p relies on
+        return (c[:, 0::2, 0::2] + c[:, 0::2, 1::2] + c[:, 1::2, 0::2] + c[:, 1::2, 1::2]) * 0.25
 
     planes = [y.reshape(b, -1), sub(cb).reshape(b, -1), sub(cr).reshape(b, -1)]
     return torch.cat(planes, dim=1).round_().clamp_(0, 255).to(torch.uint8)
+
+
+def composite_yuv420p(planes: torch.Tensor, frames: torch.Tensor, faces: torch.Tensor, masks: torch.Tensor,
+                      boxes: Any, index: torch.Tensor | None = None) -> torch.Tensor:
+    """`rgb_to_yuv420p(blend_torch(frames, faces, masks, boxes))`, bit for bit, at the cost of the
+    face boxes alone: `planes` (B, H·W·3/2) uint8 holds `rgb_to_yuv420p(frames)` (a static avatar's
+    backgrounds, converted once) and is overwritten, in place, only over each box widened to whole
+    2×2 chroma blocks; the rest of the frame is the background's own conversion already.
+    `index` (B,): item i's background is frames[index[i]] (an avatar's frames, of which only the
+    box regions are gathered); without it frames is (B, H, W, 3), one per item.
+    """
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise InputError(f"frames of shape {tuple(frames.shape)}; expected (B, H, W, 3)")
+    H, W = frames.shape[1:3]
+    B = len(index) if index is not None else frames.shape[0]
+    if H % 2 or W % 2:
+        raise InputError(f"frames {W}×{H}: yuv420p needs even width and height")
+    n = H * W
+    if tuple(planes.shape) != (B, n * 3 // 2) or planes.dtype != torch.uint8:
+        raise InputError(f"planes of shape {tuple(planes.shape)} and dtype {planes.dtype}; expected uint8 "
+                         f"({B}, {n * 3 // 2}): the backgrounds' rgb_to_yuv420p")
+    box_list = np.asarray(boxes.cpu() if isinstance(boxes, torch.Tensor) else boxes).reshape(-1, 4).tolist()
+    if len(box_list) != B or faces.shape[0] != B:
+        raise InputError(f"{len(box_list)} boxes and {faces.shape[0]} faces for {B} frames; expected one each per frame")
+    masks = torch.as_tensor(masks)
+    Y = planes[:, :n].view(B, H, W)
+    U = planes[:, n:n + n // 4].view(B, H // 2, W // 2)
+    V = planes[:, n + n // 4:].view(B, H // 2, W // 2)
+    groups: dict[tuple[int, int, int, int], list[int]] = {}
+    for i, bx in enumerate(box_list):
+        groups.setdefault(_box(bx, (H, W)), []).append(i)
+    for b, idx in groups.items():
+        fy, fx, _, _ = _visible(b, (H, W))
+        ey0, ex0 = fy.start - fy.start % 2, fx.start - fx.start % 2  # whole chroma blocks
+        ey1, ex1 = fy.stop + fy.stop % 2, fx.stop + fx.stop % 2
+        sel = slice(None) if len(idx) == B else _index(idx, frames.device)
+        region = frames[:, ey0:ey1, ex0:ex1]
+        region = region[sel] if index is None else region[index[sel]]
+        m = masks if masks.ndim == 2 else masks[sel]
+        mixed = blend_torch(region, faces[sel], m, [(b[0] - ex0, b[1] - ey0, b[2] - ex0, b[3] - ey0)] * region.shape[0])
+        yuv = rgb_to_yuv420p(mixed)
+        rh, rw = ey1 - ey0, ex1 - ex0
+        k = rh * rw
+        cy, cx = slice(ey0 // 2, ey1 // 2), slice(ex0 // 2, ex1 // 2)
+        Y[sel, ey0:ey1, ex0:ex1] = yuv[:, :k].view(-1, rh, rw)  # index_put_ on the views: in place
+        U[sel, cy, cx] = yuv[:, k:k + k // 4].view(-1, rh // 2, rw // 2)
+        V[sel, cy, cx] = yuv[:, k + k // 4:].view(-1, rh // 2, rw // 2)
+    return planes
+
+
+def _index(idx: list[int], device: torch.device) -> torch.Tensor:
+    """Index list → tensor on `device`; on a GPU through pinned memory, so the upload does not wait
+    for the GPU's queued work (a pageable upload synchronizes the stream)."""
+    t = torch.tensor(idx, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 # ---------------------------------------------------------------- writers
@@ -393,6 +453,70 @@ class _WriterBase(_CloseOrAbort):
         raise NotImplementedError
 
 
+def _set_pipe_size(fd: int, size: int) -> int:
+    """Ask for a pipe buffer of `size` bytes (0: leave it); returns the size in force."""
+    import fcntl
+
+    get, put = getattr(fcntl, "F_GETPIPE_SZ", None), getattr(fcntl, "F_SETPIPE_SZ", None)
+    if get is None:
+        return 0  # not Linux: the platform's pipe, size unknown
+    if size:
+        try:
+            fcntl.fcntl(fd, put, int(size))
+        except OSError:
+            pass  # above /proc/sys/fs/pipe-max-size for this user: keep what the kernel gives
+    return int(fcntl.fcntl(fd, get))
+
+
+def _load_vmsplice() -> Any:
+    if not hasattr(os, "splice"):  # Linux only (os.splice exists there since Python 3.10)
+        return None
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.vmsplice
+    except (OSError, AttributeError):
+        return None
+
+    class IOVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(IOVec), ctypes.c_ulong, ctypes.c_uint]
+    fn.restype = ctypes.c_ssize_t
+    return fn, IOVec, ctypes
+
+
+_VMSPLICE = _load_vmsplice()
+
+
+def _unread(fd: int) -> int:
+    import fcntl
+    import termios
+
+    return int(np.frombuffer(fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4), np.int32)[0])
+
+
+def _splice_all(fd: int, a: np.ndarray, proc: subprocess.Popen) -> None:
+    """All of `a` into the pipe by reference (vmsplice), then wait until the reader has consumed it:
+    the pipe holds pointers to these pages, not copies, so they must not change before that."""
+    fn, IOVec, ctypes = _VMSPLICE
+    base, n, done = a.ctypes.data, a.nbytes, 0
+    while done < n:
+        iov = IOVec(base + done, n - done)
+        r = fn(fd, ctypes.byref(iov), 1, 0)
+        if r < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            raise OSError(err, os.strerror(err))
+        done += r
+    while _unread(fd):  # the last pipe-full (≤ pipe_size bytes): ffmpeg reads it within a frame
+        if proc.poll() is not None:
+            raise BrokenPipeError("ffmpeg exited with frames unread")
+        time.sleep(2e-4)
+
+
 class FFmpegWriter(_WriterBase):
     """Pipe raw RGB frames into ffmpeg (imageio-ffmpeg's binary): libx264, yuv420p, `crf`.
 
@@ -401,11 +525,19 @@ class FFmpegWriter(_WriterBase):
     by the audio: audio shorter than the video ends early; audio longer than the video is cut to
     exactly `n_frames / fps` seconds on close (one more ffmpeg pass that copies the video
     stream). Usable as a context manager; an exception inside the block discards the file.
+
+    Transport (the encoded file is the same either way): `pipe_buffer` asks the kernel for a pipe of
+    that many bytes (0: the default 64 KiB; the size granted is in `pipe_size`), so ffmpeg reads a
+    frame in a few calls instead of dozens; `zero_copy` hands the frames' pages to the pipe
+    (vmsplice, Linux) instead of copying them into it, and `write` returns once ffmpeg has read
+    them all, so the caller may reuse the memory at once. `x264_args` go after the encoder's own
+    options (e.g. ["-threads", "16"]).
     """
 
     def __init__(self, path: str | Path, fps: float, size: tuple[int, int],
                  audio: tuple[np.ndarray, int] | None = None, crf: int = 18, preset: str = "veryfast",
-                 overwrite: bool = False, pix_fmt: str = "rgb24"):
+                 overwrite: bool = False, pix_fmt: str = "rgb24", pipe_buffer: int = 0,
+                 zero_copy: bool = False, x264_args: Sequence[str] = ()):
         import imageio_ffmpeg
 
         if pix_fmt not in ("rgb24", "yuv420p"):
@@ -428,7 +560,8 @@ class FFmpegWriter(_WriterBase):
             self.wav = _temp_path(self.path, ".wav")
             sf.write(str(self.wav), self.audio[0], self.audio[1], subtype="FLOAT")
             cmd += ["-i", str(self.wav)]
-        cmd += ["-map", "0:v:0", "-c:v", "libx264", "-preset", preset, "-crf", str(self.crf), "-pix_fmt", "yuv420p"]
+        cmd += ["-map", "0:v:0", "-c:v", "libx264", "-preset", preset, "-crf", str(self.crf), "-pix_fmt", "yuv420p",
+                *(str(a) for a in x264_args)]
         if self.wav is not None:
             # no -shortest: it drops the last frame when the audio ends even a fraction of a
             # sample before it (16 frames at 30 fps gave 15), and every frame past a short audio
@@ -440,6 +573,9 @@ class FFmpegWriter(_WriterBase):
             self.closed = True
             self._cleanup_side_files()
             raise BackendUnavailable(f"could not start ffmpeg ({cmd[0]}): {e}") from None
+        self._fd = self.proc.stdin.fileno()
+        self.pipe_size = _set_pipe_size(self._fd, pipe_buffer)
+        self.zero_copy = bool(zero_copy) and _VMSPLICE is not None
 
     def _yuv_frames(self, frames: Any) -> np.ndarray:
         if isinstance(frames, torch.Tensor):
@@ -465,7 +601,10 @@ class FFmpegWriter(_WriterBase):
             raise RuntimeError(f"{self.path}: writer is closed")
         a = self._frames(frames) if self.pix_fmt == "rgb24" else self._yuv_frames(frames)
         try:
-            self.proc.stdin.write(memoryview(a).cast("B"))
+            if self.zero_copy:
+                _splice_all(self._fd, a, self.proc)
+            else:
+                self.proc.stdin.write(memoryview(a).cast("B"))
         except (BrokenPipeError, OSError):
             self.proc.wait()
             msg = self._stderr()

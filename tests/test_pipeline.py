@@ -245,10 +245,46 @@ def test_gpu_blend_yuv_pipe_writes_the_video(engine, speech, tmp_path):
     r = mt.run(mt.reconfigure(engine, blend="gpu", pipe_format="yuv420p", mode="async"), a, sr, out)
     info = read_video_info(out)
     assert info.n_frames == r.n_frames == 18 and info.has_audio
-    assert "yuv420p" in {s["stage"] for s in r.stages}
+    assert "composite_yuv420p" in {s["stage"] for s in r.stages}
+    assert 0 < r.encoder_start_s <= r.encoder_end_s <= r.wall_s
     with pytest.raises(InputError, match="needs blend='gpu'"):
         mt.run(mt.reconfigure(engine, blend="cpu", pipe_format="yuv420p"), a, sr, tmp_path / "x.mp4")
     assert not (tmp_path / "x.mp4").exists()
+
+
+def test_region_composite_pipes_the_same_planes_as_whole_frames(engine, speech):
+    """composite="region" (backgrounds converted once, face boxes per frame) feeds the encoder the
+    very bytes the whole-frame blend + conversion does, whatever the host-wait and pipe settings."""
+    a, sr = speech
+
+    class Collect:
+        def __init__(self):
+            self.frames = []
+
+        def write(self, f):
+            self.frames.append(np.array(f))
+
+        def close(self):
+            pass
+
+        def abort(self):
+            pass
+
+    got = {}
+    for comp, wait in (("frame", "spin"), ("region", "sleep")):
+        e = mt.reconfigure(engine, blend="gpu", pipe_format="yuv420p", mode="async", composite=comp, host_wait=wait)
+        w = Collect()
+        r = mt.run(e, a, sr, None, n_frames=10, sink=w)
+        got[comp] = np.concatenate(w.frames)
+        assert ("composite_yuv420p" if comp == "region" else "yuv420p") in {s["stage"] for s in r.stages}
+    assert got["region"].shape == (10, FS[0] * FS[1] * 3 // 2)
+    assert np.array_equal(got["region"], got["frame"])
+
+
+@pytest.mark.parametrize("bad", [dict(composite="box"), dict(host_wait="yield"), dict(pipe_buffer=-1)])
+def test_transport_knobs_are_checked(bad):
+    with pytest.raises(InputError, match=next(iter(bad))):
+        mt.Config(**bad).check()
 
 
 def test_subpixel_decoder_renders_the_same_frames(engine, speech):

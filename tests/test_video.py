@@ -350,3 +350,52 @@ def test_yuv_writer_rejects_rgb_frames(tmp_path):
         w.write(np.zeros((48, 64, 3), np.uint8))
     w.abort()
     assert not (tmp_path / "x.mp4").exists()
+
+
+def test_composite_yuv420p_is_the_whole_frame_conversion_bit_for_bit():
+    """Only the face boxes (widened to whole chroma blocks) are recomputed, yet every byte equals
+    rgb_to_yuv420p(blend_torch(...)): odd box corners, boxes overhanging the frame, several boxes
+    in one batch, backgrounds picked from a set by index."""
+    from lab.video import composite_yuv420p, rgb_to_yuv420p
+
+    src = torch.from_numpy(frames_(5, 48, 64))
+    index = torch.tensor([3, 0, 3, 1, 4, 2])
+    faces = torch.from_numpy(rng.integers(0, 256, (6, 16, 16, 3), dtype=np.uint8))
+    mask = torch.from_numpy(rng.random((16, 16)).astype(np.float32))
+    boxes = [[5, 7, 30, 26], [5, 7, 30, 26], [-6, 33, 13, 55], [51, -3, 70, 12], [5, 7, 30, 26], [0, 0, 64, 48]]
+    want = rgb_to_yuv420p(blend_torch(src[index], faces, mask, boxes))
+    got = composite_yuv420p(rgb_to_yuv420p(src)[index], src, faces, mask, boxes, index=index)
+    assert torch.equal(got, want)
+    per_item = torch.from_numpy(rng.random((6, 16, 16)).astype(np.float32))  # one mask per frame
+    got = composite_yuv420p(rgb_to_yuv420p(src[index]), src[index], faces, per_item, boxes)
+    assert torch.equal(got, rgb_to_yuv420p(blend_torch(src[index], faces, per_item, boxes)))
+    with pytest.raises(InputError, match="planes of shape"):
+        composite_yuv420p(torch.zeros(5, 10, dtype=torch.uint8), src, faces[:5], mask, boxes[:5])
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_writer_transport_options_keep_the_file_identical(tmp_path, zero_copy):
+    """A larger pipe and zero-copy writes (vmsplice) change how the bytes travel, not the file:
+    one reused buffer rewritten after every write must still give the same H.264 bytes."""
+    from lab.video import rgb_to_yuv420p
+
+    yuv = rgb_to_yuv420p(torch.from_numpy(frames_(12, 48, 64))).numpy()
+    with FFmpegWriter(tmp_path / "ref.mp4", 30, (64, 48), preset="ultrafast", pix_fmt="yuv420p") as w:
+        w.write(yuv)
+    buf = np.empty((3, yuv.shape[1]), np.uint8)
+    with FFmpegWriter(tmp_path / "t.mp4", 30, (64, 48), preset="ultrafast", pix_fmt="yuv420p", pipe_buffer=8192,
+                      zero_copy=zero_copy, x264_args=["-threads", "2"]) as w:
+        assert w.pipe_size == (8192 if sys.platform == "linux" else 0)
+        for s in range(0, 12, 3):
+            buf[:] = yuv[s:s + 3]
+            w.write(buf)
+    assert read_video_info(tmp_path / "t.mp4").n_frames == 12
+    if not zero_copy:
+        return
+    with FFmpegWriter(tmp_path / "zc.mp4", 30, (64, 48), preset="ultrafast", pix_fmt="yuv420p", pipe_buffer=8192,
+                      zero_copy=True) as w:
+        for s in range(0, 12, 3):
+            buf[:] = yuv[s:s + 3]
+            w.write(buf)
+            buf[:] = 0  # must not reach the file
+    assert (tmp_path / "zc.mp4").read_bytes() == (tmp_path / "ref.mp4").read_bytes()

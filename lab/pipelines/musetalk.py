@@ -73,6 +73,10 @@ class Config:
     face_crop: str = "upstream"             # "upstream": v1.5 landmark box, LANCZOS4, jaw blend mask | "geometric": 1.5× detector square, bicubic, feathered lower half
     landmarks: str = "random"               # 2D FAN weights for the upstream crop: "random" | a path | "none" (detector box)
     extra_margin: int = 10                  # v1.5: pixels added below the chin
+    composite: str = "region"               # yuv420p pipe: "region" (backgrounds converted once, only the face box blended and converted per frame) | "frame" (whole frames)
+    host_wait: str = "sleep"                # how host threads wait for the GPU: "sleep" (blocking events, no stream syncs in the loop) | "spin" (CUDA's default busy-wait, the syncs of pageable uploads)
+    pipe_buffer: int = 1 << 20              # ffmpeg writer: pipe size asked of the kernel, bytes (0: the default 64 KiB)
+    zero_copy: bool = True                  # ffmpeg writer: frames' pages handed to the pipe (vmsplice) instead of copied into it
     weights: dict[str, str] = field(default_factory=lambda: {"whisper": "random", "unet": "random", "vae": "random"})
     seed: int = 0
 
@@ -97,6 +101,12 @@ class Config:
             raise InputError(f"audio_windows must be 'upstream' or 'centred', got {self.audio_windows!r}")
         if self.face_crop not in ("upstream", "geometric"):
             raise InputError(f"face_crop must be 'upstream' or 'geometric', got {self.face_crop!r}")
+        if self.composite not in ("region", "frame"):
+            raise InputError(f"composite must be 'region' or 'frame', got {self.composite!r}")
+        if self.host_wait not in ("sleep", "spin"):
+            raise InputError(f"host_wait must be 'sleep' or 'spin', got {self.host_wait!r}")
+        if not isinstance(self.pipe_buffer, int) or self.pipe_buffer < 0:
+            raise InputError(f"pipe_buffer must be an int >= 0 (bytes; 0 = the OS default), got {self.pipe_buffer!r}")
         if not isinstance(self.extra_margin, int) or self.extra_margin < 0:
             raise InputError(f"extra_margin must be an int >= 0 (pixels), got {self.extra_margin!r}")
         if not (self.stride == "adaptive" or (isinstance(self.stride, int) and self.stride >= 1)):
@@ -119,6 +129,7 @@ class Engine:
     ref_latents: torch.Tensor | None = None
     frames_gpu: torch.Tensor | None = None
     mask_gpu: torch.Tensor | None = None   # the feathered mask, on the device once (not per batch)
+    bg_yuv: torch.Tensor | None = None     # the avatar frames as I420 planes, converted once (composite="region")
     gen_fn: Any = None           # what run() calls: the eager modules or their torch.compile wrappers
     dec_fn: Any = None
     compile_s: float = 0.0
@@ -259,9 +270,22 @@ def prepare(engine: Engine, frames: np.ndarray | None = None, source_name: str =
     engine.ref_latents = torch.cat(r).to(engine.dtype)
     av.latents = engine.ref_latents.float().cpu().numpy()
     if _blend_on_gpu(engine):
-        engine.frames_gpu = torch.from_numpy(av.frames).to(engine.device)
-        engine.mask_gpu = torch.from_numpy(av.masks[0]).to(engine.device)
+        _upload_avatar(engine, av.frames, av.masks[0])
     return engine
+
+
+def _upload_avatar(engine: Engine, frames: np.ndarray, mask: np.ndarray) -> None:
+    """The avatar's frames, mask and (for the region composite) its frames as I420 planes on the
+    device, once per avatar: the per-frame work is then the face box alone."""
+    from lab.video import rgb_to_yuv420p
+
+    engine.frames_gpu = torch.from_numpy(frames).to(engine.device)
+    engine.mask_gpu = torch.from_numpy(mask).to(engine.device)
+    h, w = frames.shape[1:3]
+    if h % 2 == 0 and w % 2 == 0:
+        with torch.inference_mode():
+            engine.bg_yuv = torch.cat([rgb_to_yuv420p(engine.frames_gpu[i:i + 8])
+                                       for i in range(0, len(frames), 8)])
 
 
 def _recipe(cfg: Config) -> tuple:
@@ -359,8 +383,18 @@ def audio_stream(engine: Engine, audio: np.ndarray, sr: int, timer: StageTimer |
     audio = _check_audio(engine, audio, sr)
     backend = _backend(engine)
     kw = _window_kw(engine.cfg)
-    return AudioFeatureStream(engine.whisper, audio, sr, engine.cfg.fps, timer=timer,
-                              resample=lambda x, a, b: lab_audio.resample(x, a, b, backend=backend), **kw)
+
+    def resample(x: np.ndarray, a: int, b: int) -> np.ndarray:
+        # every chunk length is new to cuDNN: its autotuning (benchmark mode, on for the fixed-shape
+        # networks) would cost more than the resampling itself, before the first frame
+        prev = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = False
+        try:
+            return lab_audio.resample(x, a, b, backend=backend)
+        finally:
+            torch.backends.cudnn.benchmark = prev
+
+    return AudioFeatureStream(engine.whisper, audio, sr, engine.cfg.fps, timer=timer, resample=resample, **kw)
 
 
 def keyframe_plan(engine: Engine, a16: np.ndarray | None, n_frames: int) -> np.ndarray:
@@ -383,6 +417,31 @@ class _Latents:
         self.e, self.feats, self.keys = engine, feats, np.asarray(keys)
         self.cache: dict[int, torch.Tensor] = {}
         self.unet_frames = 0
+        # host_wait="sleep": the audio windows are gathered on a side stream, so the index uploads
+        # inside them (pageable, hence a stream sync) wait for that stream alone, not for the
+        # UNet and decoder work queued on the main one
+        self.side = torch.cuda.Stream(engine.device) if _lean(engine) else None
+        self.feats_ready = None
+
+    def _mark_feats(self) -> None:
+        if self.side is not None:
+            self.feats_ready = torch.cuda.Event()
+            self.feats_ready.record()
+
+    def _audio(self, frames: list[int]) -> torch.Tensor:
+        e = self.e
+        if not hasattr(self.feats, "windows"):
+            return self.feats[torch.as_tensor(frames, device=self.feats.device)].to(e.device, e.dtype)
+        if self.side is None:
+            return self.feats.windows(np.asarray(frames)).to(e.device, e.dtype)
+        main = torch.cuda.current_stream(e.device)
+        if self.feats_ready is not None:
+            self.side.wait_event(self.feats_ready)  # the features were computed on the main stream
+        with torch.cuda.stream(self.side):
+            a = self.feats.windows(np.asarray(frames)).to(e.device, e.dtype)
+        main.wait_stream(self.side)
+        a.record_stream(main)  # made on the side stream, read on the main one
+        return a
 
     def prefetch_audio(self, s: int, t: int) -> None:
         """Release the audio behind frame s and encode the chunks the keyframes batch(s, t) will
@@ -392,7 +451,10 @@ class _Latents:
         self.feats.release_before(s)
         need = self._plan(s, t)[-1]
         if need:
+            before = getattr(self.feats, "computed", None)
             self.feats.prefetch(need[-1])
+            if getattr(self.feats, "computed", None) != before:
+                self._mark_feats()
 
     def _plan(self, s: int, t: int):
         """Frames s..t-1, their left/right keyframes, and the keyframes to run now (sorted)."""
@@ -420,13 +482,12 @@ class _Latents:
         for c in range(0, len(idx), b):
             chunk = idx[c:c + b]
             pad = chunk + [chunk[-1]] * (b - len(chunk))
-            j = torch.as_tensor(pingpong(np.asarray(pad), len(e.masked_latents)), device=e.device)
+            audio = self._audio(pad)
+            j = _indices(e, pingpong(np.asarray(pad), len(e.masked_latents)))
             x = torch.cat([e.masked_latents[j], e.ref_latents[j]], dim=1)
             if e.cfg.channels_last and e.device.type == "cuda":
                 x = x.contiguous(memory_format=torch.channels_last)
-            audio = self.feats.windows(np.asarray(pad)) if hasattr(self.feats, "windows") else \
-                self.feats[torch.as_tensor(pad, device=self.feats.device)]
-            out = e.gen_fn(x, audio.to(e.device, e.dtype)).clone()  # graphs reuse their output memory
+            out = e.gen_fn(x, audio).clone()  # graphs reuse their output memory
             for k, z in zip(chunk, out):
                 self.cache[k] = z
             self.unet_frames += len(chunk)
@@ -443,9 +504,23 @@ class _Latents:
         if is_key.all():
             return z_l
         z_r = torch.stack([self.cache[int(k)] for k in right])
-        alpha = torch.as_tensor((frames - left) / np.maximum(right - left, 1),
-                                device=z_l.device, dtype=torch.float32)
+        alpha = _indices(self.e, ((frames - left) / np.maximum(right - left, 1)).astype(np.float32))
         return slerp(z_l, z_r, alpha)
+
+
+def _lean(engine: Engine) -> bool:
+    """host_wait="sleep" on a GPU: no stream syncs in the loop, host threads sleep on blocking events."""
+    return engine.cfg.host_wait == "sleep" and engine.device.type == "cuda"
+
+
+def _indices(engine: Engine, a: np.ndarray) -> torch.Tensor:
+    """A small host array on the engine's device. host_wait="sleep": through pinned memory,
+    asynchronously (a pageable upload synchronizes the stream: the host would wait, spinning, for
+    all the GPU work queued before it)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if _lean(engine):
+        return t.pin_memory().to(engine.device, non_blocking=True)
+    return t.to(engine.device)
 
 
 def _decode(engine: Engine, z: torch.Tensor) -> torch.Tensor:
@@ -483,7 +558,8 @@ def _open_writer(engine: Engine, out_path: str | Path | None, audio: tuple[np.nd
         return None
     if cfg.writer == "ffmpeg":
         return video.FFmpegWriter(out_path, cfg.fps, cfg.frame_size, audio=audio, crf=cfg.crf,
-                                  preset=cfg.preset, pix_fmt=_pipe_format(engine))
+                                  preset=cfg.preset, pix_fmt=_pipe_format(engine), pipe_buffer=cfg.pipe_buffer,
+                                  zero_copy=cfg.zero_copy)
     if _pipe_format(engine) != "rgb24":
         raise InputError("pipe_format='yuv420p' needs writer='ffmpeg' (PyAV takes RGB frames)")
     return video.PyAVWriter(out_path, cfg.fps, cfg.frame_size, audio=audio, crf=cfg.crf, preset=cfg.preset)
@@ -515,6 +591,8 @@ class RunReport:
     config: dict
     output: str | None
     weights: dict
+    encoder_start_s: float | None = None  # start → first frame written to the encoder (its idle time before)
+    encoder_end_s: float | None = None    # start → last frame written (then only the encoder's drain and the mux)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -576,11 +654,13 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
     yuv = _pipe_format(engine) == "yuv420p"
     if yuv and not gpu_blend:
         raise InputError("pipe_format='yuv420p' needs blend='gpu' (the conversion runs after the GPU blend)")
+    region = yuv and cfg.composite == "region" and engine.bg_yuv is not None
     # the input itself is muxed (its own rate; a view, not a copy): no 16 kHz clip is ever held
     writer = sink if sink is not None else _open_writer(engine, out_path, (stream.audio[: int(round(T / cfg.fps * sr))], sr))
     batches = [(s, min(s + cfg.batch_size, T)) for s in range(0, T, cfg.batch_size)]
     first = [None]
     post_busy = [0.0]
+    enc = [None, None]  # first write started, last write ended (s after t0): the encoder's span
 
     def gpu_work(s: int, t: int, tm: StageTimer) -> torch.Tensor:
         lat.prefetch_audio(s, t)  # timed as "resample" and "whisper", once per 30 s of audio
@@ -592,15 +672,17 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
             img = _decode(engine, z)
         faces = _faces_uint8(img)
         if gpu_blend:
-            from lab.video import blend_torch
+            from lab.video import blend_torch, composite_yuv420p, rgb_to_yuv420p
 
+            j = pingpong(np.arange(s, t), len(engine.frames_gpu))
+            jt = _indices(engine, j)
+            if region:  # the face boxes alone, into the backgrounds' planes converted once
+                with tm.stage("composite_yuv420p"):
+                    return composite_yuv420p(engine.bg_yuv[jt], engine.frames_gpu, faces, engine.mask_gpu,
+                                             engine.avatar.boxes[j], index=jt)
             with tm.stage("blend"):
-                j = pingpong(np.arange(s, t), len(engine.frames_gpu))
-                faces = blend_torch(engine.frames_gpu[torch.as_tensor(j, device=engine.device)], faces,
-                                    engine.mask_gpu, engine.avatar.boxes[j])
+                faces = blend_torch(engine.frames_gpu[jt], faces, engine.mask_gpu, engine.avatar.boxes[j], inplace=True)
             if yuv:
-                from lab.video import rgb_to_yuv420p
-
                 with tm.stage("yuv420p"):
                     faces = rgb_to_yuv420p(faces)
         return faces
@@ -614,6 +696,8 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
         t3 = time.perf_counter()
         if first[0] is None:
             first[0] = t3 - t0
+            enc[0] = t2 - t0
+        enc[1] = t3 - t0
         if not gpu_blend:
             timer.add("blend", t2 - t1)
         timer.add("encode", t3 - t2)
@@ -656,7 +740,7 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
                      stages=timer.report(n_frames=T), gpu_busy_s=gpu_busy, post_busy_s=post_busy[0],
                      hidden_fraction=hidden, overlap_efficiency=overlap, unet_frames=lat.unet_frames, duty_cycle=lat.unet_frames / max(T, 1),
                      config={k: v for k, v in asdict(cfg).items()}, output=str(out_path) if writer is not None and sink is None else None,
-                     weights=engine.weights)
+                     weights=engine.weights, encoder_start_s=enc[0], encoder_end_s=enc[1])
 
 
 def _run_async(engine: Engine, batches: list[tuple[int, int]], gpu_work, post_work, timer: StageTimer,
@@ -709,7 +793,8 @@ def _run_async(engine: Engine, batches: list[tuple[int, int]], gpu_work, post_wo
                 bufs[i][: t - s].copy_(out, non_blocking=pin)
                 ev = None
                 if pin:
-                    ev = torch.cuda.Event()
+                    # blocking: the encode thread sleeps until the copy lands instead of spinning a core
+                    ev = torch.cuda.Event(blocking=_lean(engine))
                     ev.record()
             gpu_busy += time.perf_counter() - g0
             full.put((i, s, t, ev))
@@ -772,7 +857,7 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
     weights = {k: w for k, w in engine.weights.items() if k not in ("sd-vae", "taesd")}
     weights[cfg.decoder] = vae.weights
     new = Engine(cfg, engine.device, dt, whisper, gen, dec, vae, weights, engine.avatar, None, None,
-                 engine.frames_gpu, engine.mask_gpu, variants=v)
+                 engine.frames_gpu, engine.mask_gpu, engine.bg_yuv, variants=v)
     if engine.avatar is not None:
         lat = v.get(("latents", cfg.decoder, dt, _recipe(cfg)))
         if lat is None:
@@ -787,6 +872,5 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
         else:
             new.weights.pop("fan", None)
         if new.frames_gpu is None and _blend_on_gpu(new):
-            new.frames_gpu = torch.from_numpy(engine.avatar.frames).to(engine.device)
-            new.mask_gpu = torch.from_numpy(engine.avatar.masks[0]).to(engine.device)
+            _upload_avatar(new, engine.avatar.frames, engine.avatar.masks[0])
     return _finalize(new)
