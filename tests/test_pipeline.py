@@ -364,6 +364,30 @@ def test_encoder_ceiling_rate_and_bad_option(engine, speech, tmp_path):
         profiling.encoder_rate(frames, pix, FS, 30.0, 4, "ultrafast", 18, args=["-tune", "nonsense"])
 
 
+def test_e2e_steps_and_crops_tables_from_medians(engine, speech, tmp_path):
+    """The end-to-end path's rows (cumulative changes, each with the ceiling of its own writer
+    settings) and the per-crop rows: medians of `repeats` runs, each run's FPS kept, the run's own
+    configuration reusing the profiled run and the measured ceiling."""
+    a, sr = speech
+    threads = torch.get_num_threads()
+    run = profiling.start({"device": "cpu", "quick": True, "out_dir": str(tmp_path / "run"), "repeats": 2})
+    torch.set_num_threads(threads)  # start() sets one thread for a quick CPU run; the module's engine keeps its own
+    clip = profiling.Clip(a, sr, 12, None, "default avatar")
+    e = mt.reconfigure(engine, blend="gpu", pipe_format="yuv420p", mode="async")
+    assert profiling.measure_e2e_steps(run, mt.reconfigure(e, blend="cpu", pipe_format="rgb24"), clip) == []
+    profiling.profiled_run(run, e, clip)
+    assert len(run.result.metrics["run"]["fps_runs"]) == 2 and (run.folder / "render.mp4").exists()
+    profiling.measure_encoder(run, e, clip)
+    assert run.result.metrics["encoder"]["ceiling_runs"] == 2
+    rows = profiling.measure_e2e_steps(run, e, clip)
+    assert [r["step"] for r in rows] == [s[0] for s in profiling.E2E_STEPS]
+    assert all(r["runs"] == 2 and len(r["ceiling_runs_fps"]) == 2 and r["pct_of_ceiling"] > 0 for r in rows)
+    assert rows[-1]["e2e_fps"] == run.result.metrics["run"]["fps"]  # the engine's own path: the profiled run
+    crops = profiling.measure_crops(run, e, clip)
+    assert [c["face_crop"] for c in crops] == ["upstream", "geometric"] and crops[1]["crop_path"] == "geometric"
+    assert sorted(p.name for p in run.folder.iterdir() if p.suffix == ".mp4") == ["render.mp4"]
+
+
 @pytest.mark.parametrize("bad, name", [(dict(face_crop="square"), "face_crop"), (dict(landmarks="/no/fan.zip"), "landmarks"),
                                        (dict(memory_minutes=[1, 0]), r"memory_minutes\[1\]"), (dict(encoder_frames=0), "encoder_frames")])
 def test_profiling_fidelity_knobs_are_checked(bad, name):

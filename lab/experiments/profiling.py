@@ -80,6 +80,8 @@ RULES: dict[str, params.Rule] = {
     "landmarks": _landmarks,
     "memory_minutes": params.list_of(params.positive()),
     "encoder_frames": params.positive(integer=True),
+    "repeats": params.positive(integer=True),
+    "crops": params.list_of(params.one_of("upstream", "geometric")),
 }
 
 
@@ -102,8 +104,11 @@ def profile(p: dict[str, Any], device: torch.device) -> dict[str, Any]:
              threads=1 if q and cpu else None,  # tiny models on a shared CPU: one thread is fastest and steadiest
              # memory by audio length: the minutes asked for; quick: seconds instead (a smoke run)
              memory_seconds=[float(m) * (0.4 if q else 60) for m in p["memory_minutes"]],
+             # the ceiling encodes as many frames as the run, all of them recorded (up to ~3 GB at
+             # 1080×1920), so it sees the same frames, not a loop of a few
              encoder_frames=min(p["encoder_frames"], 8) if q else p["encoder_frames"],
-             encoder_distinct=4 if q else 96)
+             encoder_distinct=8 if q else min(p["encoder_frames"], 1000),
+             repeats=min(p["repeats"], 2) if q else p["repeats"])
     return p
 
 
@@ -259,12 +264,20 @@ STAGE_COLS = ("stage", "seconds", "share", "calls", "ms_per_frame", "fps")
 
 
 def profiled_run(run: Run, engine: Engine, clip: Clip) -> mt.RunReport:
-    """Render the clip to render.mp4 with every stage timed: the "stages" table, metrics["run"],
-    the headline (end-to-end FPS, frames, first frame; async hidden / overlap)."""
-    out = run.folder / "render.mp4"
-    report = mt.run(engine, clip.audio, clip.sr, out, n_frames=clip.n_frames, progress=True)
+    """Render the clip `repeats` times (the first to render.mp4, kept) with every stage timed; the
+    run with the median FPS gives the "stages" table, metrics["run"] (with every run's FPS) and the
+    headline (end-to-end FPS, frames, first frame; async hidden / overlap)."""
+    reports = []
+    for i in range(run.repeats):
+        out = run.folder / ("render.mp4" if i == 0 else f".render_{i}.mp4")
+        reports.append(mt.run(engine, clip.audio, clip.sr, out, n_frames=clip.n_frames, progress=i == 0))
+        if i:
+            out.unlink(missing_ok=True)
+    report = sorted(reports, key=lambda r: r.fps)[len(reports) // 2]
+    report.output = str(run.folder / "render.mp4")
     run.table("stages", [{k: r[k] for k in STAGE_COLS} for r in report.stages], show=False)
-    run.result.metrics["run"] = {k: v for k, v in report.to_dict().items() if k != "stages"}
+    run.result.metrics["run"] = {**{k: v for k, v in report.to_dict().items() if k != "stages"},
+                                 "fps_runs": [r.fps for r in reports], "runs": len(reports)}
     run.headline(**{"end-to-end FPS": round(report.fps, 1), "frames": report.n_frames,
                     "first frame ms": round(1e3 * report.first_frame_s, 1)})
     if report.hidden_fraction is not None:
@@ -275,7 +288,7 @@ def profiled_run(run: Run, engine: Engine, clip: Clip) -> mt.RunReport:
 
 def run_summary(report: mt.RunReport) -> str:
     c = report.config
-    lines = [f"{report.n_frames} frames in {report.wall_s:.2f} s → {report.fps:.1f} FPS end to end "
+    lines = [f"{report.n_frames} frames in {report.wall_s:.2f} s → {report.fps:.1f} FPS end to end (the median run) "
              f"(mode={c['mode']}, batch={c['batch_size']}, {c['dtype']}, {c['decoder']}); "
              f"first frame after {1e3 * report.first_frame_s:.0f} ms"]
     if report.hidden_fraction is not None:
@@ -626,87 +639,102 @@ def _expand(args: list[str] | None) -> list[str]:
 
 
 def encoder_rate(frames: np.ndarray, pix_fmt: str, size: tuple[int, int], fps: float, n: int, preset: str,
-                 crf: int, args: list[str] | None = None, parallel: int = 1, folder: str | Path | None = None) -> float:
-    """Frames per second libx264 encodes `n` frames (the recorded ones cycled) with nothing else
-    running: raw frames piped to ffmpeg as the pipeline's writer pipes them (same preset, crf,
-    input pixel format, yuv420p out, mp4 file), timed from the first frame written to the files
-    closed. `parallel` encoders each take a contiguous share of the frames."""
-    import os
-    import subprocess
+                 crf: int, args: list[str] | None = None, parallel: int = 1, folder: str | Path | None = None,
+                 batch: int = 16, pipe_buffer: int = 0, zero_copy: bool = False) -> float:
+    """Frames per second libx264 encodes `n` frames (the recorded ones, cycled if fewer) with nothing
+    else running, through the pipeline's own writer (lab.video.FFmpegWriter: same preset, crf,
+    input pixel format, pipe size and write path, yuv420p out, mp4 file), fed `batch` frames per
+    write as the pipeline feeds it; timed from the first frame written to the files closed (ffmpeg's
+    start-up before it is not counted). `parallel` encoders each take a contiguous share."""
     import tempfile
     import threading
-    from fractions import Fraction
 
-    import imageio_ffmpeg
+    from lab.video import FFmpegWriter
 
-    w, h = size
-    rate = Fraction(fps).limit_denominator(100_000)
-    exe = imageio_ffmpeg.get_ffmpeg_exe()
     extra = _expand(args)
-    tmp = tempfile.mkdtemp(dir=folder)
-    procs, outs = [], []
-    for k in range(parallel):
-        out = Path(tmp) / f"enc{k}.mp4"
-        cmd = [exe, "-hide_banner", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", pix_fmt,
-               "-s", f"{w}x{h}", "-r", f"{rate.numerator}/{rate.denominator}", "-i", "pipe:0",
-               "-c:v", "libx264", "-preset", preset, "-crf", str(crf), "-pix_fmt", "yuv420p", *extra, str(out)]
-        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE))
-        outs.append(out)
+    tmp = Path(tempfile.mkdtemp(dir=folder))
+    writers = []
+    try:
+        for k in range(parallel):
+            writers.append(FFmpegWriter(tmp / f"enc{k}.mp4", fps, size, crf=crf, preset=preset, pix_fmt=pix_fmt,
+                                        pipe_buffer=pipe_buffer, zero_copy=zero_copy, x264_args=extra))
+    except BaseException:
+        for w in writers:
+            w.abort()
+        tmp.rmdir()
+        raise
     shares = np.array_split(np.arange(n), parallel)
-    errors: list[str] = []
+    errors: list[BaseException] = []
+    order = np.arange(n) % len(frames)
+    contiguous = len(frames) >= n  # slices of the recording itself, as the pipeline hands over its buffers
 
-    def feed(proc: subprocess.Popen, idx: np.ndarray) -> None:
+    def feed(w: FFmpegWriter, idx: np.ndarray) -> None:
         try:
-            for i in idx:
-                proc.stdin.write(memoryview(frames[i % len(frames)]).cast("B"))
-            proc.stdin.close()
-        except OSError as e:
-            errors.append(str(e))
-        if proc.wait() != 0:
-            errors.append(proc.stderr.read().decode(errors="replace")[-500:])
+            for s in range(0, len(idx), batch):
+                j = idx[s:s + batch]
+                w.write(frames[j[0]:j[-1] + 1] if contiguous else frames[order[j]])
+            w.close()
+        except BaseException as e:
+            errors.append(e)
+            w.abort()
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=feed, args=(p, s)) for p, s in zip(procs, shares)]
+    threads = [threading.Thread(target=feed, args=(w, s)) for w, s in zip(writers, shares)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    for p in procs:
-        p.stderr.close()
-    for o in outs:
-        o.unlink(missing_ok=True)
-    os.rmdir(tmp)
+    for f in tmp.iterdir():
+        f.unlink()
+    tmp.rmdir()
     if errors:
         raise BackendUnavailable(f"libx264 via ffmpeg failed: {errors[0]}")
     return n / wall
 
 
+def _transport(cfg: mt.Config) -> dict:
+    return {"pipe_buffer": cfg.pipe_buffer, "zero_copy": cfg.zero_copy}
+
+
+def ceiling(run: Run, cfg: mt.Config, frames: np.ndarray, pix: str, repeats: int | None = None, **opt: Any) -> list[float]:
+    """`repeats` encoder-alone rates (FPS) of the recorded frames with cfg's writer settings."""
+    kw = {**_transport(cfg), **opt}
+    return [encoder_rate(frames, pix, cfg.frame_size, cfg.fps, run.encoder_frames, cfg.preset, cfg.crf,
+                         folder=run.folder, batch=cfg.batch_size, **kw) for _ in range(repeats or run.repeats)]
+
+
 def measure_encoder(run: Run, engine: Engine, clip: Clip) -> list[dict]:
-    """The encoder's own ceiling, in this run: frames recorded from the pipeline, re-encoded with
-    the writer's settings and nothing else running ("pipeline's settings" row), then each option
-    alone; table "encoder_ceiling", headline: the ceiling and end to end as a % of it."""
+    """The encoder's own ceiling, in this run: the run's frames recorded from the pipeline, re-encoded
+    through the writer with its settings and nothing else running ("pipeline's settings": median
+    of `repeats`), then each option alone (one run each); table "encoder_ceiling", headline: the
+    ceiling and end to end as a % of it."""
+    import statistics
+
     cfg = engine.cfg
     frames, pix = record_frames(engine, clip, run.encoder_distinct)
     rows = []
     for label, opt in ENCODER_OPTIONS:
-        fps = encoder_rate(frames, pix, cfg.frame_size, cfg.fps, run.encoder_frames, cfg.preset, cfg.crf,
-                           folder=run.folder, **opt)
-        rows.append({"option": label, "fps": fps, "speedup": 0.0, "pix_fmt_in": pix, "frames": run.encoder_frames,
-                     "args": " ".join(_expand(opt.get("args"))), "parallel": opt.get("parallel", 1)})
+        rates = ceiling(run, cfg, frames, pix, repeats=None if not opt else 1, **opt)
+        rows.append({"option": label, "fps": statistics.median(rates), "runs": len(rates), "rates": rates, "speedup": 0.0,
+                     "pix_fmt_in": pix, "frames": run.encoder_frames, "args": " ".join(_expand(opt.get("args"))),
+                     "parallel": opt.get("parallel", 1)})
     for r in rows:
         r["speedup"] = r["fps"] / rows[0]["fps"]
     run.table("encoder_ceiling", rows, show=False)
-    ceiling = rows[0]["fps"]
+    ceil = rows[0]["fps"]
     e2e = run.result.metrics.get("run", {}).get("fps")
-    run.result.metrics["encoder"] = {"ceiling_fps": ceiling, "e2e_fps": e2e, "preset": cfg.preset, "crf": cfg.crf,
-                                     "pix_fmt_in": pix, "frame_size": list(cfg.frame_size),
-                                     "distinct_frames": int(len(frames)), "frames": run.encoder_frames,
-                                     "e2e_pct_of_ceiling": 100 * e2e / ceiling if e2e else None,
+    run.result.metrics["encoder"] = {"ceiling_fps": ceil, "ceiling_runs": rows[0]["runs"],
+                                     "ceiling_runs_fps": rows[0]["rates"], "e2e_fps": e2e,
+                                     "e2e_runs": run.result.metrics.get("run", {}).get("runs"),
+                                     "preset": cfg.preset, "crf": cfg.crf, "pix_fmt_in": pix,
+                                     "frame_size": list(cfg.frame_size), "distinct_frames": int(len(frames)),
+                                     "frames": run.encoder_frames, **_transport(cfg),
+                                     "e2e_pct_of_ceiling": 100 * e2e / ceil if e2e else None,
                                      "best_option": max(rows, key=lambda r: r["fps"])["option"]}
-    run.headline(**{"encoder ceiling FPS": round(ceiling, 1)})
+    run.headline(**{"encoder ceiling FPS": round(ceil, 1)})
     if e2e:
-        run.headline(**{"end-to-end % of encoder ceiling": round(100 * e2e / ceiling, 1)})
+        run.headline(**{"end-to-end % of encoder ceiling": round(100 * e2e / ceil, 1)})
     return rows
 
 
@@ -714,13 +742,108 @@ def encoder_summary(run: Run) -> str:
     m, nb = run.result.metrics["encoder"], run.result.metrics.get("neural")
     best = max(run.result.tables["encoder_ceiling"], key=lambda r: r["fps"])
     lines = [f"libx264 {m['preset']} crf {m['crf']} on {m['frame_size'][0]}×{m['frame_size'][1]} {m['pix_fmt_in']} "
-             f"frames alone: {m['ceiling_fps']:.1f} FPS (the ceiling); end to end {m['e2e_fps'] or float('nan'):.1f} FPS "
-             f"= {m['e2e_pct_of_ceiling'] or float('nan'):.1f} % of it"]
+             f"frames alone: {m['ceiling_fps']:.1f} FPS (the ceiling, median of {m['ceiling_runs']}); end to end "
+             f"{m['e2e_fps'] or float('nan'):.1f} FPS (median of {m['e2e_runs']}) = "
+             f"{m['e2e_pct_of_ceiling'] or float('nan'):.1f} % of it"]
     if nb is not None:
         lines.append(f"neural part: {nb['pct_of_ceiling'] or 0:.1f} % of the matrix ceiling")
     lines.append(f"fastest option: {best['option']} ({best['speedup']:.2f}× the pipeline's settings)"
                  if best["speedup"] > 1.03 else "no option lifts the ceiling by more than 3 %: the host's cores are the limit")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the end-to-end path, step by step
+
+E2E_STEPS = [  # cumulative, from the earlier path to the pipeline's defaults; none changes a byte of the frames
+    ("whole-frame blend + conversion, spinning waits, 64 KiB pipe, copying writes",
+     dict(composite="frame", host_wait="spin", pipe_buffer=0, zero_copy=False)),
+    ("+ face box only, into backgrounds converted once", dict(composite="region")),
+    ("+ host threads sleep on the GPU (no stream syncs in the loop)", dict(host_wait="sleep")),
+    ("+ 1 MiB pipe", dict(pipe_buffer=1 << 20)),
+    ("+ zero-copy pipe writes (vmsplice)", dict(zero_copy=True)),
+]
+
+
+def e2e_rates(run: Run, engine: Engine, clip: Clip, repeats: int | None = None) -> list[dict]:
+    """`repeats` whole renders of the clip (video + audio written, then deleted): their reports."""
+    out = []
+    for i in range(repeats or run.repeats):
+        path = run.folder / f".e2e_{i}.mp4"
+        out.append(mt.run(engine, clip.audio, clip.sr, path, n_frames=clip.n_frames).to_dict())
+        path.unlink(missing_ok=True)
+    return out
+
+
+def _median_report(reports: list[dict]) -> dict:
+    """The run with the median FPS (the upper middle of an even count), with every run's FPS."""
+    mid = dict(sorted(reports, key=lambda r: r["fps"])[len(reports) // 2])
+    mid["fps_runs"] = [r["fps"] for r in reports]
+    mid["runs"] = len(reports)
+    return mid
+
+
+def _e2e_row(label: str, rep: dict, ceil: list[float]) -> dict:
+    import statistics
+
+    c = statistics.median(ceil)
+    return {"step": label, "e2e_fps": rep["fps"], "ceiling_fps": c, "pct_of_ceiling": 100 * rep["fps"] / c,
+            "encoder_start_ms": 1e3 * (rep.get("encoder_start_s") or 0), "gpu_busy_s": rep["gpu_busy_s"],
+            "encode_busy_s": rep["post_busy_s"], "wall_s": rep["wall_s"], "runs": rep["runs"],
+            "e2e_runs_fps": [round(x, 1) for x in rep["fps_runs"]], "ceiling_runs_fps": [round(x, 1) for x in ceil]}
+
+
+def _same_path(engine: Engine, cfg: mt.Config) -> bool:
+    keys = ("composite", "host_wait", "pipe_buffer", "zero_copy", "face_crop")
+    return all(getattr(engine.cfg, k) == getattr(cfg, k) for k in keys)
+
+
+def measure_e2e_steps(run: Run, engine: Engine, clip: Clip) -> list[dict]:
+    """Each change of the end-to-end path as a row (cumulative): end-to-end FPS and the encoder
+    ceiling with that row's writer settings, both medians of `repeats`, on the same recorded frames
+    (every row pipes the same bytes); the row with the engine's own settings reuses the profiled
+    run and the measured ceiling. Table "e2e_steps"; [] without an ffmpeg writer and a GPU blend."""
+    if engine.cfg.writer != "ffmpeg" or mt.pipe_format(engine) != "yuv420p":
+        return []
+    main, enc = run.result.metrics.get("run"), run.result.metrics.get("encoder")
+    ceilings = {tuple(_transport(engine.cfg).items()): enc["ceiling_runs_fps"]} if enc else {}
+    frames = pix = None
+    rows, changes = [], {}
+    for label, ch in E2E_STEPS:
+        changes.update(ch)
+        e = mt.reconfigure(engine, **changes)
+        key = tuple(_transport(e.cfg).items())
+        if key not in ceilings:
+            if frames is None:
+                frames, pix = record_frames(engine, clip, run.encoder_distinct)
+            ceilings[key] = ceiling(run, e.cfg, frames, pix)
+        rep = main if main is not None and _same_path(engine, e.cfg) else _median_report(e2e_rates(run, e, clip))
+        rows.append(_e2e_row(label, rep, ceilings[key]))
+    run.table("e2e_steps", rows, show=False)
+    return rows
+
+
+def measure_crops(run: Run, engine: Engine, clip: Clip) -> list[dict]:
+    """End to end and its encoder ceiling (medians of `repeats`) for each face crop in `crops`: the
+    composited frames differ (what is pasted, where), so each crop has its own ceiling; the run's
+    own crop reuses the profiled run and the measured ceiling. Table "crops"."""
+    main, enc = run.result.metrics.get("run"), run.result.metrics.get("encoder")
+    rows = []
+    for crop in run.crops:
+        own = crop == engine.cfg.face_crop
+        e = engine if own else mt.reconfigure(engine, face_crop=crop)
+        rep = main if own and main is not None else _median_report(e2e_rates(run, e, clip))
+        if own and enc is not None:
+            ceil = enc["ceiling_runs_fps"]
+        else:
+            frames, pix = record_frames(e, clip, run.encoder_distinct)
+            ceil = ceiling(run, e.cfg, frames, pix)
+            del frames
+        r = _e2e_row(crop, rep, ceil)
+        r.pop("step")
+        rows.append({"face_crop": crop, "crop_path": e.avatar.params.get("crop_path"),
+                     "box": [int(v) for v in e.avatar.boxes[0]], **r})
+    run.table("crops", rows, show=False)
+    return rows
 
 
 # ---------------------------------------------------------------- memory by audio length
