@@ -140,3 +140,6 @@ def test_hud_overhead_times_a_refreshing_hud(musetalk):
     r = S.hud_overhead(musetalk, repeats=1, period_s=1.0)
     assert r["hud_updates_median"] >= 5, r   # a short render still gets a HUD that refreshes during it
     assert r["fps_without_hud"] > 0 and r["fps_with_hud"] > 0 and r["hud_period_s"] < 1.0
+    assert r["renders_per_measurement"] == 1 and r["ms_per_reading"] is not None
+    long = S.hud_overhead(musetalk, repeats=1, period_s=1.0, min_wall_s=3 * r["measurement_s"])
+    assert long["renders_per_measurement"] >= 3   # a measurement lasts at least min_wall_s

@@ -195,24 +195,38 @@ class Hud:
         return r
 
 
-def hud_overhead(built: F.Built, repeats: int = 3, period_s: float = 0.1) -> dict[str, Any]:
-    """The same render with and without a live HUD (alternating, `repeats` each, medians). The HUD
-    refreshes at `period_s` or, for a short render, often enough for about 20 readings per render
-    (a faster refresh than the panel's: an upper bound on its cost)."""
+def hud_overhead(built: F.Built, repeats: int = 3, period_s: float = 0.1, min_wall_s: float = 0.0) -> dict[str, Any]:
+    """The same work with and without a live HUD (alternating, `repeats` each, medians). One
+    measurement renders the clip as many times as it takes to last `min_wall_s` (a 0.2-s render
+    is too short to tell the HUD from run-to-run spread); the HUD refreshes at `period_s` or often
+    enough for about 20 readings per measurement (an upper bound on its cost). Also the cost of one
+    reading: the extra wall time over the readings taken."""
+    first = F.render(built)
+    k = max(1, int(np.ceil(min_wall_s / max(first.wall_s, 1e-6)))) if min_wall_s > 0 else 1
+    period = min(period_s, k * first.wall_s / 20)
+
+    def measure() -> tuple[float, int]:
+        frames, wall = 0, 0.0
+        for _ in range(k):
+            out = F.render(built)
+            frames, wall = frames + out.n_frames, wall + out.wall_s
+        return frames, wall
+
     plain, with_hud, updates = [], [], []
-    period = period_s
-    for i in range(repeats):
-        plain.append(F.render(built))
-        if i == 0:
-            period = min(period_s, plain[0].wall_s / 20)
+    for _ in range(repeats):
+        plain.append(measure())
         hud = Hud(built, period_s=period, live=False)
         with hud:
-            out = F.render(built)
-        with_hud.append(out.fps)
+            with_hud.append(measure())
         updates.append(hud.updates)
-    a, b = statistics.median(o.fps for o in plain), statistics.median(with_hud)
+    a = statistics.median(f / w for f, w in plain)
+    b = statistics.median(f / w for f, w in with_hud)
+    extra_s = statistics.median(w for _, w in with_hud) - statistics.median(w for _, w in plain)
+    n_up = statistics.median(updates)
     return {"fps_without_hud": a, "fps_with_hud": b, "overhead_pct": 100 * (1 - b / a), "repeats": repeats,
-            "hud_period_s": period, "hud_updates_median": statistics.median(updates), "label": built.setting.label()}
+            "renders_per_measurement": k, "measurement_s": statistics.median(w for _, w in plain),
+            "hud_period_s": period, "hud_updates_median": n_up,
+            "ms_per_reading": 1e3 * extra_s / n_up if n_up else None, "label": built.setting.label()}
 
 
 # ----------------------------------------------------------------------------- the compile panel
