@@ -112,6 +112,11 @@ def test_no_waterfall_leaves_no_table_and_says_so(tmp_path, threads):
     assert "waterfall" not in run.result.tables and "not measured" in ex.show(run, "waterfall").data
 
 
+def test_no_memory_lengths_leave_no_table(tmp_path, threads):
+    run = _run(tmp_path, memory_minutes=[])
+    assert ex.measure_memory(run, None, None) == [] and "not measured" in ex.show(run, "memory_by_length").data
+
+
 def _kept(run, hidden=0.95):
     res = run.result
     res.tables["resamplers"] = [

@@ -78,7 +78,7 @@ RULES: dict[str, params.Rule] = {
     "allow_silence": params.flag,
     "face_crop": params.one_of("upstream", "geometric"),
     "landmarks": _landmarks,
-    "memory_minutes": params.list_of(params.positive()),
+    "memory_minutes": params.list_of(params.positive(), nonempty=False),
     "encoder_frames": params.positive(integer=True),
     "repeats": params.positive(integer=True),
     "crops": params.list_of(params.one_of("upstream", "geometric")),
@@ -622,6 +622,19 @@ def record_frames(engine: Engine, clip: Clip, n: int) -> tuple[np.ndarray, str]:
     return np.concatenate(rec.frames), mt.pipe_format(e)
 
 
+def _recording(run: Run, engine: Engine, clip: Clip) -> tuple[np.ndarray, str]:
+    """The run's recorded frames, recorded once per face crop and kept on the run until
+    `_drop_recording` (the encoder section and the path's steps encode the same ones)."""
+    kept = run.__dict__.setdefault("_recorded", {})
+    if engine.cfg.face_crop not in kept:
+        kept[engine.cfg.face_crop] = record_frames(engine, clip, run.encoder_distinct)
+    return kept[engine.cfg.face_crop]
+
+
+def _drop_recording(run: Run) -> None:
+    run.__dict__.pop("_recorded", None)
+
+
 ENCODER_OPTIONS = [  # each alone against the pipeline's own settings; none changes the output format
     ("pipeline's settings", {}),
     ("threads = host cores", {"args": ["-threads", "{cores}"]}),
@@ -712,7 +725,7 @@ def measure_encoder(run: Run, engine: Engine, clip: Clip) -> list[dict]:
     import statistics
 
     cfg = engine.cfg
-    frames, pix = record_frames(engine, clip, run.encoder_distinct)
+    frames, pix = _recording(run, engine, clip)
     rows = []
     for label, opt in ENCODER_OPTIONS:
         rates = ceiling(run, cfg, frames, pix, repeats=None if not opt else 1, **opt)
@@ -806,19 +819,17 @@ def measure_e2e_steps(run: Run, engine: Engine, clip: Clip) -> list[dict]:
         return []
     main, enc = run.result.metrics.get("run"), run.result.metrics.get("encoder")
     ceilings = {tuple(_transport(engine.cfg).items()): enc["ceiling_runs_fps"]} if enc else {}
-    frames = pix = None
     rows, changes = [], {}
     for label, ch in E2E_STEPS:
         changes.update(ch)
         e = mt.reconfigure(engine, **changes)
         key = tuple(_transport(e.cfg).items())
         if key not in ceilings:
-            if frames is None:
-                frames, pix = record_frames(engine, clip, run.encoder_distinct)
-            ceilings[key] = ceiling(run, e.cfg, frames, pix)
+            ceilings[key] = ceiling(run, e.cfg, *_recording(run, engine, clip))
         rep = main if main is not None and _same_path(engine, e.cfg) else _median_report(e2e_rates(run, e, clip))
         rows.append(_e2e_row(label, rep, ceilings[key]))
     run.table("e2e_steps", rows, show=False)
+    _drop_recording(run)
     return rows
 
 
@@ -835,9 +846,8 @@ def measure_crops(run: Run, engine: Engine, clip: Clip) -> list[dict]:
         if own and enc is not None:
             ceil = enc["ceiling_runs_fps"]
         else:
-            frames, pix = record_frames(e, clip, run.encoder_distinct)
-            ceil = ceiling(run, e.cfg, frames, pix)
-            del frames
+            ceil = ceiling(run, e.cfg, *_recording(run, e, clip))
+            _drop_recording(run)
         r = _e2e_row(crop, rep, ceil)
         r.pop("step")
         rows.append({"face_crop": crop, "crop_path": e.avatar.params.get("crop_path"),
@@ -851,11 +861,14 @@ def measure_crops(run: Run, engine: Engine, clip: Clip) -> list[dict]:
 def measure_memory(run: Run, engine: Engine, clip: Clip) -> list[dict]:
     """Peak host RSS and GPU memory of whole runs over `memory_seconds` of speech (the clip tiled),
     each peak reset before its run (lab.memory). Null writer: the pipeline's own memory (ffmpeg is
-    another process). Table "memory_by_length"; headline: longest vs shortest, in %."""
+    another process). Table "memory_by_length"; headline: longest vs shortest, in %. [] when
+    memory_minutes is empty."""
     import gc
 
     from lab import memory
 
+    if not run.memory_seconds:
+        return []
     e = mt.reconfigure(engine, writer="null")
     rows = []
     for secs in run.memory_seconds:
