@@ -497,6 +497,14 @@ def _unread(fd: int) -> int:
     return int(np.frombuffer(fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4), np.int32)[0])
 
 
+class _NotSpliceable(Exception):
+    """vmsplice refused the memory (e.g. a driver mapping such as cudaHostAlloc's pinned pages)."""
+
+    def __init__(self, done: int, err: int):
+        super().__init__(f"vmsplice: {os.strerror(err)}")
+        self.done = done
+
+
 def _splice_all(fd: int, a: np.ndarray, proc: subprocess.Popen) -> None:
     """All of `a` into the pipe by reference (vmsplice), then wait until the reader has consumed it:
     the pipe holds pointers to these pages, not copies, so they must not change before that."""
@@ -509,6 +517,8 @@ def _splice_all(fd: int, a: np.ndarray, proc: subprocess.Popen) -> None:
             err = ctypes.get_errno()
             if err == errno.EINTR:
                 continue
+            if err in (errno.EFAULT, errno.EINVAL, errno.ENOMEM):
+                raise _NotSpliceable(done, err)
             raise OSError(err, os.strerror(err))
         done += r
     while _unread(fd):  # the last pipe-full (≤ pipe_size bytes): ffmpeg reads it within a frame
@@ -576,6 +586,7 @@ class FFmpegWriter(_WriterBase):
         self._fd = self.proc.stdin.fileno()
         self.pipe_size = _set_pipe_size(self._fd, pipe_buffer)
         self.zero_copy = bool(zero_copy) and _VMSPLICE is not None
+        self.zero_copy_note = "" if self.zero_copy or not zero_copy else "vmsplice unavailable here (Linux only)"
 
     def _yuv_frames(self, frames: Any) -> np.ndarray:
         if isinstance(frames, torch.Tensor):
@@ -602,7 +613,11 @@ class FFmpegWriter(_WriterBase):
         a = self._frames(frames) if self.pix_fmt == "rgb24" else self._yuv_frames(frames)
         try:
             if self.zero_copy:
-                _splice_all(self._fd, a, self.proc)
+                try:
+                    _splice_all(self._fd, a, self.proc)
+                except _NotSpliceable as e:  # copy this and later frames instead, and say so
+                    self.zero_copy, self.zero_copy_note = False, str(e)
+                    self.proc.stdin.write(memoryview(a).cast("B")[e.done:])
             else:
                 self.proc.stdin.write(memoryview(a).cast("B"))
         except (BrokenPipeError, OSError):

@@ -399,3 +399,26 @@ def test_writer_transport_options_keep_the_file_identical(tmp_path, zero_copy):
             w.write(buf)
             buf[:] = 0  # must not reach the file
     assert (tmp_path / "zc.mp4").read_bytes() == (tmp_path / "ref.mp4").read_bytes()
+
+
+def test_zero_copy_falls_back_to_copying_when_the_kernel_refuses_the_pages(tmp_path, monkeypatch):
+    """Memory vmsplice cannot take (a driver mapping) is written by copy from then on, and the
+    writer says so; the file is the same."""
+    import errno
+
+    from lab import video
+    from lab.video import rgb_to_yuv420p
+
+    yuv = rgb_to_yuv420p(torch.from_numpy(frames_(6, 48, 64))).numpy()
+    with FFmpegWriter(tmp_path / "ref.mp4", 30, (64, 48), preset="ultrafast", pix_fmt="yuv420p") as w:
+        w.write(yuv)
+
+    def refuse(fd, a, proc):
+        raise video._NotSpliceable(0, errno.EFAULT)
+
+    monkeypatch.setattr(video, "_splice_all", refuse)
+    with FFmpegWriter(tmp_path / "fb.mp4", 30, (64, 48), preset="ultrafast", pix_fmt="yuv420p", zero_copy=True) as w:
+        w.write(yuv[:3])
+        w.write(yuv[3:])
+        assert not w.zero_copy and "vmsplice" in w.zero_copy_note
+    assert (tmp_path / "fb.mp4").read_bytes() == (tmp_path / "ref.mp4").read_bytes()

@@ -295,6 +295,9 @@ def run_summary(report: mt.RunReport) -> str:
         lines.append(f"async: {100 * report.hidden_fraction:.1f}% of blend+encode time hidden behind GPU work, "
                      f"overlap efficiency {100 * report.overlap_efficiency:.1f}% (GPU busy {report.gpu_busy_s:.2f} s, "
                      f"blend+encode busy {report.post_busy_s:.2f} s, loop wall {report.generation_wall_s:.2f} s)")
+    if report.encoder_start_s is not None:
+        lines.append(f"first frame reached the encoder after {1e3 * report.encoder_start_s:.0f} ms, the last after "
+                     f"{report.encoder_end_s:.2f} s; writer transport: {report.transport}")
     if report.output and c.get("writer") != "null":
         from lab.video import read_video_info
 
@@ -802,7 +805,8 @@ def _e2e_row(label: str, rep: dict, ceil: list[float]) -> dict:
     return {"step": label, "e2e_fps": rep["fps"], "ceiling_fps": c, "pct_of_ceiling": 100 * rep["fps"] / c,
             "encoder_start_ms": 1e3 * (rep.get("encoder_start_s") or 0), "gpu_busy_s": rep["gpu_busy_s"],
             "encode_busy_s": rep["post_busy_s"], "wall_s": rep["wall_s"], "runs": rep["runs"],
-            "e2e_runs_fps": [round(x, 1) for x in rep["fps_runs"]], "ceiling_runs_fps": [round(x, 1) for x in ceil]}
+            "e2e_runs_fps": [round(x, 1) for x in rep["fps_runs"]], "ceiling_runs_fps": [round(x, 1) for x in ceil],
+            "transport": rep.get("transport")}
 
 
 def _same_path(engine: Engine, cfg: mt.Config) -> bool:

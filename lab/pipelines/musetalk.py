@@ -593,6 +593,7 @@ class RunReport:
     weights: dict
     encoder_start_s: float | None = None  # start → first frame written to the encoder (its idle time before)
     encoder_end_s: float | None = None    # start → last frame written (then only the encoder's drain and the mux)
+    transport: dict | None = None         # how frames reached ffmpeg: pipe size, zero copy (or why not), host buffers
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -626,6 +627,9 @@ def warmup(engine: Engine) -> None:
     sync(engine.device)
     if cfg.compile != "none":
         engine.compile_s = time.perf_counter() - t0
+    if cfg.mode == "async" and engine.device.type == "cuda":
+        key = _buffer_key(engine, *_out_shape(engine))
+        engine.variants[key] = _take_buffers(engine, key, cfg.queue_depth + 1)
 
 
 def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None = None,
@@ -730,6 +734,11 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
     wall = time.perf_counter() - t0
     gen_wall = time.perf_counter() - gen0
     hidden = overlap = None
+    transport = None
+    if writer is not None and hasattr(writer, "pipe_size"):
+        kind = engine.variants.get(("host_buffer_kind", _buffer_key(engine, *_out_shape(engine))))
+        transport = {"pipe_size": writer.pipe_size, "zero_copy": writer.zero_copy,
+                     "zero_copy_note": writer.zero_copy_note, "host_buffers": kind if cfg.mode == "async" else None}
     if cfg.mode == "async" and post_busy[0] > 0:
         # Two workers: if the encoder is the slower one, at most gpu/post of its time can hide
         # behind GPU work; overlap_efficiency says how close the pipeline gets to that bound.
@@ -740,7 +749,8 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
                      stages=timer.report(n_frames=T), gpu_busy_s=gpu_busy, post_busy_s=post_busy[0],
                      hidden_fraction=hidden, overlap_efficiency=overlap, unet_frames=lat.unet_frames, duty_cycle=lat.unet_frames / max(T, 1),
                      config={k: v for k, v in asdict(cfg).items()}, output=str(out_path) if writer is not None and sink is None else None,
-                     weights=engine.weights, encoder_start_s=enc[0], encoder_end_s=enc[1])
+                     weights=engine.weights, encoder_start_s=enc[0], encoder_end_s=enc[1],
+                     transport=transport)
 
 
 def _run_async(engine: Engine, batches: list[tuple[int, int]], gpu_work, post_work, timer: StageTimer,
@@ -754,6 +764,7 @@ def _run_async(engine: Engine, batches: list[tuple[int, int]], gpu_work, post_wo
     free: queue.Queue = queue.Queue()
     full: queue.Queue = queue.Queue(maxsize=depth)
     bufs: list[torch.Tensor] = []
+    key = None
     error: list[BaseException] = []
 
     def worker() -> None:
@@ -780,15 +791,16 @@ def _run_async(engine: Engine, batches: list[tuple[int, int]], gpu_work, post_wo
                 break
             g0 = time.perf_counter()
             out = gpu_work(s, t, timer)
-            if len(bufs) < depth + 1 and free.empty():
-                bufs.append(torch.empty((cfg.batch_size, *out.shape[1:]), dtype=out.dtype, pin_memory=pin))
-                i = len(bufs) - 1
-            else:
-                w0 = time.perf_counter()
-                i = free.get()  # blocks when the encoder is `depth` batches behind
-                waited = time.perf_counter() - w0
-                timer.add("wait_for_encoder", waited)
-                g0 += waited  # waiting on the encoder is not GPU-worker work
+            if key is None:  # the engine's buffers for this shape (made once, in warmup, or now)
+                key = _buffer_key(engine, (cfg.batch_size, *out.shape[1:]), out.dtype)
+                bufs.extend(_take_buffers(engine, key, depth + 1))
+                for k in range(len(bufs)):
+                    free.put(k)
+            w0 = time.perf_counter()
+            i = free.get()  # blocks when the encoder is `depth` batches behind
+            waited = time.perf_counter() - w0
+            timer.add("wait_for_encoder", waited)
+            g0 += waited  # waiting on the encoder is not GPU-worker work
             with timer.stage("d2h"):
                 bufs[i][: t - s].copy_(out, non_blocking=pin)
                 ev = None
@@ -801,9 +813,62 @@ def _run_async(engine: Engine, batches: list[tuple[int, int]], gpu_work, post_wo
     finally:
         full.put(None)
         th.join()
+        if key is not None:
+            if pin:
+                torch.cuda.current_stream(engine.device).synchronize()  # no copy still landing in them
+            engine.variants[key] = bufs
     if error:
         raise error[0]
     return gpu_busy
+
+
+def _buffer_key(engine: Engine, shape: tuple, dtype: torch.dtype) -> tuple:
+    from lab import video
+
+    cfg = engine.cfg
+    register = (engine.device.type == "cuda" and cfg.zero_copy and cfg.writer == "ffmpeg"
+                and video._VMSPLICE is not None)
+    return ("host_buffers", tuple(int(v) for v in shape), dtype, engine.device.type == "cuda", register)
+
+
+def _take_buffers(engine: Engine, key: tuple, n: int) -> list[torch.Tensor]:
+    """n host buffers for the async queue, kept with the engine (and its variants) across runs, so
+    no run pays for page-locking 50 MB buffers; a run takes them and gives them back at its end
+    (a second run at the same time makes its own)."""
+    bufs = engine.variants.pop(key, [])
+    _, shape, dtype, pin, register = key
+    while len(bufs) < n:
+        t, kind = _host_buffer(shape, dtype, pin, register)
+        bufs.append(t)
+        engine.variants[("host_buffer_kind", key)] = kind
+    return bufs
+
+
+def _host_buffer(shape: tuple, dtype: torch.dtype, pin: bool, register: bool) -> tuple[torch.Tensor, str]:
+    """A host buffer the GPU copies into asynchronously (page-locked). register=True: ordinary
+    anonymous pages locked with cudaHostRegister, which the kernel can hand to a pipe by reference
+    (vmsplice); cudaHostAlloc's memory (torch's pin_memory) is a driver mapping it cannot take."""
+    if not pin:
+        return torch.empty(shape, dtype=dtype), "pageable"
+    if register:
+        import mmap
+
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        t = torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+        if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0)) == 0:
+            return t, "registered"  # stays registered for the life of the process (the engine keeps it)
+    return torch.empty(shape, dtype=dtype, pin_memory=True), "pinned"
+
+
+def _out_shape(engine: Engine) -> tuple[tuple, torch.dtype]:
+    """What the GPU worker hands the encode thread per batch."""
+    cfg = engine.cfg
+    w, h = cfg.frame_size
+    if not _blend_on_gpu(engine):
+        return (cfg.batch_size, cfg.crop, cfg.crop, 3), torch.uint8
+    if _pipe_format(engine) == "yuv420p":
+        return (cfg.batch_size, w * h * 3 // 2), torch.uint8
+    return (cfg.batch_size, h, w, 3), torch.uint8
 
 
 # ---------------------------------------------------------------- variants
