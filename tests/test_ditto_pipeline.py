@@ -175,3 +175,14 @@ def test_putback_gpu_matches_cpu_reference():
     assert mask.max() == 1 and mask[0, 0] < mask[0, 8] < 1
     with pytest.raises(InputError):
         pb.feather_mask(16, ratio=1.2)
+
+
+def test_streamed_motion_is_the_same_motion(engine, avatar):
+    # 40 frames = two tiny windows: the chunked cross-fade, smoothing, easing and stitching equal the whole-clip path
+    a = _speech_with_pause()
+    for changes in (dict(silence="bypass"), dict(stride=3)):
+        ref = P.run(P.reconfigure(engine, **changes), avatar, a, SR, keep_faces=True)
+        got = P.run(P.reconfigure(engine, stream_motion=True, **changes), avatar, a, SR, keep_faces=True)
+        assert got.motion_windows == ref.motion_windows >= 2 and "streamed" in got.motion_source
+        assert got.n_frames == ref.n_frames and got.counts == ref.counts
+        assert (got.faces.int() - ref.faces.int()).abs().max() <= 1

@@ -64,7 +64,7 @@ EASE_VALUES = [1.0, 0.844, 0.5, 0.156, 0.0]
 ANCHOR_H200 = {"b1_fps": 65.9, "b8_fps": 135.5, "compile_b8_fps": 240.5, "best_stock_compile_fps": 254.6,
                "renderer_tflop_per_frame": 1.23, "fp16_ceiling_tflops": 759.0}
 TARGETS = {"renderer_fps": 360.0, "renderer_psnr_db": 50.0, "e2e_fps": 150.0, "encoder_share": 0.90, "rss_growth": 0.05}
-ESTIMATE_S = {"renderer": 30, "stages": 15, "waterfall": 60, "strides": 25, "encoder": 10, "memory": 60, "compiled": 60}
+ESTIMATE_S = {"final": 30, "renderer": 30, "stages": 15, "waterfall": 60, "strides": 25, "encoder": 10, "memory": 60, "compiled": 60}
 def _variant(precision: str, fold: bool, channels_last: bool, pad: bool, compile: str, graphs: bool,
              cl3d: bool = False, fuse: bool = False) -> dict:
     return dict(precision=precision, fold_spectral_norm=fold, channels_last=channels_last, pad_channels=pad,
@@ -308,6 +308,9 @@ def ok_rows(rows: list[dict]) -> list[dict]:
 
 def best_variant(ctx: Context) -> tuple[str, int, dict]:
     ok = [r for r in ctx.res.tables.get("renderer", []) if r.get("status") == "ok"]
+    forced = ctx.res.params.get("renderer")
+    if forced:   # headless `--renderer`: the end-to-end rows use this variant without the renderer table
+        return forced, ctx.prof.batch, next((r for r in ok if r["variant"] == forced and r["batch"] == ctx.prof.batch), {})
     if not ok:
         return "upstream", ctx.prof.batch, {}
     best = max(ok, key=lambda r: r["fps"])
@@ -448,7 +451,8 @@ def waterfall_steps(ctx: Context) -> list[tuple[str, dict]]:
                      (f"+ batch {b}" + (" + CUDA graphs" if gpu else ""), dict(batch_size=b, cuda_graphs=gpu, hubert_batch=b)),
                      ("+ silence bypass (Hermite-eased)", dict(silence="bypass")),
                      ("+ batched GPU putback", dict(putback="gpu")),
-                     ("+ async bounded encoder queue", dict(async_writer=True))):
+                     ("+ async bounded encoder queue", dict(async_writer=True)),
+                     ("+ motion model streamed beside the renderer", dict(stream_motion=True))):
         cur = cur | ch
         steps.append((name, dict(cur)))
     best = best_variant(ctx)[0]
@@ -552,6 +556,9 @@ def final_changes(ctx: Context) -> dict:
 
 def best_eager(ctx: Context) -> str:
     """The fastest renderer variant that needs no compile (graph capture only)."""
+    forced = ctx.res.params.get("renderer")
+    if forced and VARIANTS[forced]["compile"] == "none":
+        return forced
     ok = [r for r in ctx.res.tables.get("renderer", []) if r.get("status") == "ok" and r["batch"] == ctx.prof.batch
           and VARIANTS[r["variant"]]["compile"] == "none"]
     return max(ok, key=lambda r: r["fps"])["variant"] if ok else "fp16+fold+graph"
@@ -611,6 +618,29 @@ def compiled_step(ctx: Context) -> list[dict]:
             print(f"  stride {k} output (final) {r.fps:8.1f} FPS", flush=True)
     ctx.partial()
     return ctx.res.tables.get("renderer", [])
+
+
+def final_step(ctx: Context) -> list[dict]:
+    """A short headless run: the waterfall's last two rows (motion streamed; the best renderer), output
+    stride 3 and 2 at that configuration, each a median of runs; the encoder ceiling follows as its own step."""
+    steps = waterfall_steps(ctx)[-2:]
+    rows, top = [], None
+    for step, ch in steps:
+        rep = _timed(ctx, ch, repeats=ctx.prof.repeats)
+        ctx.runs[step] = rep
+        rows.append(_row(step, rep, top))
+        top = rep
+        print(f"  final {step:55s} {rep.fps:8.1f} FPS (median of {rep.runs})", flush=True)
+    ctx.res.tables["e2e_final"] = rows
+    ctx.res.tables["e2e_stages"] = [dict(r) for r in top.stages]
+    st_rows = ctx.res.tables.setdefault("strides", [])
+    for k in (3, 2):
+        r = _timed(ctx, steps[-1][1] | dict(stride=k, stride_space="output"), repeats=ctx.prof.repeats)
+        st_rows.append(_row(f"stride {k}, SLERP of output (final config)", r, top) | {
+            "space": "output", "stride": k, "speedup": r.fps / top.fps, "config": "final"})
+        print(f"  stride {k} output (final) {r.fps:8.1f} FPS", flush=True)
+    ctx.partial()
+    return rows
 
 
 # ----------------------------------------------------------------------------- 6. encoder ceiling, 7. memory
@@ -935,6 +965,9 @@ def headline(ctx: Context) -> dict:
         if full:
             h["target renderer ≥ 360 FPS and ≥ 50 dB"] = "met" if best["fps"] >= TARGETS["renderer_fps"] and best["psnr_vs_upstream_db"] >= TARGETS["renderer_psnr_db"] else "not met"
     wf = ok_rows(ctx.res.tables.get("waterfall", []))
+    if not wf and ctx.res.tables.get("e2e_final"):
+        wf = ok_rows(ctx.res.tables["e2e_final"])
+        h["e2e rows from"] = "the short final step (no baseline rows in this run)"
     if wf:
         h["e2e baseline FPS"] = round(wf[0]["fps"], 1)
         h["e2e final FPS"] = round(wf[-1]["fps"], 1)
@@ -973,16 +1006,23 @@ def _eager_renderer(ctx: Context) -> list[dict]:
 
 
 # headless order: what the targets need first, so a deadline cuts the least important steps
-STEPS = (("renderer", _eager_renderer), ("waterfall", waterfall), ("encoder", encoder_ceiling), ("memory", memory_flat),
-         ("compiled", compiled_step), ("strides", stride_table), ("stages", stage_profile))
+STEPS = (("renderer", _eager_renderer), ("waterfall", waterfall), ("final", final_step), ("encoder", encoder_ceiling),
+         ("memory", memory_flat), ("compiled", compiled_step), ("strides", stride_table), ("stages", stage_profile))
+DEFAULT_STEPS = tuple(s for s, _ in STEPS if s != "final")   # "final": only asked for (a short GPU run)
 
 
 def run_all(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str | None = None,
-            weights: Any = "random", steps: tuple[str, ...] = tuple(s for s, _ in STEPS),
-            deadline_s: float | None = None) -> Context:
+            weights: Any = "random", steps: tuple[str, ...] = DEFAULT_STEPS,
+            deadline_s: float | None = None, renderer: str | None = None) -> Context:
     """The notebook's steps in order, headless (what the GPU reference run executes). `deadline_s`: a step
     whose full-size estimate (ESTIMATE_S) no longer fits is skipped, and the Result says so."""
     ctx = setup(device, quick, seed, out_dir, weights)
+    if renderer is not None:
+        if renderer not in VARIANTS:
+            from lab.errors import InputError
+
+            raise InputError(f"renderer={renderer!r}: expected one of {list(VARIANTS)}")
+        ctx.res.params["renderer"] = renderer
     run_steps(ctx, STEPS, steps, ESTIMATE_S, deadline_s, checkpoint=True)
     comparisons(ctx)
     for name, fig, need in (("waterfall", waterfall_figure, "waterfall"), ("renderer", renderer_figure, "renderer"),
@@ -1002,9 +1042,10 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--deadline", type=float, default=None)
-    ap.add_argument("--steps", default=",".join(s for s, _ in STEPS))
+    ap.add_argument("--steps", default=",".join(DEFAULT_STEPS))
+    ap.add_argument("--renderer", default=None, help="renderer variant for the end-to-end rows (skips choosing by the table)")
     a = ap.parse_args()
-    c = run_all(a.device, a.quick, 0, a.out, steps=tuple(a.steps.split(",")), deadline_s=a.deadline)
+    c = run_all(a.device, a.quick, 0, a.out, steps=tuple(a.steps.split(",")), deadline_s=a.deadline, renderer=a.renderer)
     import json
 
     print(json.dumps(c.res.headline, indent=1, default=str))

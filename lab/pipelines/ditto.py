@@ -92,6 +92,7 @@ class Config:
     stride_space: str = "output"
     motion: str = "lmdm"
     motion_mode: str = "offline"
+    stream_motion: bool = False       # LMDM windows generated as the render loop reaches them, on a side CUDA stream
     sampling_steps: int = 50
     guidance: float = 2.0
     eta: float = 1.0
@@ -491,13 +492,15 @@ def _window_fn(engine: Engine):
 
 @torch.no_grad()
 def sample_window(engine: Engine, cond_frame: torch.Tensor, cond: torch.Tensor, sched: D.Schedule,
-                  noises: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One 80-frame window by DDIM (η from the config) with classifier-free guidance → (80, 265)."""
+                  noises: torch.Tensor, gen: torch.Generator | None, x: torch.Tensor | None = None) -> torch.Tensor:
+    """One 80-frame window by DDIM (η from the config) with classifier-free guidance → (80, 265).
+    The initial noise is drawn from `gen` on the host unless given (`x`, already on the device)."""
     dev = engine.device
     L = engine.dims.seq_frames
     if len(sched.times) != engine.cfg.sampling_steps + 1:
         raise InputError(f"schedule of {len(sched.times) - 1} steps for an engine of {engine.cfg.sampling_steps}")
-    x = torch.randn(1, L, D.MOTION_DIM, generator=gen, device="cpu").to(dev)
+    if x is None:
+        x = torch.randn(1, L, D.MOTION_DIM, generator=gen, device="cpu").to(dev)
     cf, c = cond_frame.reshape(1, -1).float(), cond.reshape(1, L, -1).float()
     return _window_fn(engine)(x, cf, c, noises)[0]
 
@@ -518,7 +521,7 @@ def generate_motion(engine: Engine, cond: torch.Tensor, motion_s: torch.Tensor) 
     cfg, d, dev = engine.cfg, engine.dims, engine.device
     n = cond.shape[0]
     L = d.seq_frames
-    ov = min(MOTION_MODES[cfg.motion_mode], L - 1) if cfg.size == "full" else min(MOTION_MODES[cfg.motion_mode] * L // D.SEQ_FRAMES, L - 1)
+    ov = _overlap(engine)
     sched = D.Schedule.make(cfg.sampling_steps)
     gen = torch.Generator().manual_seed(cfg.seed)
     # upstream draws the per-step noise once and reuses it for every window
@@ -543,6 +546,109 @@ def generate_motion(engine: Engine, cond: torch.Tensor, motion_s: torch.Tensor) 
         pose = out[:, : D.POSE_DIMS].T[None]
         out[:, : D.POSE_DIMS] = F.avg_pool1d(F.pad(pose, (1, 1), mode="replicate"), 3, 1)[0].T
     return out, len(starts)
+
+
+def _overlap(engine: Engine) -> int:
+    cfg, L = engine.cfg, engine.dims.seq_frames
+    ov = MOTION_MODES[cfg.motion_mode] if cfg.size == "full" else MOTION_MODES[cfg.motion_mode] * L // D.SEQ_FRAMES
+    return min(ov, L - 1)
+
+
+class MotionStream:
+    """The LMDM windows and the keypoints from them, generated as the render loop reaches them — on a
+    side CUDA stream (high priority), one window ahead, so the motion model's small, latency-bound
+    kernels run beside the renderer's instead of before it. The same numbers as `generate_motion` +
+    the keypoint step (same noise draws in the same order, same cross-fade, the same 3-frame pose
+    smoothing, done per chunk of final frames): frames below `ready` are final. The main stream
+    waits on an event, never the host."""
+
+    def __init__(self, engine: Engine, avatar: Avatar, cond: torch.Tensor, src: np.ndarray, alpha: np.ndarray):
+        cfg, dev = engine.cfg, engine.device
+        self.engine, self.avatar, self.cond = engine, avatar, cond
+        self.n = n = cond.shape[0]
+        self.L, self.ov = engine.dims.seq_frames, _overlap(engine)
+        self.sched = D.Schedule.make(cfg.sampling_steps)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        self.noises = torch.randn(cfg.sampling_steps, 1, self.L, D.MOTION_DIM, generator=gen).to(dev)
+        self.starts = motion_windows(n, self.L, self.ov)
+        # the per-window initial noise, drawn in generate_motion's order, uploaded once (no host wait later)
+        self.inits = torch.stack([torch.randn(1, self.L, D.MOTION_DIM, generator=gen) for _ in self.starts]).to(dev)
+        self.out = torch.zeros(self.starts[-1] + self.L, D.MOTION_DIM, device=dev)
+        self.kp_d = torch.empty(n, D.NUM_KP, 3, device=dev)
+        self.src_dev = _index(dev, src)
+        self.kp_rest = avatar.kp_s[self.src_dev].float()
+        self.alpha = torch.from_numpy(np.ascontiguousarray(alpha, dtype=np.float32)).to(dev)
+        self.cond_frame = avatar.motion_s[0].float()
+        self.w, self.ready = 0, 0
+        self.events: list[tuple[int, Any]] = []      # (frames final after this window, event)
+        self.timing: list[tuple[Any, Any]] = []
+        self.side = None
+        if dev.type == "cuda":
+            self.side = torch.cuda.Stream(dev, priority=-1)
+            self.side.wait_stream(torch.cuda.current_stream(dev))
+
+    @property
+    def windows(self) -> int:
+        return len(self.starts)
+
+    def _window(self) -> None:
+        e, w, L, ov, n = self.engine, self.w, self.L, self.ov, self.n
+        s = self.starts[w]
+        c = self.cond[s:s + L]
+        if c.shape[0] < L:
+            c = torch.cat([c, c[-1:].expand(L - c.shape[0], -1)])
+        x = sample_window(e, self.cond_frame, c, self.sched, self.noises, None, x=self.inits[w])
+        if w == 0:
+            self.out[:L] = x
+        else:
+            fade = torch.linspace(0, 1, ov + 2, device=x.device)[1:-1, None]
+            self.out[s:s + ov] = self.out[s:s + ov] * (1 - fade) + x[:ov] * fade
+            self.out[s + ov:s + L] = x[ov:]
+        self.cond_frame = x[-1]
+        self.w += 1
+        last = self.w == len(self.starts)
+        fin = n if last else min(n, s + L - ov) - (1 if n >= 3 else 0)   # smoothing reads one frame ahead
+        a = self.ready
+        if fin <= a:
+            return
+        m = self.out[a:fin].clone()
+        if n >= 3:
+            left = self.out[a - 1 if a > 0 else 0]
+            right = self.out[fin if fin < n else n - 1]
+            pose = torch.cat([left[None], self.out[a:fin], right[None]])[:, : D.POSE_DIMS].T[None]
+            m[:, : D.POSE_DIMS] = F.avg_pool1d(pose, 3, 1)[0].T
+        idx = self.src_dev[a:fin]
+        kp = D.motion_to_keypoints(m, self.avatar.kp_c[idx])
+        kp = sil.ease_keypoints(kp, self.kp_rest[a:fin], self.alpha[a:fin])
+        self.kp_d[a:fin] = _stitch(e, self.kp_rest[a:fin], kp)
+        self.ready = fin
+
+    def _enqueue(self) -> None:
+        if self.side is None:
+            self._window()
+            return
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.side):
+            t0.record()
+            self._window()
+            t1.record()
+            ev = torch.cuda.Event()
+            ev.record()
+        self.timing.append((t0, t1))
+        self.events.append((self.ready, ev))
+
+    def ensure(self, f: int) -> None:
+        """Keypoints of frames 0 … f usable on the current stream; one window more queued behind."""
+        f = min(int(f), self.n - 1)
+        while self.w < len(self.starts) and (self.ready <= f or self.ready <= f + self.L - self.ov):
+            self._enqueue()
+        if self.side is not None:
+            ev = next(ev for r, ev in self.events if r > f)
+            torch.cuda.current_stream(self.engine.device).wait_event(ev)
+
+    def gpu_seconds(self) -> float:
+        """The side stream's time in the windows (call after a device synchronize)."""
+        return sum(a.elapsed_time(b) for a, b in self.timing) / 1e3
 
 
 def rms_motion(engine: Engine, avatar: Avatar, a16: np.ndarray, n: int) -> torch.Tensor:
@@ -630,8 +736,9 @@ class DenseRenders:
     batch) are carried to the next one."""
 
     def __init__(self, engine: Engine, avatar: Avatar, src: np.ndarray, kp_d: torch.Tensor, bypass: np.ndarray,
-                 counts: dict[str, int]):
+                 counts: dict[str, int], motion: "MotionStream | None" = None):
         self.engine, self.avatar, self.src, self.bypass, self.counts = engine, avatar, src, bypass, counts
+        self.motion = motion
         b = engine.cfg.batch_size
         self.b = b
         self.need = np.flatnonzero(~bypass)
@@ -641,7 +748,7 @@ class DenseRenders:
         self.need_dev = _index(dev, padded)                    # one upload per run; batches are slices
         self.src_dev = _index(dev, src)
         self.byp_dev = _index(dev, self.byp)
-        self.kp_d = kp_d.to(_in_dtype(engine))
+        self.kp_d = kp_d
         self.kp_s = avatar.kp_s.to(_in_dtype(engine))
         self.fn = stage_fn(engine, "render", b)
         self.padded = padded
@@ -657,7 +764,9 @@ class DenseRenders:
         else:
             fs = _gather_fs(e, av, self.src[self.padded[k * self.b:(k + 1) * self.b]])
         self.counts["rendered"] += int(min(len(self.need), (k + 1) * self.b) - k * self.b)
-        return self.fn(fs, self.kp_s[s], self.kp_d[idx])
+        if self.motion is not None:
+            self.motion.ensure(self.padded[(k + 1) * self.b - 1])
+        return self.fn(fs, self.kp_s[s], self.kp_d[idx].to(_in_dtype(e)))
 
     def block(self, s: int, e: int) -> torch.Tensor:
         """Faces (e − s, 3, hw, hw) for output frames s … e − 1."""
@@ -990,30 +1099,38 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
 
     # 2. audio features → condition → motion (LMDM windows, or the RMS demo drive)
     windows = 0
+    keys = st.keyframe_indices(n, cfg.stride) if cfg.stride > 1 else None
+    speech = sil.speech_frames(a16, n, cfg.silence_threshold, D.AUDIO_SR, cfg.fps)
+    alpha = sil.speech_weight(speech, cfg.ease_frames) if cfg.silence != "off" else np.ones(n, np.float32)
+    bypass = (alpha == 0) if cfg.silence == "bypass" else np.zeros(n, dtype=bool)
+    streamed = cfg.motion == "lmdm" and cfg.stream_motion and not (keys is not None and cfg.stride_space == "motion")
+    mstream = None
     if cfg.motion == "lmdm":
         with timer.stage("audio_features"):
             feats = D.hubert_features(engine.hubert, torch.from_numpy(a16), n, batch=cfg.hubert_batch)
             cond = condition(engine, feats.to(dev), avatar)
-        with timer.stage("motion"):
-            motion, windows = generate_motion(engine, cond, avatar.motion_s[0])
         motion_source = f"LMDM {cfg.motion_mode} ({cfg.sampling_steps} DDIM steps, guidance {cfg.guidance})"
+        if streamed:
+            # 3'. motion and keypoints chunk by chunk inside the render loop (MotionStream)
+            mstream = MotionStream(engine, avatar, cond, src, alpha)
+            kp_d, windows = mstream.kp_d, mstream.windows
+            motion_source += ", streamed on a side stream"
+        else:
+            with timer.stage("motion"):
+                motion, windows = generate_motion(engine, cond, avatar.motion_s[0])
     else:
         with timer.stage("motion"):
             motion = rms_motion(engine, avatar, a16, n)
         motion_source = "RMS demo drive (jaw keypoints open with loudness; not the motion model)"
-    keys = st.keyframe_indices(n, cfg.stride) if cfg.stride > 1 else None
-    if keys is not None and cfg.stride_space == "motion":
-        motion = st.expand_keyframes(motion[_index(dev, keys)], keys, n)
-
-    # 3. keypoints: motion → driving keypoints, eased toward rest around pauses, stitched
-    with timer.stage("keypoints"):
-        kp_d = driving_keypoints(engine, avatar, motion, src)
-        speech = sil.speech_frames(a16, n, cfg.silence_threshold, D.AUDIO_SR, cfg.fps)
-        alpha = sil.speech_weight(speech, cfg.ease_frames) if cfg.silence != "off" else np.ones(n, np.float32)
-        kp_rest = avatar.kp_s[_index(dev, src)]
-        kp_d = sil.ease_keypoints(kp_d, kp_rest, torch.from_numpy(alpha).to(dev))
-        kp_d = _stitch(engine, kp_rest, kp_d)
-    bypass = (alpha == 0) if cfg.silence == "bypass" else np.zeros(n, dtype=bool)
+    if not streamed:
+        if keys is not None and cfg.stride_space == "motion":
+            motion = st.expand_keyframes(motion[_index(dev, keys)], keys, n)
+        # 3. keypoints: motion → driving keypoints, eased toward rest around pauses, stitched
+        with timer.stage("keypoints"):
+            kp_d = driving_keypoints(engine, avatar, motion, src)
+            kp_rest = avatar.kp_s[_index(dev, src)]
+            kp_d = sil.ease_keypoints(kp_d, kp_rest, torch.from_numpy(alpha).to(dev))
+            kp_d = _stitch(engine, kp_rest, kp_d)
 
     # 4. render → put back → encode, block by block (bounded memory for any length)
     h, w = avatar.frames.shape[1:3]
@@ -1028,7 +1145,8 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
     keep_idx = set(int(i) for i in keep_frames)
     block = block_frames or max(16, cfg.batch_size * cfg.stride * 2)
     t_loop = time.perf_counter()
-    dense = DenseRenders(engine, avatar, src, kp_d, bypass, counts) if keys is None or cfg.stride_space == "motion" else None
+    dense = (DenseRenders(engine, avatar, src, kp_d, bypass, counts, mstream)
+             if keys is None or cfg.stride_space == "motion" else None)
     try:
         for s in range(0, n, block):
             frames = np.arange(s, min(s + block, n))
@@ -1036,6 +1154,8 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
                 if dense is not None:
                     faces = dense.block(int(frames[0]), int(frames[-1]) + 1)
                 else:
+                    if mstream is not None:   # keyframes up to one stride past the block
+                        mstream.ensure(int(frames[-1]) + cfg.stride)
                     faces = render_block(engine, avatar, frames, src, kp_d, bypass, keys, cache, counts)
             if faces_kept is not None:
                 faces_kept[frames[0]:frames[-1] + 1] = (faces.float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1)
@@ -1053,8 +1173,13 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
     t_end = time.perf_counter()
     timer.stop()
     wall, loop = t_end - t_start, t_end - t_loop
+    stages = timer.report(n)
+    if mstream is not None and mstream.side is not None:
+        secs = mstream.gpu_seconds()
+        stages.append({"stage": "motion (side stream, overlapped)", "seconds": secs, "calls": mstream.windows,
+                       "share": secs / wall, "ms_per_frame": 1e3 * secs / n, "fps": n / secs if secs else None})
     return RunReport(
-        n_frames=n, wall_s=wall, fps=n / wall, loop_s=loop, loop_fps=n / loop, stages=timer.report(n), counts=counts,
+        n_frames=n, wall_s=wall, fps=n / wall, loop_s=loop, loop_fps=n / loop, stages=stages, counts=counts,
         motion_windows=windows, speech_frames=int(speech.sum()), bypassed_frames=int(bypass.sum()),
         keyframes=int(len(keys)) if keys is not None else n,
         gpu_peak_mb=torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None,
