@@ -168,3 +168,17 @@ def test_kernel_kinds_from_names():
     assert kernel_kind("triton_poi_fused_add_gelu_mul_7") == "Triton pointwise"
     assert kernel_kind("triton_poi_fused__scaled_dot_product_cudnn_attention_3") == "Triton pointwise"
     assert kernel_kind("something_else") == "other"
+
+
+def test_attention_shapes_cover_the_step_and_padding_keeps_the_result():
+    from lab.experiments.latentsync import attention_kernel_rows, attention_shapes
+    from lab.models.latentsync import FULL, TINY
+
+    shapes = attention_shapes(FULL)
+    assert sum(s["calls"] for s in shapes if s["attention"].startswith("spatial")) == 16  # transformers in the UNet
+    assert sum(s["calls"] for s in shapes if s["attention"].startswith("temporal")) == 2 * 20  # 20 motion modules
+    assert {(s["tokens"], s["head_dim"]) for s in shapes if s["attention"].startswith("spatial")} == \
+        {(4096, 40), (1024, 80), (256, 160), (64, 160)}
+    rows = attention_kernel_rows(TINY, torch.device("cpu"), torch.float32, 4, 8, iters=1)
+    padded = [r for r in rows if "padded" in r["kernel"] and r["status"] == "ok"]
+    assert padded and all(r["cosine_vs_auto"] > 0.999999 for r in padded)

@@ -4,7 +4,9 @@ Steps (each returns table rows; the notebook shows them, `run_all` runs them hea
 
 1. `setup`            the profile (sizes from quick + device), engine, job, Result
 2. `step_waterfall`   one guided UNet call (2 × 16 frames) per switch of the exact path: ms per step,
-                      UNet seconds per output second at 20 steps, cosine / PSNR vs eager, % of ceiling
+                      UNet seconds per output second at 20 steps, cosine / PSNR vs eager, % of ceiling;
+                      GPU time by kernel kind (`kernel_split`); `attention_kernels`: each attention
+                      shape alone per SDPA kernel and with its head dim zero-padded
 3. `vae_cost`         two encodes + one decode per 16-frame block, seconds per output second
 4. `mode_table`       the pipeline per mode (exact20 eager, exact20 fast, ddim/dpm 12 / 8 / 4, DeepCache-style 3),
                       wall, s per output second, change vs exact20, peak VRAM, host RSS, drift vs exact20
@@ -15,6 +17,7 @@ Steps (each returns table rows; the notebook shows them, `run_all` runs them hea
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +42,7 @@ WRITEUP = {"eager_s_per_s": 41.065, "optimized_s_per_s": 27.702, "faster_pct": 3
            "clip_faster_pct": {"exact20_fast": 56.17, "12": 65.74, "8": 71.76, "4": 78.38}}
 # upstream's own UNet3D on our H200 (random weights, fp16, guided 2 × 16 frames at 64² latents)
 ANCHOR_H200 = {"eager_ms_per_step": 175.5, "compile_ms_per_step": 119.9, "vae_s_per_s": 0.62}
-ESTIMATE_S = {"vae_compile": 60, "modes": 65, "loop": 15, "memory": 60, "fp8": 20}  # full size on an H200, for run_all's deadline
+ESTIMATE_S = {"attention": 10, "vae_compile": 60, "modes": 65, "loop": 15, "memory": 60, "fp8": 20}  # full size on an H200, for run_all's deadline
 # exact switches of the model, in the order the waterfall adds them (each alone, then together)
 LEVERS = ("null_audio", "shared_prefix", "guided_shortcuts", "fused_qkv")
 TARGETS = {"exact_s_per_s": 2.5, "exact_cosine": 0.9999, "dpm8_s_per_s": 1.0, "memory_growth": 0.10}
@@ -304,6 +307,80 @@ def step_waterfall(ctx: Context) -> list[dict]:
                     split[label] = [{"kind": "failed", "note": f"{type(e).__name__}: {str(e)[:160]}"}]
         ctx.res.tables["kernel_split"] = [dict(r, run=k) for k, v in split.items() for r in v]
     ctx.partial()
+    return rows
+
+
+def attention_shapes(cfg, block: int = 16, batch: int = 2, latent: int = 64) -> list[dict]:
+    """Every SDPA call of one guided UNet step, grouped by shape: (sequences, heads, tokens, head dim, calls)."""
+    out = []
+    ch = cfg.block_out_channels
+    n_down = cfg.layers_per_block
+    for level, c in enumerate(ch):
+        side = latent >> level
+        spatial = (n_down + n_down + 1) if level < len(ch) - 1 else 0  # cross down layers + up layers
+        motion = n_down + n_down + 1
+        if spatial:
+            out.append({"attention": f"spatial {side}²", "seqs": batch * block, "heads": cfg.heads,
+                        "tokens": side * side, "head_dim": c // cfg.heads, "calls": spatial})
+        out.append({"attention": f"temporal {side}²", "seqs": batch * side * side, "heads": cfg.motion_heads,
+                    "tokens": block, "head_dim": c // cfg.motion_heads, "calls": 2 * motion})
+    side = latent >> (len(ch) - 1)
+    out.append({"attention": f"spatial {side}² (mid)", "seqs": batch * block, "heads": cfg.heads, "tokens": side * side,
+                "head_dim": ch[-1] // cfg.heads, "calls": 1})
+    return out
+
+
+def attention_kernels(ctx: Context) -> list[dict]:
+    """Each attention shape of the step alone, per SDPA kernel, and with the head dim zero-padded to a
+    multiple of 64 (the same result: zero columns add nothing to q·k, zero value columns are dropped;
+    the softmax scale stays 1/√d): ms per call, TFLOP/s, cosine vs SDPA's own choice. GPU only."""
+    rows = attention_kernel_rows(ctx.engine.unet.model.cfg, ctx.dev, ctx.engine.dtype, ctx.prof.block,
+                                 ctx.engine.cfg.face // 8) if ctx.dev.type == "cuda" else []
+    ctx.res.tables["attention_kernels"] = rows
+    ctx.partial()
+    return rows
+
+
+def attention_kernel_rows(cfg, dev: torch.device, dtype: torch.dtype, block: int = 16, latent: int = 64,
+                          iters: int = 20) -> list[dict]:
+    import torch.nn.functional as F
+
+    from lab.timing import bench
+
+    rows = []
+    for sh in attention_shapes(cfg, block, 2, latent):
+        n, h, L, d = sh["seqs"], sh["heads"], sh["tokens"], sh["head_dim"]
+        g = torch.Generator(device=dev).manual_seed(0)
+        # the model's layout: (N, L, H·d) projections viewed as (N, H, L, d)
+        q, k, v = (torch.randn(n, L, h * d, generator=g, device=dev, dtype=dtype).view(n, L, h, d).transpose(1, 2)
+                   for _ in range(3))
+        with torch.inference_mode():
+            ref = F.scaled_dot_product_attention(q, k, v).float()
+        dp = -(-d // 64) * 64
+        variants = [("auto", None, d)] + [(b, b, d) for b in ("cudnn", "flash", "efficient")]
+        if dp != d:
+            variants += [(f"{b}, head dim padded {d}→{dp}", b, dp) for b in ("auto", "cudnn", "flash")]
+        for label, backend, dim in variants:
+            if dim != d:
+                pad = (0, dim - d)
+                args = (F.pad(q, pad), F.pad(k, pad), F.pad(v, pad))
+            else:
+                args = (q, k, v)
+            scale = 1 / math.sqrt(d)
+
+            def call(a=args, b=backend, dim=dim):
+                with sampling.sdpa_backend(b if b != "auto" else None):
+                    return F.scaled_dot_product_attention(*a, scale=scale)[..., :d]
+            try:
+                with torch.inference_mode():
+                    out = call().float()
+                r = bench(call, warmup=3, iters=iters, device=dev)
+                ms = r.median_s * 1e3
+                rows.append({**sh, "kernel": label, "ms_per_call": ms, "ms_per_step": ms * sh["calls"],
+                             "tflops": 4 * n * h * L * L * d / r.median_s / 1e12, "cosine_vs_auto": metrics.cosine(out, ref),
+                             "status": "ok"})
+            except RuntimeError as e:
+                rows.append({**sh, "kernel": label, "status": f"unavailable: {str(e).splitlines()[0][:100]}"})
     return rows
 
 
@@ -806,13 +883,14 @@ def save(ctx: Context) -> Path:
 
 
 def run_all(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str | None = None,
-            weights: Any = "random", steps: tuple[str, ...] = ("waterfall", "vae", "modes", "loop", "memory", "fp8"),
+            weights: Any = "random",
+            steps: tuple[str, ...] = ("waterfall", "attention", "vae", "modes", "loop", "memory", "fp8"),
             deadline_s: float | None = None) -> Context:
     """The notebook's steps in order, headless (what the GPU reference run executes). `deadline_s`: a step
     whose full-size estimate (ESTIMATE_S) no longer fits is skipped, and the Result says so."""
     ctx = setup(device, quick, seed, out_dir, weights)
     ctx.deadline_s = deadline_s
-    run_steps(ctx, (("waterfall", step_waterfall), ("vae", vae_cost), ("modes", mode_table), ("fp8", fp8_linear),
+    run_steps(ctx, (("waterfall", step_waterfall), ("attention", attention_kernels), ("vae", vae_cost), ("modes", mode_table), ("fp8", fp8_linear),
                     ("memory", memory_scaling), ("loop", block_loop_costs)), steps, ESTIMATE_S, deadline_s)
     comparisons(ctx)
     for name, fig, table_name in (("waterfall", waterfall_figure, "step_waterfall"),
