@@ -40,6 +40,7 @@ from lab import audio as lab_audio
 from lab.errors import InputError
 from lab.timing import StageTimer, sync
 
+GPU_STAGES = ("resample", "whisper", "unet", "vae_decode", "blend", "yuv420p", "composite_yuv420p", "d2h")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MODES = ("sequential", "async")
 WRITERS = ("ffmpeg", "pyav", "null")
@@ -582,7 +583,7 @@ class RunReport:
     generation_wall_s: float      # the batched loop alone
     first_frame_s: float          # start → first frame handed to the encoder
     stages: list[dict]
-    gpu_busy_s: float
+    gpu_busy_s: float             # GPU worker's busy time; async on a GPU: the GPU's own time in its stages (CUDA events)
     post_busy_s: float
     hidden_fraction: float | None  # async only: share of blend+encode time hidden behind GPU work
     overlap_efficiency: float | None  # async only: overlapped time / the shorter of the two workers' busy times
@@ -739,6 +740,11 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
         kind = engine.variants.get(("host_buffer_kind", _buffer_key(engine, *_out_shape(engine))))
         transport = {"pipe_size": writer.pipe_size, "zero_copy": writer.zero_copy,
                      "zero_copy_note": writer.zero_copy_note, "host_buffers": kind if cfg.mode == "async" else None}
+    if cfg.mode == "async" and engine.device.type == "cuda":
+        # the GPU thread no longer waits for the GPU (it queues work and sleeps on free buffers),
+        # so its own busy time is launch time; the GPU's busy time is what its stages' events measured
+        totals = timer.totals()
+        gpu_busy = sum(totals.get(k, 0.0) for k in GPU_STAGES)
     if cfg.mode == "async" and post_busy[0] > 0:
         # Two workers: if the encoder is the slower one, at most gpu/post of its time can hide
         # behind GPU work; overlap_efficiency says how close the pipeline gets to that bound.
@@ -799,7 +805,7 @@ def _run_async(engine: Engine, batches: list[tuple[int, int]], gpu_work, post_wo
             w0 = time.perf_counter()
             i = free.get()  # blocks when the encoder is `depth` batches behind
             waited = time.perf_counter() - w0
-            timer.add("wait_for_encoder", waited)
+            timer.add("wait_for_encoder", waited)  # a buffer comes back once its copy landed and ffmpeg took it
             g0 += waited  # waiting on the encoder is not GPU-worker work
             with timer.stage("d2h"):
                 bufs[i][: t - s].copy_(out, non_blocking=pin)
