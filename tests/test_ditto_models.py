@@ -234,3 +234,18 @@ def test_channel_padding_is_the_same_function(tiny):
                                                "dense_motion_network.hourglass.encoder.down_blocks.0.conv",
                                                "dense_motion_network.mask"]
     assert full.dense_motion_network.mask.weight.shape == (24, 144, 7, 7, 7)
+
+
+def test_lmdm_condition_encoded_once_is_the_same_forward(tiny):
+    net = tiny["lmdm"]
+    d = D.dims("tiny")
+    g = torch.Generator().manual_seed(0)
+    x, cf = torch.randn(2, d.seq_frames, 265, generator=g), torch.randn(2, 265, generator=g)
+    c = torch.randn(2, d.seq_frames, d.cond_dim, generator=g)
+    t, drop = torch.tensor([5, 900]), torch.tensor([True, False])
+    with torch.no_grad():
+        ref = net(x, cf, c, t, drop)
+        enc = net.encode_condition(c, drop)
+        assert torch.equal(net(x, cf, None, t, drop, encoded=enc), ref)
+        assert torch.equal(net(x, cf, c, t, drop), ref)           # the rotary tables, cached, give the same numbers
+    assert not any("_tables" in k for k in net.state_dict())

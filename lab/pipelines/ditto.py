@@ -446,15 +446,20 @@ def _denoise(engine: Engine, x: torch.Tensor, cf: torch.Tensor, c: torch.Tensor,
     """The DDIM loop of one window: x (1, L, 265) noise → clean motion, guidance as configured."""
     cfg = engine.cfg
     net = engine.nets["lmdm"]
-    ac = D.Schedule.make(cfg.sampling_steps).alphas_cumprod
-    steps = D.Schedule.make(cfg.sampling_steps).times
+    sched = D.Schedule.make(cfg.sampling_steps)
+    ac, steps = sched.alphas_cumprod, sched.times
+    # the condition's encoding is the same at every step of the window: once, not 2·S times
+    if cfg.batch_cfg:
+        enc2 = net.encode_condition(c.expand(2, -1, -1), drop)
+    else:
+        enc_u, enc_c = net.encode_condition(c, drop[:1]), net.encode_condition(c, drop[1:])
     for i, (t, t_next) in enumerate(zip(steps[:-1], steps[1:])):
         if cfg.batch_cfg:
-            out = net(x.expand(2, -1, -1), cf.expand(2, -1), c.expand(2, -1, -1), times[i], drop)
+            out = net(x.expand(2, -1, -1), cf.expand(2, -1), None, times[i], drop, encoded=enc2)
             unc, con = out[:1], out[1:]
         else:
-            unc = net(x, cf, c, times[i, :1], drop[:1])
-            con = net(x, cf, c, times[i, :1], drop[1:])
+            unc = net(x, cf, None, times[i, :1], drop[:1], encoded=enc_u)
+            con = net(x, cf, None, times[i, :1], drop[1:], encoded=enc_c)
         x0 = unc + (con - unc) * cfg.guidance
         x = D.ddim_step(x, x0, float(ac[t]), float(ac[t_next]) if t_next >= 0 else None, noises[i], cfg.eta)
     return x
