@@ -71,7 +71,8 @@ def test_exact_switches_keep_the_output(engine, avatar):
     fast = P.run(P.reconfigure(engine, fold_spectral_norm=True, pad_channels=True, batch_size=3, source_pool="host"),
                  avatar, a, SR, keep_faces=True)
     assert (ref.faces.int() - fast.faces.int()).abs().max() <= 1
-    fused = P.run(P.reconfigure(engine, fold_spectral_norm=True, fuse_spade=True, channels_last_3d=True, async_writer=True),
+    fused = P.run(P.reconfigure(engine, fold_spectral_norm=True, fuse_spade=True, channels_last_3d=True, pad_channels=True,
+                                async_writer=True),
                   avatar, a, SR, keep_faces=True)
     assert (ref.faces.int() - fused.faces.int()).abs().max() <= 1
     with pytest.raises(InputError, match="fold_spectral_norm"):
