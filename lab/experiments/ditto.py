@@ -547,6 +547,8 @@ def waterfall(ctx: Context) -> list[dict]:
         rows.append(row)
         ctx.runs[step] = rep
         print(f"  waterfall {step:55s} {rep.fps:8.1f} FPS (median of {row['runs']})", flush=True)
+        ctx.res.tables["waterfall"] = rows
+        ctx.partial()
     ctx.res.tables["waterfall"] = rows
     last = ctx.runs.get(waterfall_steps(ctx)[-1][0])
     if last is not None:
@@ -638,15 +640,16 @@ def final_step(ctx: Context) -> list[dict]:
         rows.append(_row(step, rep, top))
         top = rep
         print(f"  final {step:55s} {rep.fps:8.1f} FPS (median of {rep.runs})", flush=True)
-    ctx.res.tables["e2e_final"] = rows
-    ctx.res.tables["e2e_stages"] = [dict(r) for r in top.stages]
+        ctx.res.tables["e2e_final"] = rows
+        ctx.res.tables["e2e_stages"] = [dict(r) for r in top.stages]
+        ctx.partial()   # a run cut short keeps every row measured so far
     st_rows = ctx.res.tables.setdefault("strides", [])
     for k in (3, 2):
         r = _timed(ctx, steps[-1][1] | dict(stride=k, stride_space="output"), repeats=ctx.prof.repeats)
         st_rows.append(_row(f"stride {k}, SLERP of output (final config)", r, top) | {
             "space": "output", "stride": k, "speedup": r.fps / top.fps, "config": "final"})
         print(f"  stride {k} output (final) {r.fps:8.1f} FPS", flush=True)
-    ctx.partial()
+        ctx.partial()
     return rows
 
 
