@@ -521,15 +521,16 @@ class RotaryEmbedding(nn.Module):
         if key not in self._tables:
             t = torch.arange(n, device=device, dtype=self.freqs.dtype)
             ang = (t[:, None] * self.freqs[None]).repeat_interleave(2, dim=-1).to(dtype)
-            self._tables[key] = (ang.cos(), ang.sin())
+            sign = torch.tensor([-1.0, 1.0], device=device, dtype=dtype).repeat(ang.shape[-1] // 2)
+            self._tables[key] = (ang.cos(), ang.sin() * sign)
         return self._tables[key]
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, dim): rotate each (2i, 2i+1) pair by angle t·freqs[i]."""
         cos, sin = self.tables(x.shape[-2], x.dtype, x.device)
-        pairs = x.unflatten(-1, (-1, 2))
-        rot = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-        return x * cos + rot * sin
+        # (−x₁, x₀)·(s, s) as (x₁, x₀)·(−s, s): the sign lives in the table, one kernel less (same numbers)
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        return x * cos + swapped * sin
 
 
 class EncoderLayer(nn.Module):
@@ -556,8 +557,10 @@ class DenseFiLM(nn.Module):
         super().__init__()
         self.block = nn.Sequential(nn.Mish(), nn.Linear(dim, 2 * dim))
 
-    def forward(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale, shift = self.block(t)[:, None].chunk(2, dim=-1)
+    def forward(self, t: torch.Tensor, activated: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`activated`: Mish(t) already computed (every FiLM of the stack reads the same t)."""
+        y = self.block(t) if activated is None else self.block[1](activated)
+        scale, shift = y[:, None].chunk(2, dim=-1)
         return scale, shift
 
 
@@ -584,16 +587,16 @@ class FiLMDecoderLayer(nn.Module):
         return (ss[0] + 1) * x + ss[1]
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, t: torch.Tensor,
-                memory_rot: torch.Tensor | None = None) -> torch.Tensor:
+                memory_rot: torch.Tensor | None = None, t_act: torch.Tensor | None = None) -> torch.Tensor:
         h = self.norm1(x)
         qk = self.rotary.rotate(h)
-        x = x + self._film(self.self_attn(qk, qk, h, need_weights=False)[0], self.film1(t))
+        x = x + self._film(self.self_attn(qk, qk, h, need_weights=False)[0], self.film1(t, t_act))
         h = self.norm2(x)
         mk = self.rotary.rotate(memory) if memory_rot is None else memory_rot
         a = self.multihead_attn(self.rotary.rotate(h), mk, memory, need_weights=False)[0]
-        x = x + self._film(a, self.film2(t))
+        x = x + self._film(a, self.film2(t, t_act))
         h = self.linear2(F.gelu(self.linear1(self.norm3(x))))
-        return x + self._film(h, self.film3(t))
+        return x + self._film(h, self.film3(t, t_act))
 
 
 class DecoderStack(nn.Module):
@@ -604,8 +607,10 @@ class DecoderStack(nn.Module):
     def forward(self, x: torch.Tensor, memory: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         # every layer's cross-attention keys are the same rotated memory: rotate it once
         rot = self.stack[0].rotary.rotate(memory) if len(self.stack) else None
+        # and every FiLM's Mish reads the same t: once for the stack, not three times per layer
+        act = F.mish(t)
         for layer in self.stack:
-            x = layer(x, memory, t, rot)
+            x = layer(x, memory, t, rot, act)
         return x
 
 
