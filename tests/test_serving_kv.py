@@ -158,3 +158,41 @@ def test_captured_step_matches_eager_stream():
         a, b = stack.step(x[t:t + 1], eager), step(x[t:t + 1])
         assert torch.allclose(a.float(), b.float(), atol=2e-3), (t, (a - b).abs().max())
     assert graphed[0].n == 40 and graphed[0].n_evicted == 32 and int(graphed[0].pos) == 40
+
+
+def _ptxas() -> bool:
+    import os
+    import shutil
+
+    if not kv.HAVE_TRITON:
+        return False
+    import triton
+
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")) \
+        or shutil.which("ptxas") is not None
+
+
+@pytest.mark.skipif(not _ptxas(), reason="needs triton with its bundled ptxas")
+@pytest.mark.parametrize("from_pos", [True, False])
+def test_kv_kernels_compile_for_sm90(from_pos):
+    """Ahead-of-time compile of both KV kernels for an H200 without a GPU, with the ring position
+    read on the device and passed by the host: the interpreter test cannot catch code generation."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def ptx(body, ptrs, consts):
+        names = list(inspect.signature(body).parameters)
+        sig = {n: ptrs.get(n, "constexpr" if n in consts else ("fp32" if n in ("count", "sm_scale") else "i32")) for n in names}
+        src = ASTSource(fn=triton.jit(body), signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1)).asm["ptx"]
+
+    f32 = {n: "*fp32" for n in ("ks_ptr", "vs_ptr", "sk_ptr", "sv_ptr")}
+    app = ptx(kv._int8_append_body, {"k_ptr": "*fp16", "v_ptr": "*fp16", "kc_ptr": "*i8", "vc_ptr": "*i8", "pos_ptr": "*i32", **f32},
+              dict(W=75, D=64, FROM_POS=from_pos))
+    assert "st.global.b8" in app or "st.global.u8" in app         # the INT8 K and V written
+    att = ptx(kv._int8_attn_body, {"q_ptr": "*fp16", "k_ptr": "*i8", "v_ptr": "*i8", "o_ptr": "*fp16", "pos_ptr": "*i32", **f32},
+              dict(W=75, D=64, BLOCK_W=128, FROM_POS=from_pos))
+    assert "ex2.approx" in att                                      # the softmax's exponentials

@@ -279,20 +279,19 @@ if HAVE_TRITON:
             sv = tl.load(sv_ptr + pid * D + offs)
             tl.store(sk_ptr + pid * D + offs, sk + (old_k - sk) * inv)
             tl.store(sv_ptr + pid * D + offs, sv + (old_v - sv) * inv)
-        x = tl.load(k_ptr + pid * D + offs).to(tl.float32)
+        _quantize_store(k_ptr + pid * D + offs, kc_ptr + at, ks_ptr + pid * W + slot)
+        _quantize_store(v_ptr + pid * D + offs, vc_ptr + at, vs_ptr + pid * W + slot)
+
+    @triton.jit
+    def _quantize_store(x_ptrs, q_ptrs, s_ptr):
+        # one token: symmetric per-token INT8 (scale = max|x| / 127, round half away from zero)
+        x = tl.load(x_ptrs).to(tl.float32)
         s = tl.max(tl.abs(x), axis=0) / 127.0
         s = tl.where(s > 0, s, 1.0)
         y = x / s
         q = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
-        tl.store(kc_ptr + at, tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8))
-        tl.store(ks_ptr + pid * W + slot, s)
-        x = tl.load(v_ptr + pid * D + offs).to(tl.float32)
-        s = tl.max(tl.abs(x), axis=0) / 127.0
-        s = tl.where(s > 0, s, 1.0)
-        y = x / s
-        q = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
-        tl.store(vc_ptr + at, tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8))
-        tl.store(vs_ptr + pid * W + slot, s)
+        tl.store(q_ptrs, tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8))
+        tl.store(s_ptr, s)
 
 
 @functools.lru_cache(maxsize=1)
