@@ -399,3 +399,15 @@ def test_profiling_fidelity_knobs_are_checked(bad, name):
         params.check(bad, defaults, profiling.RULES, where=profiling.NAME)
     p = profiling.profile(params.check({"quick": True}, defaults, profiling.RULES, where=profiling.NAME), torch.device("cpu"))
     assert p["memory_seconds"] == [0.4, 4.0] and p["encoder_frames"] == 8
+
+
+def test_waterfall_rows_are_the_median_of_repeats(engine, speech):
+    a, sr = speech
+    steps = [("base", dict(mode="sequential", batch_size=1)), ("+ batch 4, async", dict(mode="async", batch_size=4))]
+    rows = profiling.waterfall(engine, a, sr, 8, steps=steps, repeats=3, progress=False, batch1_frames=4)
+    assert [r["step"] for r in rows] == ["base", "+ batch 4, async"]
+    assert [r["frames"] for r in rows] == [4, 8]  # batch-1 rows render fewer frames, the others all
+    for r in rows:
+        assert r["runs"] == 3 and len(r["fps_runs"]) == 3
+        assert r["fps"] == pytest.approx(sorted(r["fps_runs"])[1], abs=0.01)  # the middle run, not the best
+    assert rows[0]["speedup"] == 1.0
