@@ -187,3 +187,36 @@ def test_streamed_motion_is_the_same_motion(engine, avatar):
         assert got.motion_windows == ref.motion_windows >= 2 and "streamed" in got.motion_source
         assert got.n_frames == ref.n_frames and got.counts == ref.counts
         assert (got.faces.int() - ref.faces.int()).abs().max() <= 1
+
+
+def test_compiled_motion_model_is_the_same_motion(engine, avatar, monkeypatch):
+    # the compiled DDIM step (tensor coefficients, rotary tables in the trace, guidance mix and update in one
+    # function) against the eager loop; traced with aot_eager here (inductor's C++ build on a CPU takes ~45 s)
+    monkeypatch.setattr(P, "MOTION_COMPILE_BACKEND", "aot_eager")
+    d, L = engine.dims, engine.dims.seq_frames
+    g = torch.Generator().manual_seed(3)
+    cond, cf = torch.randn(L, d.cond_dim, generator=g), torch.randn(265, generator=g)
+    noises, x = torch.randn(2, 1, L, 265, generator=g), torch.randn(1, L, 265, generator=g)
+    sched = P.D.Schedule.make(2)
+    for batched in (True, False):
+        e = P.reconfigure(engine, batch_cfg=batched)
+        ref = P.sample_window(e, cf, cond, sched, noises, None, x=x)
+        got = P.sample_window(P.reconfigure(e, motion_compile=True), cf, cond, sched, noises, None, x=x)
+        assert not got.is_inference() and torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+    a = _speech_with_pause()
+    ref = P.run(engine, avatar, a, SR, keep_faces=True)
+    for changes in (dict(), dict(stream_motion=True)):
+        rep = P.run(P.reconfigure(engine, motion_compile=True, **changes), avatar, a, SR, keep_faces=True)
+        assert rep.motion_windows == ref.motion_windows >= 2
+        assert (rep.faces.int() - ref.faces.int()).abs().max() <= 1
+
+
+def test_compiled_motion_model_says_what_is_missing(engine, monkeypatch):
+    from lab.accel import backends
+    from lab.errors import BackendUnavailable
+
+    monkeypatch.setattr(backends.shutil, "which", lambda name: None)
+    with pytest.raises(BackendUnavailable, match="g\\+\\+"):
+        P.reconfigure(engine, motion_compile=True)
+    with pytest.raises(BackendUnavailable, match="g\\+\\+"):
+        P.build(P.replace(engine.cfg, motion_compile=True), "cpu")

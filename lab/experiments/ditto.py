@@ -64,7 +64,7 @@ EASE_VALUES = [1.0, 0.844, 0.5, 0.156, 0.0]
 ANCHOR_H200 = {"b1_fps": 65.9, "b8_fps": 135.5, "compile_b8_fps": 240.5, "best_stock_compile_fps": 254.6,
                "renderer_tflop_per_frame": 1.23, "fp16_ceiling_tflops": 759.0}
 TARGETS = {"renderer_fps": 360.0, "renderer_psnr_db": 50.0, "e2e_fps": 150.0, "encoder_share": 0.90, "rss_growth": 0.05}
-ESTIMATE_S = {"final": 30, "renderer": 30, "stages": 15, "waterfall": 60, "strides": 25, "encoder": 10, "memory": 60, "compiled": 60}
+ESTIMATE_S = {"motion": 45, "final": 45, "renderer": 30, "stages": 15, "waterfall": 60, "strides": 60, "encoder": 10, "memory": 60, "compiled": 60}
 def _variant(precision: str, fold: bool, channels_last: bool, pad: bool, compile: str, graphs: bool,
              cl3d: bool = False, fuse: bool = False) -> dict:
     return dict(precision=precision, fold_spectral_norm=fold, channels_last=channels_last, pad_channels=pad,
@@ -131,7 +131,7 @@ class Profile:
 # (161; `fp16+fold-nchw` separates the layout from the padding): the full profile keeps the variants that can
 # still win, the others stay in VARIANTS for the notebook
 FULL_VARIANTS = ["upstream", "fp16+fold-nchw", "fp16+fold+graph", "fp16+pad8+graph", "fp16+pad8+fuse+graph",
-                 "compile+graph+pad8+fuse"]
+                 "compile+graph", "compile+graph+pad8+fuse"]
 
 
 def profile(quick: bool, device: torch.device) -> Profile:
@@ -444,6 +444,58 @@ def lmdm_costs(ctx: Context) -> list[dict]:
     return rows
 
 
+MOTION_VARIANTS = (("eager", {}), ("CUDA graph", dict(cuda_graphs=True)), ("compiled", dict(motion_compile=True)),
+                   ("compiled + CUDA graph", dict(cuda_graphs=True, motion_compile=True)))
+
+
+def motion_costs(ctx: Context) -> list[dict]:
+    """One LMDM window (guidance as one batched call) four ways: eager, the DDIM loop as one CUDA graph,
+    the compiled step (inductor), the compiled step inside the graph. ms per window and per DDIM step,
+    and the largest difference from the eager window on the same inputs (same initial and step noise).
+    The compiled rows need inductor's C++ build on a CPU (~45 s for the tiny model): GPU only."""
+    e0 = P.reconfigure(ctx.engine, batch_cfg=True)
+    d, L, S = e0.dims, e0.dims.seq_frames, e0.cfg.sampling_steps
+    g = torch.Generator().manual_seed(ctx.seed)
+    cond = torch.randn(L, d.cond_dim, generator=g).to(ctx.dev)
+    noises = torch.randn(S, 1, L, D.MOTION_DIM, generator=g).to(ctx.dev)
+    x = torch.randn(1, L, D.MOTION_DIM, generator=g).to(ctx.dev)
+    cf = ctx.avatar.motion_s[0]
+    sched = D.Schedule.make(S)
+    gpu = ctx.dev.type == "cuda"
+    rows, ref, eager_ms = [], None, None
+    for name, ch in MOTION_VARIANTS:
+        row = {"variant": name, "steps": S}
+        if ch and not gpu:
+            rows.append(row | {"status": "skipped", "reason": "GPU only (CUDA graphs; inductor on a CPU builds C++ for ~45 s)"})
+            continue
+        e = P.reconfigure(e0, **ch)
+        try:
+            t0 = time.perf_counter()
+            out = P.sample_window(e, cf, cond, sched, noises, None, x=x)
+            if gpu:
+                torch.cuda.synchronize(ctx.dev)
+            build_s = time.perf_counter() - t0
+            r = bench(lambda: P.sample_window(e, cf, cond, sched, noises, None, x=x), warmup=2,
+                      iters=10 if ctx.prof.full_gpu else 2, device=ctx.dev)
+        except Exception as exc:   # a failed compile is a row (and the waterfall leaves the switch off)
+            rows.append(row | {"status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            if ch.get("motion_compile"):
+                ctx.res.metrics["motion_compile_failed"] = rows[-1]["reason"]
+            print(f"  motion {name:24s} FAILED {exc}", flush=True)
+            continue
+        ref = out if ref is None else ref
+        ms = 1e3 * r.median_s
+        eager_ms = ms if eager_ms is None else eager_ms
+        rows.append(row | {"ms_per_window": ms, "ms_per_ddim_step": ms / S, "speedup_vs_eager": eager_ms / ms,
+                           "max_abs_diff_vs_eager": float((out - ref).abs().max()), "eager_abs_max": float(ref.abs().max()),
+                           "build_s": build_s, "runs": r.iters, "status": "ok"})
+        print(f"  motion {name:24s} {ms:8.2f} ms per window (max |Δ| vs eager {rows[-1]['max_abs_diff_vs_eager']:.2e})",
+              flush=True)
+    ctx.res.tables["motion"] = rows
+    ctx.partial()
+    return rows
+
+
 # ----------------------------------------------------------------------------- 4. the waterfall
 
 def waterfall_steps(ctx: Context) -> list[tuple[str, dict]]:
@@ -459,7 +511,10 @@ def waterfall_steps(ctx: Context) -> list[tuple[str, dict]]:
                      ("+ silence bypass (Hermite-eased)", dict(silence="bypass")),
                      ("+ batched GPU putback", dict(putback="gpu")),
                      ("+ async bounded encoder queue", dict(async_writer=True)),
-                     ("+ motion model streamed beside the renderer", dict(stream_motion=True))):
+                     ("+ motion model streamed beside the renderer", dict(stream_motion=True)),
+                     ("+ motion model compiled (inductor)", dict(motion_compile=True))):
+        if ch.get("motion_compile") and (not gpu or "motion_compile_failed" in ctx.res.metrics):
+            continue   # inductor's C++ build on a CPU takes longer than the whole quick run; a failed compile stays off
         cur = cur | ch
         steps.append((name, dict(cur)))
     best = best_variant(ctx)[0]
@@ -564,9 +619,9 @@ def final_changes(ctx: Context) -> dict:
 # ----------------------------------------------------------------------------- 5. strides
 
 def best_eager(ctx: Context) -> str:
-    """The fastest renderer variant that needs no compile (graph capture only)."""
+    """The fastest renderer variant that needs no compile (graph capture only), or the forced one."""
     forced = ctx.res.params.get("renderer")
-    if forced and VARIANTS[forced]["compile"] == "none":
+    if forced:   # headless `--renderer`: the end-to-end rows compiled it already (cached), strides reuse it
         return forced
     ok = [r for r in ctx.res.tables.get("renderer", []) if r.get("status") == "ok" and r["batch"] == ctx.prof.batch
           and VARIANTS[r["variant"]]["compile"] == "none"]
@@ -630,22 +685,31 @@ def compiled_step(ctx: Context) -> list[dict]:
 
 
 def final_step(ctx: Context) -> list[dict]:
-    """A short headless run: the waterfall's last two rows (motion streamed; the best renderer), output
-    stride 3 and 2 at that configuration, each a median of runs; the encoder ceiling follows as its own step."""
-    steps = waterfall_steps(ctx)[-2:]
-    rows, top = [], None
+    """A short headless run: the waterfall's last three rows (motion streamed; motion compiled; the best
+    renderer), output stride 3 and 2 at that configuration, each a median of runs; the encoder ceiling
+    follows as its own step."""
+    steps = waterfall_steps(ctx)[-3:]
+    rows, top, top_ch = [], None, None
     for step, ch in steps:
-        rep = _timed(ctx, ch, repeats=ctx.prof.repeats)
+        try:
+            rep = _timed(ctx, ch, repeats=ctx.prof.repeats)
+        except Exception as exc:   # a failing configuration is a row; the strides run at the last that worked
+            rows.append({"step": step, "status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            print(f"  final {step:55s} FAILED {exc}", flush=True)
+            continue
         ctx.runs[step] = rep
         rows.append(_row(step, rep, top))
-        top = rep
+        top, top_ch = rep, ch
         print(f"  final {step:55s} {rep.fps:8.1f} FPS (median of {rep.runs})", flush=True)
         ctx.res.tables["e2e_final"] = rows
         ctx.res.tables["e2e_stages"] = [dict(r) for r in top.stages]
         ctx.partial()   # a run cut short keeps every row measured so far
+    ctx.res.tables["e2e_final"] = rows
+    if top is None:
+        return rows
     st_rows = ctx.res.tables.setdefault("strides", [])
     for k in (3, 2):
-        r = _timed(ctx, steps[-1][1] | dict(stride=k, stride_space="output"), repeats=ctx.prof.repeats)
+        r = _timed(ctx, top_ch | dict(stride=k, stride_space="output"), repeats=ctx.prof.repeats)
         st_rows.append(_row(f"stride {k}, SLERP of output (final config)", r, top) | {
             "space": "output", "stride": k, "speedup": r.fps / top.fps, "config": "final"})
         print(f"  stride {k} output (final) {r.fps:8.1f} FPS", flush=True)
@@ -886,6 +950,8 @@ COLUMNS = {
                   "putback_encode_ms", "rendered", "bypassed", "gpu_peak_mb", "rss_peak_mb", "psnr_vs_dense_db",
                   "ssim_vs_dense", "psnr_speech_frames_db", "psnr_silence_vs_eased_db", "status", "reason"],
     "e2e_stages": ["stage", "ms_per_frame", "share", "calls"],
+    "motion": ["variant", "steps", "ms_per_window", "ms_per_ddim_step", "speedup_vs_eager", "max_abs_diff_vs_eager",
+               "eager_abs_max", "build_s", "runs", "status", "reason"],
     "strides": ["step", "config", "fps", "runs", "speedup", "rendered", "psnr_vs_dense_db", "ssim_vs_dense",
                 "psnr_speech_frames_db"],
     "comparisons": ["source", "claim", "their_value", "our_value", "unit", "verdict", "reason"],
@@ -909,7 +975,12 @@ def renderer_section(ctx: Context) -> Any:
 
 
 def stage_section(ctx: Context) -> Any:
-    return table(stage_profile(ctx), COLUMNS["stages"], f"stage profile{ctx.suffix}")
+    """Section 2: the stage profile, then one LMDM window eager / CUDA graph / compiled / both."""
+    from IPython.display import Markdown
+
+    md = table(stage_profile(ctx), COLUMNS["stages"], f"stage profile{ctx.suffix}").data
+    md += "\n\n" + table(motion_costs(ctx), COLUMNS["motion"], f"one LMDM window{ctx.suffix}").data
+    return Markdown(md)
 
 
 def waterfall_section(ctx: Context) -> Any:
@@ -974,6 +1045,10 @@ def headline(ctx: Context) -> dict:
             h["renderer upstream precision B=1 FPS"] = round(b1["fps"], 1)
         if full:
             h["target renderer ≥ 360 FPS and ≥ 50 dB"] = "met" if best["fps"] >= TARGETS["renderer_fps"] and best["psnr_vs_upstream_db"] >= TARGETS["renderer_psnr_db"] else "not met"
+    mot = {r["variant"]: r for r in ctx.res.tables.get("motion", []) if r.get("status") == "ok"}
+    for name in ("eager", "CUDA graph", "compiled + CUDA graph"):
+        if name in mot:
+            h[f"LMDM window ms ({name})"] = round(mot[name]["ms_per_window"], 1)
     wf = ok_rows(ctx.res.tables.get("waterfall", []))
     if not wf and ctx.res.tables.get("e2e_final"):
         wf = ok_rows(ctx.res.tables["e2e_final"])
@@ -1016,7 +1091,8 @@ def _eager_renderer(ctx: Context) -> list[dict]:
 
 
 # headless order: what the targets need first, so a deadline cuts the least important steps
-STEPS = (("renderer", _eager_renderer), ("waterfall", waterfall), ("final", final_step), ("encoder", encoder_ceiling),
+STEPS = (("renderer", _eager_renderer), ("motion", motion_costs), ("waterfall", waterfall), ("final", final_step),
+         ("encoder", encoder_ceiling),
          ("memory", memory_flat), ("compiled", compiled_step), ("strides", stride_table), ("stages", stage_profile))
 DEFAULT_STEPS = tuple(s for s, _ in STEPS if s != "final")   # "final": only asked for (a short GPU run)
 

@@ -516,13 +516,20 @@ class RotaryEmbedding(nn.Module):
         # (five kernels less per rotation, 26 rotations per LMDM forward); not part of the state dict
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def _make_tables(self, n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.arange(n, device=device, dtype=self.freqs.dtype)
+        ang = (t[:, None] * self.freqs[None]).repeat_interleave(2, dim=-1).to(dtype)
+        sign = torch.tensor([-1.0, 1.0], device=device, dtype=dtype).repeat(ang.shape[-1] // 2)
+        return ang.cos(), ang.sin() * sign
+
     def tables(self, n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            # traced by torch.compile: computed in the graph, where inductor fuses them into the rotation
+            # (the cache below keys on pointers and modes, which a trace cannot follow)
+            return self._make_tables(n, dtype, device)
         key = (n, dtype, str(device), self.freqs.data_ptr(), torch.is_inference_mode_enabled())
         if key not in self._tables:
-            t = torch.arange(n, device=device, dtype=self.freqs.dtype)
-            ang = (t[:, None] * self.freqs[None]).repeat_interleave(2, dim=-1).to(dtype)
-            sign = torch.tensor([-1.0, 1.0], device=device, dtype=dtype).repeat(ang.shape[-1] // 2)
-            self._tables[key] = (ang.cos(), ang.sin() * sign)
+            self._tables[key] = self._make_tables(n, dtype, device)
         return self._tables[key]
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ demos with random weights where generated motion means nothing, from the audio's
 """
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
@@ -64,6 +65,9 @@ MOTION_MODES = {"offline": 10, "online": 70}   # window overlap in frames
 CROP_SCALE = 2.3          # source crop side / face box side (upstream's final crop)
 CROP_VY = -0.125          # crop centre moved up by this fraction of the side
 LIP_KP = (6, 12, 14, 17, 19, 20)   # keypoints the RMS demo drive moves
+# torch.compile backend of `motion_compile`; tests on the CPU trace with "aot_eager" (the same graph
+# without inductor's C++ build, which takes ~45 s there)
+MOTION_COMPILE_BACKEND = "inductor"
 
 
 @dataclass
@@ -93,6 +97,7 @@ class Config:
     motion: str = "lmdm"
     motion_mode: str = "offline"
     stream_motion: bool = False       # LMDM windows generated as the render loop reaches them, on a side CUDA stream
+    motion_compile: bool = False      # the LMDM's guided DDIM step torch.compile'd (inductor, fixed shapes)
     sampling_steps: int = 50
     guidance: float = 2.0
     eta: float = 1.0
@@ -148,8 +153,7 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
     """Load the six networks and HuBERT (random weights unless `cfg.weights` names files)."""
     cfg.check()
     dev = torch.device(device)
-    if cfg.cuda_graphs and dev.type != "cuda":
-        raise InputError("Config.cuda_graphs needs a CUDA device")
+    _check_device(cfg, dev)
     nets, weights = {}, {}
     for i, comp in enumerate(D.COMPONENTS):
         nets[comp], weights[comp] = D.load_component(comp, cfg.weights.get(comp, "random"), cfg.size, dev,
@@ -159,11 +163,21 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
     return Engine(cfg, dev, D.dims(cfg.size), nets, hubert, weights)
 
 
+def _check_device(cfg: Config, dev: torch.device) -> None:
+    if cfg.cuda_graphs and dev.type != "cuda":
+        raise InputError("Config.cuda_graphs needs a CUDA device")
+    if cfg.motion_compile:
+        from lab.accel.backends import _require_compile
+
+        _require_compile(dev, "inductor")   # BackendUnavailable naming what is missing (triton / a C++ compiler)
+
+
 def reconfigure(engine: Engine, **changes: Any) -> Engine:
     """Same networks (and cached compiled/captured variants), other switches."""
     cfg = replace(engine.cfg, **changes).check()
     if cfg.size != engine.cfg.size or cfg.weights != engine.cfg.weights or cfg.seed != engine.cfg.seed:
         raise InputError("reconfigure cannot change size, weights or seed: build a new engine")
+    _check_device(cfg, engine.device)
     return Engine(cfg, engine.device, engine.dims, engine.nets, engine.hubert, engine.weights, engine.variants,
                   engine.compile_s)
 
@@ -465,20 +479,93 @@ def _denoise(engine: Engine, x: torch.Tensor, cf: torch.Tensor, c: torch.Tensor,
     return x
 
 
+def _ddim_coefs(engine: Engine) -> list[torch.Tensor]:
+    """Per DDIM step the update's five numbers (√a, √(1−a), √a_next, c, σ) as a device tensor, so one
+    compiled step serves all 50 (a Python float would be a constant baked into 50 compilations). The
+    last step's (·, ·, 1, 0, 0) gives x0 itself, as `D.ddim_step` does."""
+    cfg = engine.cfg
+    sched = D.Schedule.make(cfg.sampling_steps)
+    ac, rows = sched.alphas_cumprod, []
+    for t, t_next in zip(sched.times[:-1], sched.times[1:]):
+        a = float(ac[t])
+        if t_next < 0:
+            rows.append((math.sqrt(a), math.sqrt(1 - a), 1.0, 0.0, 0.0))
+            continue
+        a_next = float(ac[t_next])
+        sigma = cfg.eta * math.sqrt((1 - a / a_next) * (1 - a_next) / (1 - a))
+        rows.append((math.sqrt(a), math.sqrt(1 - a), math.sqrt(a_next),
+                     math.sqrt(max(1 - a_next - sigma ** 2, 0.0)), sigma))
+    return [torch.tensor(r, dtype=torch.float32, device=engine.device) for r in rows]
+
+
+def _compiled_step(engine: Engine):
+    """One guided DDIM step — both guidance halves (one B=2 call with `batch_cfg`), the guidance mix
+    and the update — as one torch.compile'd function (inductor, dynamic=False: fixed shapes). Inductor
+    fuses the LayerNorms, FiLMs, rotary, Mish/GELU and the update into a few kernels around the GEMMs
+    and attention: the eager step is ~500 small launches, which is what it costs on a big GPU."""
+    cfg = engine.cfg
+    key = ("lmdm_step", cfg.guidance, cfg.batch_cfg)
+    if key in engine.variants:
+        return engine.variants[key]
+    net, g = engine.nets["lmdm"], cfg.guidance
+
+    def step(x, cf, enc_u, enc_c, t, noise, coef):
+        if cfg.batch_cfg:
+            out = net(x.expand(2, -1, -1), cf.expand(2, -1), None, t, encoded=enc_u)
+            unc, con = out[:1], out[1:]
+        else:
+            unc = net(x, cf, None, t[:1], encoded=enc_u)
+            con = net(x, cf, None, t[:1], encoded=enc_c)
+        x0 = unc + (con - unc) * g
+        sa, s1a, san, c, sigma = coef.unbind(0)
+        return x0 * san + c * ((x - sa * x0) / s1a) + sigma * noise
+
+    fn = torch.compile(step, dynamic=False, fullgraph=True, backend=MOTION_COMPILE_BACKEND)
+    engine.variants[key] = fn
+    return fn
+
+
+def _denoise_compiled(engine: Engine, x: torch.Tensor, cf: torch.Tensor, c: torch.Tensor, noises: torch.Tensor,
+                      times: list[torch.Tensor], coefs: list[torch.Tensor], drop: torch.Tensor) -> torch.Tensor:
+    """`_denoise` with the compiled step: the same model calls and update, fused."""
+    net, step = engine.nets["lmdm"], _compiled_step(engine)
+    # always in inference mode, on fresh tensors: the compiled step's guards then see one kind of tensor
+    # at every step, in a CUDA-graph capture and outside one: one compilation
+    with torch.inference_mode():
+        x, cf = x.clone(), cf.clone()
+        if engine.cfg.batch_cfg:
+            enc_u, enc_c = net.encode_condition(c.expand(2, -1, -1), drop), None
+        else:
+            enc_u, enc_c = net.encode_condition(c, drop[:1]), net.encode_condition(c, drop[1:])
+        for i in range(len(coefs)):
+            x = step(x, cf, enc_u, enc_c, times[i], noises[i].clone(), coefs[i])
+    return x.clone() if not torch.is_inference_mode_enabled() else x   # a plain tensor for plain callers
+
+
 def _window_fn(engine: Engine):
     """(x, cond_frame, cond, noises) → denoised window; with CUDA graphs the whole DDIM loop (2·S LMDM
     forwards and the updates) is one graph: one launch per window instead of ~20 small kernels and
-    a Python round per step, which is what an 8-layer, 80-token model costs on a big GPU."""
+    a Python round per step, which is what an 8-layer, 80-token model costs on a big GPU. With
+    `motion_compile` each step inside it is the compiled, fused step."""
     cfg, dev = engine.cfg, engine.device
-    key = ("lmdm_window", cfg.cuda_graphs, cfg.sampling_steps, cfg.guidance, cfg.eta, cfg.batch_cfg)
+    key = ("lmdm_window", cfg.cuda_graphs, cfg.sampling_steps, cfg.guidance, cfg.eta, cfg.batch_cfg,
+           cfg.motion_compile)
     if key in engine.variants:
         return engine.variants[key]
     steps = D.Schedule.make(cfg.sampling_steps).times
     times = torch.tensor([[t, t] for t in steps[:-1]], device=dev)
     drop = torch.tensor([True, False], device=dev)
+    if cfg.motion_compile:
+        step_times = [t.clone() for t in times]
+        coefs = _ddim_coefs(engine)
 
-    def fn(x, cf, c, noises):
-        return _denoise(engine, x, cf, c, noises, times, drop)
+        def fn(x, cf, c, noises):
+            return _denoise_compiled(engine, x, cf, c, noises, step_times, coefs, drop)
+    else:
+        step_times = coefs = []
+
+        def fn(x, cf, c, noises):
+            return _denoise(engine, x, cf, c, noises, times, drop)
 
     run = fn
     if cfg.cuda_graphs:
@@ -490,7 +577,7 @@ def _window_fn(engine: Engine):
         t0 = time.perf_counter()
         run, keep = capture(fn, ex, warmup=2, clone_output=True)
         engine.compile_s += time.perf_counter() - t0
-        engine.variants[key + ("keep",)] = keep + [times, drop]
+        engine.variants[key + ("keep",)] = keep + [times, drop, step_times, coefs]
     engine.variants[key] = run
     return run
 
