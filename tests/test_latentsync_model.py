@@ -228,6 +228,35 @@ def test_attention_kernels_per_kind_keep_the_output(tiny_pair):
         ls.set_attention_kernels(ours, temporal="fastest")
 
 
+def test_attention_kernels_per_shape_padded_and_in_one_graph():
+    from lab.accel import sampling
+
+    m = ls.load_latentsync_unet("random", "tiny", seed=2).model
+    sites = ls.attention_sites(m, latent=8)
+    labels = sorted({label for label, _ in sites})
+    assert len(sites) == sum(isinstance(x, ls.Attention) for x in m.modules())   # every attention has a shape
+    x, t, a = sampling.guided_example(m, 4, (8, 8), "cpu", torch.float32)
+    with torch.no_grad():
+        ref = m(x, t, a)
+    specs = {label: ("math+pad", "flash+pad", "math")[i % 3] for i, label in enumerate(labels)}
+    ls.set_attention_kernels(m, spatial="math", per_shape=specs, latent=8)
+    assert all(mod.kernel == specs[label] and mod.backend in ("math", "flash") for label, mod in sites)
+    assert sum(mod.pad for _, mod in sites) > 0
+    with torch.no_grad():  # zero-padded head dims (tiny: 16 → 64) compute the same attention
+        torch.testing.assert_close(m(x, t, a), ref, rtol=1e-5, atol=1e-5)
+        # the kernel choice is a constant at trace time: one graph through resnet, spatial, cross, temporal
+        blk, f, temb = m.down_blocks[0], 4, m._embed(x, t)
+        h0 = m.conv_in(x.transpose(1, 2).reshape(8, 13, 8, 8))
+        layer = torch.compile(lambda h, e, au: blk.layer(0, h, e, au, f), fullgraph=True, backend="eager")
+        torch.testing.assert_close(layer(h0, temb, a), blk.layer(0, h0, temb, a, f))
+    ls.set_attention_kernels(m)
+    assert all(mod.kernel is None and not mod.pad for _, mod in sites)
+    with pytest.raises(InputError, match="not in this UNet"):
+        ls.set_attention_kernels(m, per_shape={"spatial 64²": "cudnn"}, latent=8)
+    with pytest.raises(InputError, match="cudnn\\+wide"):
+        ls.set_attention_kernels(m, per_shape={labels[0]: "cudnn+wide"}, latent=8)
+
+
 def _guided(m, seed=0):
     from lab.accel import sampling
 

@@ -145,7 +145,9 @@ def test_exact_switches_keep_the_output_and_the_encode_cache_hits(clip, frames):
     job = P.prepare(eng, frames, *clip)                 # 3 source frames looped to 10
     ref = P.run(eng, job)
     fast_eng = P.build(P.Config(size="tiny", mode="ddim2", block=4, keep_faces=True, guided_shortcuts=True,
-                                fused_qkv=True, cache_encodes=True))
+                                fused_qkv=True, cache_encodes=True,
+                                attention_kernels={"spatial 8²": "math+pad", "temporal 4²": "flash+pad"}))
+    assert fast_eng.unet.model.down_blocks[0].attentions[0].transformer_blocks[0].attn1.kernel == "math+pad"
     calls = []
     enc = fast_eng.vae.model.encode
     fast_eng.vae.model.encode = lambda x: calls.append(len(x)) or enc(x)
@@ -172,13 +174,35 @@ def test_kernel_kinds_from_names():
 
 def test_attention_shapes_cover_the_step_and_padding_keeps_the_result():
     from lab.experiments.latentsync import attention_kernel_rows, attention_shapes
-    from lab.models.latentsync import FULL, TINY
+    from lab.models.latentsync import FULL, TINY, attention_sites, build_unet
 
     shapes = attention_shapes(FULL)
+    calls = {s["attention"]: s["calls"] for s in shapes}
+    sites = attention_sites(build_unet("full", device="meta"), 64)
+    assert sum(calls.values()) == len(sites) and set(calls) == {label for label, _ in sites}
     assert sum(s["calls"] for s in shapes if s["attention"].startswith("spatial")) == 16  # transformers in the UNet
+    assert sum(s["calls"] for s in shapes if s["attention"].startswith("cross")) == 16
     assert sum(s["calls"] for s in shapes if s["attention"].startswith("temporal")) == 2 * 20  # 20 motion modules
     assert {(s["tokens"], s["head_dim"]) for s in shapes if s["attention"].startswith("spatial")} == \
         {(4096, 40), (1024, 80), (256, 160), (64, 160)}
+    assert {s["kv_tokens"] for s in shapes if s["attention"].startswith("cross")} == {50}
     rows = attention_kernel_rows(TINY, torch.device("cpu"), torch.float32, 4, 8, iters=1)
-    padded = [r for r in rows if "padded" in r["kernel"] and r["status"] == "ok"]
+    padded = [r for r in rows if r["spec"].endswith("+pad") and r["status"] == "ok"]
     assert padded and all(r["cosine_vs_auto"] > 0.999999 for r in padded)
+    assert {r["attention"] for r in rows} == {s["attention"] for s in attention_shapes(TINY, 4, 2, 8)}
+
+
+def test_kernel_choice_is_the_fastest_explicit_kernel_that_keeps_the_result():
+    from lab.experiments.latentsync import attention_choice_ms, choose_attention_kernels
+
+    def row(shape, spec, ms, cos=1.0, compiled=False, status="ok"):
+        return {"attention": shape, "spec": spec, "ms_per_call": ms, "ms_per_step": 2 * ms, "cosine_vs_auto": cos,
+                "compiled": compiled, "status": status}
+
+    rows = [row("spatial 64²", "auto", 1.0), row("spatial 64²", "cudnn", 1.1), row("spatial 64²", "flash+pad", 0.8),
+            row("spatial 64²", "efficient", 0.5, cos=0.99),            # wrong result: never chosen
+            row("spatial 64²", "math", 0.1, status="unavailable: x"),
+            row("temporal 64²", "auto", 0.3), row("temporal 64²", "flash", 0.4), row("temporal 64²", "math", 0.2, compiled=True)]
+    assert choose_attention_kernels(rows, compiled=False) == {"spatial 64²": "flash+pad", "temporal 64²": "flash"}
+    assert choose_attention_kernels(rows, compiled=True) == {"spatial 64²": "flash+pad", "temporal 64²": "math"}
+    assert attention_choice_ms(rows, compiled=True) == pytest.approx({"auto_ms_per_step": 2.6, "chosen_ms_per_step": 2.0})

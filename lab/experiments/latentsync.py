@@ -3,10 +3,11 @@
 Steps (each returns table rows; the notebook shows them, `run_all` runs them headless):
 
 1. `setup`            the profile (sizes from quick + device), engine, job, Result
-2. `step_waterfall`   one guided UNet call (2 × 16 frames) per switch of the exact path: ms per step,
-                      UNet seconds per output second at 20 steps, cosine / PSNR vs eager, % of ceiling;
-                      GPU time by kernel kind (`kernel_split`); `attention_kernels`: each attention
-                      shape alone per SDPA kernel and with its head dim zero-padded
+2. `attention_kernels` each attention shape of the step alone per kernel (SDPA backends, head dim
+                      zero-padded, the temporal attention as compiled matmuls) and the fastest per shape
+   `step_waterfall`   one guided UNet call (2 × 16 frames) per switch of the exact path (the per-shape
+                      kernels among them): ms per step, UNet seconds per output second at 20 steps,
+                      cosine / PSNR vs eager, % of ceiling; GPU time by kernel kind (`kernel_split`)
 3. `vae_cost`         two encodes + one decode per 16-frame block, seconds per output second
 4. `mode_table`       the pipeline per mode (exact20 eager, exact20 fast, ddim/dpm 12 / 8 / 4, DeepCache-style 3),
                       wall, s per output second, change vs exact20, peak VRAM, host RSS, drift vs exact20
@@ -42,9 +43,9 @@ WRITEUP = {"eager_s_per_s": 41.065, "optimized_s_per_s": 27.702, "faster_pct": 3
            "clip_faster_pct": {"exact20_fast": 56.17, "12": 65.74, "8": 71.76, "4": 78.38}}
 # upstream's own UNet3D on our H200 (random weights, fp16, guided 2 × 16 frames at 64² latents)
 ANCHOR_H200 = {"eager_ms_per_step": 175.5, "compile_ms_per_step": 119.9, "vae_s_per_s": 0.62}
-ESTIMATE_S = {"attention": 10, "vae_compile": 60, "modes": 65, "loop": 15, "memory": 60, "fp8": 20}  # full size on an H200, for run_all's deadline
+ESTIMATE_S = {"attention": 40, "compile": 90, "vae_compile": 60, "modes": 65, "loop": 15, "memory": 60, "fp8": 20}  # full size on an H200, for run_all's deadline
 # exact switches of the model, in the order the waterfall adds them (each alone, then together)
-LEVERS = ("null_audio", "shared_prefix", "guided_shortcuts", "fused_qkv")
+LEVERS = ("null_audio", "shared_prefix", "guided_shortcuts", "fused_qkv", "attention_kernels")
 TARGETS = {"exact_s_per_s": 2.5, "exact_cosine": 0.9999, "dpm8_s_per_s": 1.0, "memory_growth": 0.10}
 
 
@@ -92,7 +93,7 @@ def profile(quick: bool, device: torch.device) -> Profile:
         return Profile("full", "fp16", 16, (1280, 720), 32, (10.0, 60.0), "ddim1",
                        ["exact20", "dpm12", "dpm8", "dpm4", "deepcache3"],
                        ["channels_last", *LEVERS, "compile", "compile+cudagraph"],
-                       ["auto"], 10, 3, True, temporal=["flash", "efficient"], vae_fast="compile+cudagraph",
+                       ["auto"], 10, 3, True, vae_fast="compile+cudagraph",
                        loop_source=16)
     if gpu:
         return Profile("tiny", "fp16", 16, (256, 384), 32, (2.0, 6.0), "ddim1", modes,
@@ -121,7 +122,8 @@ class Context:
     ceiling_tflops: float | None = None
     deadline_s: float | None = None
     vae_runner: Any = None
-    runners: dict[str, Any] = field(default_factory=dict)
+    runners: dict[str, Any] = field(default_factory=dict)          # waterfall step → its runner
+    runner_kernels: dict[str, dict] = field(default_factory=dict)  # … → the attention kernels it was built with
     runs: dict[str, Any] = field(default_factory=dict)   # mode → (RunReport, frames)
     t0: float = field(default_factory=time.perf_counter)
 
@@ -198,7 +200,8 @@ def _per_output_second(ms: float, steps: int, block: int, fps: float = 25.0) -> 
 LEVER_NOTES = {"null_audio": "null half of each audio cross-attention = to_out bias (bias-free K/V on zeros)",
                "shared_prefix": "conv_in, first ResNet and self-attention once for both halves",
                "guided_shortcuts": "null_audio and shared_prefix together",
-               "fused_qkv": "self-attention q, k, v as one GEMM"}
+               "fused_qkv": "self-attention q, k, v as one GEMM",
+               "attention_kernels": "per attention shape the fastest kernel of the attention table"}
 
 
 def step_waterfall(ctx: Context) -> list[dict]:
@@ -242,7 +245,7 @@ def step_waterfall(ctx: Context) -> list[dict]:
             add(f"eager, attention={att}", P._with_attention(model, att), note="SDPA restricted to one kernel")
         except RuntimeError as e:
             skip(f"eager, attention={att}", f"unavailable: {str(e).splitlines()[0][:120]}")
-    for att in prof.temporal or prof.attention[1:]:  # the 16-token temporal attention alone on another kernel
+    for att in prof.temporal:  # the 16-token temporal attention alone on another kernel
         try:
             set_attention_kernels(model, temporal=att)
             add(f"eager, temporal attention={att}", model, note="spatial and cross attention: SDPA's choice")
@@ -256,7 +259,7 @@ def step_waterfall(ctx: Context) -> list[dict]:
         on.append("channels_last")
         add("eager, channels_last", model)
     levers = [x for x in LEVERS if x in prof.fast]
-    for lever in levers:
+    for lever in [x for x in levers if x != "attention_kernels"]:
         if lever == "fused_qkv":
             fuse_qkv(model)
             fn = sampling.GuidedShortcuts(model) if "guided_shortcuts" in levers else model
@@ -273,23 +276,62 @@ def step_waterfall(ctx: Context) -> list[dict]:
         on.insert(1 if on[:1] == ["channels_last"] else 0, "guided_shortcuts")
     target_flops = count_flops(target, *ex) if target is not model else flops
     ctx.res.metrics["flops_by_op"] = _flops_by_op(target, ex)
-    for how in [h for h in prof.fast if h not in ("channels_last", *LEVERS)]:
-        step = " + ".join([how, *on])
-        if dev.type != "cuda" and "cudagraph" in how:
-            skip(step, "needs CUDA")
-            continue
+    split: dict[str, list[dict]] = {}
+    top: list[dict] = []
+    if dev.type == "cuda":  # the eager step as it stands, SDPA choosing its kernels
+        split["eager"] = _split_or_note(target, ex, dev, top, "eager")
+    chosen = {"eager": {}, "compiled": {}}
+    if "attention_kernels" in levers:
+        if "attention_kernels" not in ctx.res.tables:
+            attention_kernels(ctx)
+        chosen = {k: v["kernels"] for k, v in ctx.res.metrics["attention_kernels_chosen"].items()}
+        step = " + ".join(["eager", *on, "attention kernels"])
         try:
-            t0 = time.perf_counter()
-            if how == "compile+cudagraph" and "compile" in ctx.runners:
-                r = accelerate(target, how, ex, precision=P._precision(eng.dtype), compiled=ctx.runners["compile"],
-                               clone_output=False)
-            else:
-                r = accelerate(target, how, ex, precision=P._precision(eng.dtype),
-                               **({"clone_output": False} if "cudagraph" in how else {}))
-            ctx.runners[how] = r
-            add(step, r, build_s=time.perf_counter() - t0, note="; ".join(r.notes)[:160], n_flops=target_flops)
-        except Exception as e:  # a backend that fails here is reported, the others still run
+            set_attention_kernels(model, per_shape=chosen["eager"], latent=hw[0])
+            add(step, target, note=LEVER_NOTES["attention_kernels"] + " (eager rows)", n_flops=target_flops)
+            ctx.runner_kernels[step] = dict(chosen["eager"])
+        except Exception as e:  # a kernel the table offered that the model's call refuses: reported
             skip(step, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+            chosen = {"eager": {}, "compiled": {}}
+        finally:
+            set_attention_kernels(model)
+    hows = [h for h in prof.fast if h not in ("channels_last", *LEVERS)]
+    # the stack with the attention kernels first (the one the modes use), then without them for the
+    # comparison, unless the deadline leaves no room for a second compile
+    stacks = ([("attention kernels", chosen["compiled"])] if chosen["compiled"] else []) + [("", {})]
+    placed: list[list[dict]] = []
+    for i, (extra, choice) in enumerate(stacks):
+        i0 = len(rows)
+        left = None if ctx.deadline_s is None else ctx.deadline_s - (time.perf_counter() - ctx.t0)
+        need = ESTIMATE_S["compile"] + ESTIMATE_S["vae_compile"] + ESTIMATE_S["modes"]
+        if i and left is not None and any("compile" in h for h in hows) and left < need:
+            for how in hows:
+                skip(" + ".join([how, *on]), f"skipped: {left:.0f} s left before the deadline, a compile + the modes need ~{need} s")
+            placed.append(rows[i0:])
+            continue
+        set_attention_kernels(model, per_shape=choice, latent=hw[0])
+        compiled = None
+        for how in hows:
+            step = " + ".join([how, *on, *([extra] if extra else [])])
+            if dev.type != "cuda" and "cudagraph" in how:
+                skip(step, "needs CUDA")
+                continue
+            try:
+                t0 = time.perf_counter()
+                r = _build_runner(target, how, ex, eng.dtype, compiled)
+                compiled = r if how == "compile" else compiled
+                ctx.runners[step], ctx.runner_kernels[step] = r, dict(choice)
+                add(step, r, build_s=time.perf_counter() - t0, note="; ".join(r.notes)[:200], n_flops=target_flops)
+            except Exception as e:  # a backend that fails here is reported, the others still run
+                skip(step, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        if compiled is not None and dev.type == "cuda":  # while the model's kernels are the ones it was built with
+            label = "compiled" + (f", {extra}" if extra else "")
+            split[label] = _split_or_note(compiled, ex, dev, top, label)
+        placed.append(rows[i0:])
+    set_attention_kernels(model)  # the pipeline runs set the kernels of the runner they use
+    if len(placed) == 2:  # shown without the kernels first, then with them
+        del rows[len(rows) - len(placed[0]) - len(placed[1]):]
+        rows += placed[1] + placed[0]
     ok = [r for r in rows if r["status"] == "ok"]
     best = min(ok, key=lambda r: r["ms_per_step"])
     ctx.res.tables["step_waterfall"] = rows
@@ -297,91 +339,197 @@ def step_waterfall(ctx: Context) -> list[dict]:
     ctx.res.metrics["unet_tflop_per_call_with_shortcuts"] = target_flops / 1e12
     ctx.res.metrics["fp16_ceiling_tflops"] = ctx.ceiling_tflops
     ctx.res.metrics["best_exact_step"] = best["step"]
-    if dev.type == "cuda":
-        split = {}
-        for label, fn in (("eager", target), ("compiled", ctx.runners.get("compile"))):
-            if fn is not None:
-                try:
-                    split[label] = kernel_split(fn, ex, dev)
-                except Exception as e:  # the profiler is a diagnostic: its failure costs no figures
-                    split[label] = [{"kind": "failed", "note": f"{type(e).__name__}: {str(e)[:160]}"}]
+    if split:
         ctx.res.tables["kernel_split"] = [dict(r, run=k) for k, v in split.items() for r in v]
+        ctx.res.tables["kernel_top"] = top
     ctx.partial()
     return rows
 
 
+def _build_runner(target, how: str, ex, dtype: torch.dtype, compiled: Any = None):
+    """A waterfall runner; "compile" must trace the step as one graph (fullgraph=True): where it
+    cannot, it is built with graph breaks and the note says so."""
+    from lab.accel.backends import accelerate
+
+    prec = P._precision(dtype)
+    if how == "compile+cudagraph" and compiled is not None:
+        return accelerate(target, how, ex, precision=prec, compiled=compiled, clone_output=False)
+    if how == "compile":
+        try:
+            r = accelerate(target, how, ex, precision=prec, fullgraph=True)
+            r.notes.append("one graph (fullgraph=True)")
+            return r
+        except Exception as e:
+            import torch._dynamo
+
+            torch._dynamo.reset()
+            r = accelerate(target, how, ex, precision=prec)
+            r.notes.append(f"NOT one graph: fullgraph=True failed ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
+            return r
+    return accelerate(target, how, ex, precision=prec, **({"clone_output": False} if "cudagraph" in how else {}))
+
+
+def _split_or_note(fn, ex, dev: torch.device, top: list[dict], label: str) -> list[dict]:
+    try:
+        return kernel_split(fn, ex, dev, top=top, label=label)
+    except Exception as e:  # the profiler is a diagnostic: its failure costs no figures
+        return [{"kind": "failed", "note": f"{type(e).__name__}: {str(e)[:160]}"}]
+
+
 def attention_shapes(cfg, block: int = 16, batch: int = 2, latent: int = 64) -> list[dict]:
-    """Every SDPA call of one guided UNet step, grouped by shape: (sequences, heads, tokens, head dim, calls)."""
+    """Every SDPA call of one guided UNet step, grouped by shape (labels of `attention_sites`):
+    sequences, heads, query tokens, key tokens, head dim, calls per step. The audio cross-attention
+    runs on the conditioned half only (the null half is to_out's bias: `null_audio`)."""
+    from lab.models.latentsync import AUDIO_TOKENS, UNet3D, attention_sites
+
+    with torch.device("meta"):
+        model = UNet3D(cfg)
+    calls: dict[str, int] = {}
+    for label, _ in attention_sites(model, latent):
+        calls[label] = calls.get(label, 0) + 1
     out = []
-    ch = cfg.block_out_channels
-    n_down = cfg.layers_per_block
-    for level, c in enumerate(ch):
-        side = latent >> level
-        spatial = (n_down + n_down + 1) if level < len(ch) - 1 else 0  # cross down layers + up layers
-        motion = n_down + n_down + 1
-        if spatial:
-            out.append({"attention": f"spatial {side}²", "seqs": batch * block, "heads": cfg.heads,
-                        "tokens": side * side, "head_dim": c // cfg.heads, "calls": spatial})
-        out.append({"attention": f"temporal {side}²", "seqs": batch * side * side, "heads": cfg.motion_heads,
-                    "tokens": block, "head_dim": c // cfg.motion_heads, "calls": 2 * motion})
-    side = latent >> (len(ch) - 1)
-    out.append({"attention": f"spatial {side}² (mid)", "seqs": batch * block, "heads": cfg.heads, "tokens": side * side,
-                "head_dim": ch[-1] // cfg.heads, "calls": 1})
+    for label, n in calls.items():
+        kind, side = label.split()[0], int(label.split()[1].rstrip("²"))
+        level = (latent // side).bit_length() - 1
+        c = model.cfg.block_out_channels[level]
+        heads = model.cfg.motion_heads if kind == "temporal" else model.cfg.heads
+        seqs, tokens, kv = {"spatial": (batch * block, side * side, side * side),
+                            "cross": (batch * block // 2, side * side, AUDIO_TOKENS),
+                            "temporal": (batch * side * side, block, block)}[kind]
+        out.append({"attention": label, "seqs": seqs, "heads": heads, "tokens": tokens, "kv_tokens": kv,
+                    "head_dim": c // heads, "calls": n})
     return out
 
 
 def attention_kernels(ctx: Context) -> list[dict]:
-    """Each attention shape of the step alone, per SDPA kernel, and with the head dim zero-padded to a
-    multiple of 64 (the same result: zero columns add nothing to q·k, zero value columns are dropped;
-    the softmax scale stays 1/√d): ms per call, TFLOP/s, cosine vs SDPA's own choice. GPU only."""
+    """Each attention shape of the step alone, per kernel (`attention_kernel_rows`), and the per-shape
+    choice the step waterfall and the fast runner take from it (`choose_attention_kernels`)."""
     rows = attention_kernel_rows(ctx.engine.unet.model.cfg, ctx.dev, ctx.engine.dtype, ctx.prof.block,
-                                 ctx.engine.cfg.face // 8) if ctx.dev.type == "cuda" else []
+                                 ctx.engine.cfg.face // 8, iters=20 if ctx.dev.type == "cuda" else 2)
     ctx.res.tables["attention_kernels"] = rows
+    ctx.res.metrics["attention_kernels_chosen"] = {
+        k: {"kernels": choose_attention_kernels(rows, compiled=c), **attention_choice_ms(rows, compiled=c)}
+        for k, c in (("eager", False), ("compiled", True))}
     ctx.partial()
     return rows
 
 
 def attention_kernel_rows(cfg, dev: torch.device, dtype: torch.dtype, block: int = 16, latent: int = 64,
                           iters: int = 20) -> list[dict]:
+    """Each attention shape alone on inputs in the model's layout (self-attention: q, k, v as views
+    of one fused projection; cross: separate), per kernel spec (`parse_kernel`): SDPA's own choice
+    ("auto", the reference), each SDPA backend alone, each with the head dim zero-padded to a multiple
+    of 64 ("+pad": the same result), and on a GPU for the 16-token temporal attention "math"
+    compiled (plain batched matmuls with the softmax fused between them). ms per call (median),
+    TFLOP/s of the attention's matrix products, cosine vs "auto"."""
     import torch.nn.functional as F
 
-    from lab.timing import bench
+    from lab.models.latentsync import attention, parse_kernel
 
     rows = []
+    gpu = dev.type == "cuda"
     for sh in attention_shapes(cfg, block, 2, latent):
-        n, h, L, d = sh["seqs"], sh["heads"], sh["tokens"], sh["head_dim"]
+        n, h, L, Lk, d = sh["seqs"], sh["heads"], sh["tokens"], sh["kv_tokens"], sh["head_dim"]
+        c = h * d
         g = torch.Generator(device=dev).manual_seed(0)
-        # the model's layout: (N, L, H·d) projections viewed as (N, H, L, d)
-        q, k, v = (torch.randn(n, L, h * d, generator=g, device=dev, dtype=dtype).view(n, L, h, d).transpose(1, 2)
-                   for _ in range(3))
+        if sh["attention"].startswith("cross"):
+            q = torch.randn(n, L, c, generator=g, device=dev, dtype=dtype)
+            k, v = (torch.randn(n, Lk, c, generator=g, device=dev, dtype=dtype) for _ in range(2))
+        else:
+            q, k, v = torch.randn(n, L, 3 * c, generator=g, device=dev, dtype=dtype).chunk(3, dim=-1)
         with torch.inference_mode():
-            ref = F.scaled_dot_product_attention(q, k, v).float()
-        dp = -(-d // 64) * 64
-        variants = [("auto", None, d)] + [(b, b, d) for b in ("cudnn", "flash", "efficient")]
-        if dp != d:
-            variants += [(f"{b}, head dim padded {d}→{dp}", b, dp) for b in ("auto", "cudnn", "flash")]
-        for label, backend, dim in variants:
-            if dim != d:
-                pad = (0, dim - d)
-                args = (F.pad(q, pad), F.pad(k, pad), F.pad(v, pad))
-            else:
-                args = (q, k, v)
-            scale = 1 / math.sqrt(d)
+            ref = attention(q, k, v, h).float()
+        specs = [("auto", False)] + [(b, False) for b in ("cudnn", "flash", "efficient")]
+        if L * Lk <= 256 * 256:  # plain matmuls: the scores are small enough to write out
+            specs += [("math", False)] + ([("math", True)] if gpu and sh["attention"].startswith("temporal") else [])
+        if d % 64:
+            specs += [(f"{b}+pad", False) for b in ("auto", "cudnn", "flash", "efficient")]
+        for spec, compiled in specs:
+            backend, pad = parse_kernel(spec)
 
-            def call(a=args, b=backend, dim=dim):
-                with sampling.sdpa_backend(b if b != "auto" else None):
-                    return F.scaled_dot_product_attention(*a, scale=scale)[..., :d]
+            def call(q=q, k=k, v=v, backend=backend, pad=pad):
+                return attention(q, k, v, h, backend, pad)
+
+            fn = torch.compile(call, dynamic=False, fullgraph=True) if compiled else call
+            label = spec + (", compiled" if compiled else "")
             try:
+                t0 = time.perf_counter()
                 with torch.inference_mode():
-                    out = call().float()
-                r = bench(call, warmup=3, iters=iters, device=dev)
-                ms = r.median_s * 1e3
-                rows.append({**sh, "kernel": label, "ms_per_call": ms, "ms_per_step": ms * sh["calls"],
-                             "tflops": 4 * n * h * L * L * d / r.median_s / 1e12, "cosine_vs_auto": metrics.cosine(out, ref),
-                             "status": "ok"})
-            except RuntimeError as e:
-                rows.append({**sh, "kernel": label, "status": f"unavailable: {str(e).splitlines()[0][:100]}"})
+                    out = fn().float()
+                build = time.perf_counter() - t0
+                sec, timed = _call_seconds(fn, dev, iters)
+                ms = sec * 1e3
+                rows.append({**sh, "kernel": label, "spec": spec, "compiled": compiled, "ms_per_call": ms,
+                             "ms_per_step": ms * sh["calls"], "tflops": 4 * n * h * L * Lk * d / sec / 1e12,
+                             "cosine_vs_auto": metrics.cosine(out, ref), "timed": timed,
+                             **({"build_s": build} if compiled else {}), "status": "ok"})
+            except Exception as e:  # a kernel that cannot take this shape is a row, not a failure
+                rows.append({**sh, "kernel": label, "spec": spec, "compiled": compiled,
+                             "status": f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"})
     return rows
+
+
+def _call_seconds(fn, dev: torch.device, iters: int, reps: int = 10) -> tuple[float, str]:
+    """Seconds per call of `fn()`: on a GPU from a CUDA graph of `reps` calls (the step runs as a graph
+    too, so host dispatch must not decide between kernels of a few µs), median of `iters` replays."""
+    from lab.timing import bench
+
+    if dev.type == "cuda":
+        try:
+            with torch.inference_mode():
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        fn()
+                torch.cuda.current_stream(dev).wait_stream(side)
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(reps):
+                        fn()
+            r = bench(graph.replay, warmup=2, iters=iters, device=dev)
+            del graph
+            return r.median_s / reps, f"CUDA graph of {reps} calls, median of {r.iters}"
+        except RuntimeError as e:  # not capturable: timed call by call, host dispatch included
+            torch.cuda.synchronize(dev)
+            note = f"events (graph capture failed: {str(e).splitlines()[0][:60]})"
+    else:
+        note = "host clock"
+    r = bench(fn, warmup=3, iters=iters, device=dev)
+    return r.median_s, f"{note}, median of {r.iters}"
+
+
+# per-shape output against SDPA's own kernel: fp16 round-off only (a wrong kernel is far below)
+KERNEL_COSINE = 0.99999
+
+
+def _fastest_rows(rows: list[dict], compiled: bool) -> dict[str, dict]:
+    best: dict[str, dict] = {}
+    for r in rows:
+        if r.get("status") != "ok" or r["spec"].startswith("auto") or r.get("cosine_vs_auto", 0) < KERNEL_COSINE:
+            continue
+        if r.get("compiled") and not compiled:
+            continue
+        cur = best.get(r["attention"])
+        if cur is None or r["ms_per_call"] < cur["ms_per_call"]:
+            best[r["attention"]] = r
+    return best
+
+
+def choose_attention_kernels(rows: list[dict], compiled: bool) -> dict[str, str]:
+    """Per attention shape, the fastest explicit kernel spec of `attention_kernel_rows` (not "auto":
+    the choice is pinned, so it does not depend on SDPA's priority order at trace time) whose
+    output stays at cosine ≥ KERNEL_COSINE vs SDPA's own. `compiled`: for a compiled runner, where
+    rows measured compiled count too (eager runners take eager rows only)."""
+    return {k: r["spec"] for k, r in _fastest_rows(rows, compiled).items()}
+
+
+def attention_choice_ms(rows: list[dict], compiled: bool) -> dict[str, float]:
+    """Attention ms per step summed over the shapes: SDPA's own kernels vs the chosen ones (table rows alone)."""
+    auto = sum(r["ms_per_step"] for r in rows if r.get("status") == "ok" and r["spec"] == "auto")
+    pick = sum(r["ms_per_step"] for r in _fastest_rows(rows, compiled).values())
+    return {"auto_ms_per_step": auto, "chosen_ms_per_step": pick}
 
 
 def _flops_by_op(fn, ex) -> dict[str, float]:
@@ -429,9 +577,11 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def kernel_split(fn, ex, dev: torch.device, runs: int = 3) -> list[dict]:
+def kernel_split(fn, ex, dev: torch.device, runs: int = 3, top: list[dict] | None = None, label: str = "",
+                 n_top: int = 15) -> list[dict]:
     """GPU time of one call by kernel kind (torch.profiler, `runs` calls after a warm-up): ms per call,
-    share of the GPU's busy time, number of kernel launches per call, the costliest kernel."""
+    share of the GPU's busy time, number of kernel launches per call, the costliest kernel. `top`:
+    a list that receives the `n_top` costliest kernels by name (run = `label`)."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode():
@@ -444,6 +594,7 @@ def kernel_split(fn, ex, dev: torch.device, runs: int = 3) -> list[dict]:
             torch.cuda.synchronize(dev)
         wall_ms = (time.perf_counter() - t0) * 1e3 / runs
     kinds: dict[str, dict] = {}
+    named = []
     for e in prof.key_averages():
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
@@ -453,6 +604,7 @@ def kernel_split(fn, ex, dev: torch.device, runs: int = 3) -> list[dict]:
         k = kinds.setdefault(kernel_kind(e.key), {"us": 0.0, "launches": 0, "top": ("", 0.0)})
         k["us"] += us
         k["launches"] += e.count
+        named.append((us, e.key, e.count))
         if us > k["top"][1]:
             k["top"] = (e.key, us)
     busy = sum(k["us"] for k in kinds.values()) or 1.0
@@ -463,6 +615,10 @@ def kernel_split(fn, ex, dev: torch.device, runs: int = 3) -> list[dict]:
     rows.append({"kind": "total GPU busy", "ms_per_call": busy / 1e3 / runs, "pct_of_busy": 100.0,
                  "launches_per_call": sum(v["launches"] for v in kinds.values()) / runs,
                  "note": f"wall under the profiler {wall_ms:.1f} ms per call"})
+    if top is not None:
+        for us, name, count in sorted(named, reverse=True)[:n_top]:
+            top.append({"run": label, "kernel": name[:120], "kind": kernel_kind(name), "ms_per_call": us / 1e3 / runs,
+                        "pct_of_busy": 100 * us / busy, "launches_per_call": count / runs})
     return rows
 
 
@@ -471,9 +627,8 @@ def best_runner(ctx: Context) -> tuple[str, Any]:
     rows = [r for r in ctx.res.tables.get("step_waterfall", []) if r.get("status") == "ok"
             and r.get("cosine_vs_eager", 0) >= TARGETS["exact_cosine"]]
     for r in sorted(rows, key=lambda r: r["ms_per_step"]):
-        how = r["step"].split(" + ")[0]
-        if how in ctx.runners:
-            return r["step"], ctx.runners[how]
+        if r["step"] in ctx.runners:
+            return r["step"], ctx.runners[r["step"]]
     return "eager", None
 
 
@@ -583,9 +738,16 @@ def _run(ctx: Context, mode: str, fast: str, keep: bool = True, job: Any = None,
     eng.cfg.cache_encodes = fast != "eager"
     eng.vae_decode = ctx.vae_runner if fast != "eager" else None
     if fast == "eager":
+        P.set_attention_kernels(eng, None)
         P.set_fast(eng, "eager")
     else:
-        _, runner = best_runner(ctx)
+        name, runner = best_runner(ctx)
+        # the kernels the runner was built with (a compiled runner would retrace on others; a short
+        # last block runs the eager model with them)
+        kernels = ctx.runner_kernels.get(name) if runner is not None else \
+            ctx.res.metrics.get("attention_kernels_chosen", {}).get("eager", {}).get("kernels") \
+            if "attention_kernels" in levers else None
+        P.set_attention_kernels(eng, kernels or None)
         P.set_fast(eng, runner.backend, runner=runner) if runner is not None else P.set_fast(eng, "eager")
     out: list[np.ndarray] = []
     try:
@@ -595,6 +757,7 @@ def _run(ctx: Context, mode: str, fast: str, keep: bool = True, job: Any = None,
             setattr(eng.cfg, k, v)
         eng.cfg.guided_shortcuts = eng.cfg.cache_encodes = False
         eng.vae_decode = None
+        P.set_attention_kernels(eng, None)
     return rep, (np.concatenate(out) if out else None)
 
 
@@ -636,7 +799,7 @@ def mode_table(ctx: Context) -> list[dict]:
     levers = [x for x in LEVERS if x in ctx.prof.fast]
     fast = "eager" if runner is None and not levers else "fast"
     if runner is None and levers:  # no graph or compiled runner here: the eager model with the exact levers
-        name = " + ".join(["eager", *levers[-2:]])
+        name = " + ".join(["eager", *[x for x in levers if x not in ("null_audio", "shared_prefix")]])
     for m in ctx.prof.modes:
         how = "eager" if sampling.parse_mode(m).cache_interval > 1 else fast  # the feature cache runs eager
         if f"{m} {how}" != "exact20 eager":
@@ -729,7 +892,8 @@ def memory_scaling(ctx: Context) -> list[dict]:
             rep, _ = _run(ctx, ctx.prof.memory_mode, "fast", keep=False)
         finally:
             ctx.job = saved
-        rows.append({"input_s": seconds, "frames": rep.n_frames, "mode": ctx.prof.memory_mode, "wall_s": rep.wall_s,
+        rows.append({"input_s": seconds, "frames": rep.n_frames, "mode": ctx.prof.memory_mode, "runner": best_runner(ctx)[0],
+                     "cache_encodes": True, "cached_source_frames": len(job.encodes), "wall_s": rep.wall_s,
                      "peak_rss_mb": rep.peak_rss_mb, "rss_first_block_mb": rep.rss_mb_per_block[0],
                      "rss_last_block_mb": rep.rss_mb_per_block[-1], "peak_gpu_mb": rep.peak_gpu_mb,
                      "gpu_last_block_mb": rep.gpu_mb_per_block[-1]})
@@ -890,8 +1054,10 @@ def run_all(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: s
     whose full-size estimate (ESTIMATE_S) no longer fits is skipped, and the Result says so."""
     ctx = setup(device, quick, seed, out_dir, weights)
     ctx.deadline_s = deadline_s
-    run_steps(ctx, (("waterfall", step_waterfall), ("attention", attention_kernels), ("vae", vae_cost), ("modes", mode_table), ("fp8", fp8_linear),
-                    ("memory", memory_scaling), ("loop", block_loop_costs)), steps, ESTIMATE_S, deadline_s)
+    # the attention table first: the waterfall's per-shape kernel lever is chosen from it
+    run_steps(ctx, (("attention", attention_kernels), ("waterfall", step_waterfall), ("vae", vae_cost),
+                    ("modes", mode_table), ("memory", memory_scaling), ("fp8", fp8_linear), ("loop", block_loop_costs)),
+              steps, ESTIMATE_S, deadline_s)
     comparisons(ctx)
     for name, fig, table_name in (("waterfall", waterfall_figure, "step_waterfall"),
                                   ("speed_drift", speed_drift_figure, "modes")):

@@ -133,14 +133,48 @@ class ResnetBlock3D(nn.Module):
         return (x if self.conv_shortcut is None else self.conv_shortcut(x)) + h
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
-    """Multi-head scaled dot-product attention on (N, L, C) tensors (SDPA picks the kernel)."""
-    n, lq, c = q.shape
-    q, k, v = (x.reshape(n, -1, heads, c // heads).transpose(1, 2) for x in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, lq, c)
-
-
 SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")
+_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
+PAD = 64   # "+pad": head dim zero-padded to a multiple of this (the widths attention kernels are tuned for)
+
+
+def parse_kernel(spec: str | None, where: str = "attention kernel") -> tuple[str | None, bool]:
+    """An attention kernel spec → (SDPA backend or None for SDPA's own choice, pad head dim).
+
+    "auto" | "flash" | "efficient" | "cudnn" | "math", optionally with "+pad" (the head dim
+    zero-padded to a multiple of 64: the same result, since zero columns add nothing to q·k and
+    the padded value columns are dropped; the softmax scale stays 1/√d). None = "auto"."""
+    if spec is None:
+        return None, False
+    base, _, extra = str(spec).partition("+")
+    if base not in ("auto", *SDPA_KERNELS) or extra not in ("", "pad"):
+        raise InputError(f"{where} {spec!r} not understood; expected one of {('auto', *SDPA_KERNELS)}, "
+                         f"optionally with '+pad' (e.g. 'cudnn+pad'), or None")
+    return (None if base == "auto" else base), extra == "pad"
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, backend: str | None = None,
+              pad: bool = False) -> torch.Tensor:
+    """Multi-head scaled dot-product attention on (N, L, C) tensors: SDPA's own kernel choice, or
+    `backend` alone; `pad`: head dim zero-padded to a multiple of 64 (same result). Both are plain
+    Python constants at trace time, so torch.compile keeps them in one graph."""
+    n, lq, c = q.shape
+    d = c // heads
+    q, k, v = (x.reshape(n, -1, heads, d).transpose(1, 2) for x in (q, k, v))
+    dp = -(-d // PAD) * PAD if pad else d
+    if dp != d:
+        q, k, v = (F.pad(x, (0, dp - d)) for x in (q, k, v))
+    scale = d ** -0.5 if dp != d else None   # padded: still 1/√d of the real head dim
+    if backend is None:
+        out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([getattr(SDPBackend, _BACKENDS[backend])]):
+            out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    if dp != d:
+        out = out[..., :d]
+    return out.transpose(1, 2).reshape(n, lq, c)
 
 
 class Attention(nn.Module):
@@ -151,8 +185,14 @@ class Attention(nn.Module):
         self.to_k = nn.Linear(kv_dim or dim, dim, bias=False)
         self.to_v = nn.Linear(kv_dim or dim, dim, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
-        self.kernel: str | None = None   # one SDPA kernel for this module (set_attention_kernels), else SDPA's choice
+        self.kernel: str | None = None   # the kernel spec of this module (set_attention_kernels), else SDPA's choice
+        self.backend: str | None = None  # … parsed: one SDPA backend, and whether the head dim is padded
+        self.pad = False
         self.qkv: torch.Tensor | None = None  # (3·dim, dim) self-attention weights in one GEMM (fuse_qkv)
+
+    def set_kernel(self, spec: str | None) -> None:
+        self.backend, self.pad = parse_kernel(spec)
+        self.kernel = None if self.backend is None and not self.pad else spec
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         if context is not None and context.shape[0] < x.shape[0]:
@@ -170,13 +210,7 @@ class Attention(nn.Module):
         else:
             c = x if context is None else context
             q, k, v = self.to_q(x), self.to_k(c), self.to_v(c)
-        if self.kernel is None:
-            return self.to_out[0](attention(q, k, v, self.heads))
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel([getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
-                                               "cudnn": "CUDNN_ATTENTION", "math": "MATH"}[self.kernel])]):
-            return self.to_out[0](attention(q, k, v, self.heads))
+        return self.to_out[0](attention(q, k, v, self.heads, self.backend, self.pad))
 
 
 class GEGLU(nn.Module):
@@ -507,19 +541,51 @@ class UNet3D(nn.Module):
         return self._out(x, b, f)
 
 
+def attention_sites(model: nn.Module, latent: int = 64) -> list[tuple[str, Attention]]:
+    """Every attention module of the UNet with the label of its shape at `latent`² latents (64 for
+    512² faces): "spatial 64²" (self-attention over a frame's tokens), "cross 64²" (to the 50 audio
+    tokens), "temporal 64²" (over the frames of a pixel), "… 8² (mid)" for the mid block."""
+    sites: list[tuple[str, Attention]] = []
+    last = len(model.cfg.block_out_channels) - 1
+
+    def add(blk: nn.Module, level: int, tail: str = "") -> None:
+        side = latent >> level
+        for tr in blk.attentions or []:
+            for b in tr.transformer_blocks:
+                sites.extend([(f"spatial {side}²{tail}", b.attn1), (f"cross {side}²{tail}", b.attn2)])
+        for mm in getattr(blk, "motion_modules", []):
+            for b in mm.temporal_transformer.transformer_blocks:
+                sites.extend((f"temporal {side}²", a) for a in b.attention_blocks)
+
+    for k, blk in enumerate(model.down_blocks):
+        add(blk, k)
+    add(model.mid_block, last, " (mid)")
+    for j, blk in enumerate(model.up_blocks):
+        add(blk, last - j)
+    return sites
+
+
 def set_attention_kernels(model: nn.Module, spatial: str | None = None, temporal: str | None = None,
-                          cross: str | None = None) -> nn.Module:
-    """Pin the SDPA kernel per kind of attention (None: SDPA's own choice): spatial self-attention
-    over H·W tokens, temporal self-attention over the F frames, audio cross-attention (50 tokens).
-    The same computation either way; only the kernel differs. For eager runs."""
-    for name, kernel in (("spatial", spatial), ("temporal", temporal), ("cross", cross)):
-        if kernel is not None and kernel not in SDPA_KERNELS:
-            raise InputError(f"{name} attention kernel must be one of {SDPA_KERNELS} or None, got {kernel!r}")
-    for mod in model.modules():
-        if isinstance(mod, BasicTransformerBlock):
-            mod.attn1.kernel, mod.attn2.kernel = spatial, cross
-        elif isinstance(mod, TemporalAttention):
-            mod.kernel = temporal
+                          cross: str | None = None, per_shape: dict[str, str] | None = None,
+                          latent: int = 64) -> nn.Module:
+    """Pin the attention kernel (a `parse_kernel` spec: "cudnn", "flash+pad", …; None: SDPA's own
+    choice) per kind of attention — spatial self-attention over H·W tokens, temporal self-attention
+    over the F frames, audio cross-attention (50 tokens) — and per shape (`per_shape`: label from
+    `attention_sites` at `latent`² latents → spec; it wins over the kind's). The same computation
+    either way; only the kernel differs. The choice is read when a call is traced, so a compiled or
+    captured runner keeps the kernels it was built with."""
+    kinds = {"spatial": spatial, "temporal": temporal, "cross": cross}
+    for name, spec in kinds.items():
+        parse_kernel(spec, f"{name} attention kernel")
+    sites = attention_sites(model, latent)
+    labels = {label for label, _ in sites}
+    for label, spec in (per_shape or {}).items():
+        if label not in labels:
+            raise InputError(f"attention shape {label!r} is not in this UNet at {latent}² latents; its shapes: "
+                             f"{sorted(labels)}")
+        parse_kernel(spec, f"attention kernel for {label!r}")
+    for label, mod in sites:
+        mod.set_kernel((per_shape or {}).get(label, kinds[label.split()[0]]))
     return model
 
 

@@ -67,6 +67,9 @@ class Config:
     dtype: str = "fp16"
     fast: str = "eager"                 # "eager" | "cudagraph" | "compile" | "compile+cudagraph" (same output)
     attention: str = "auto"             # SDPA kernel: "auto" | "flash" | "efficient" | "cudnn" | "math"
+    # exact: per attention shape a kernel spec ("cudnn", "flash+pad", …; lab.models.latentsync.set_attention_kernels),
+    # e.g. from notebook 07's attention table; None: SDPA's own choice everywhere
+    attention_kernels: dict[str, str] | None = None
     channels_last: bool = False
     guided_shortcuts: bool = False      # exact: null-audio cross-attention = bias, shared prefix (sampling.GuidedShortcuts)
     fused_qkv: bool = False             # exact: self-attention q, k, v as one GEMM
@@ -147,6 +150,7 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
         fuse_qkv(unet.model)
     engine = Engine(cfg, dev, dt, unet, vae, whisper, mask=fixed_mask(cfg.face).to(dev, dt),
                     weights={"latentsync_unet": unet.weights, "sd-vae": vae.weights, "whisper-tiny": w_src})
+    set_attention_kernels(engine, cfg.attention_kernels)
     if cfg.vae_fast != "eager":
         set_vae_fast(engine, cfg.vae_fast)
     return set_fast(engine, cfg.fast)
@@ -159,6 +163,17 @@ def eager_unet(engine: Engine) -> Callable:
     if cfg.guided_shortcuts and cfg.guidance > 1:
         return sampling.GuidedShortcuts(model)
     return model
+
+
+def set_attention_kernels(engine: Engine, per_shape: dict[str, str] | None) -> Engine:
+    """The UNet's attention kernel per shape (labels of `attention_sites` at this face size; None: SDPA's
+    own choice). A graph or compiled runner keeps the kernels it was built with: set them before
+    `set_fast`, and to the runner's own when handing `set_fast` a runner built elsewhere."""
+    from lab.models.latentsync import set_attention_kernels as pin
+
+    pin(engine.unet.model, per_shape=per_shape, latent=engine.cfg.face // 8)
+    engine.cfg.attention_kernels = dict(per_shape) if per_shape else None
+    return engine
 
 
 def set_vae_fast(engine: Engine, how: str, runner: Any = None) -> Engine:
