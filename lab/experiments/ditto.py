@@ -448,6 +448,23 @@ MOTION_VARIANTS = (("eager", {}), ("CUDA graph", dict(cuda_graphs=True)), ("comp
                    ("compiled + CUDA graph", dict(cuda_graphs=True, motion_compile=True)))
 
 
+def _kernels_per_step(fn, steps: int, device: torch.device) -> float | None:
+    """GPU kernels one call of `fn` launches (torch.profiler), divided by the DDIM steps; None off a GPU
+    or where the profiler cannot see the device."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        n = sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception:   # no CUPTI on the host: the column stays empty
+        return None
+    return n / steps if n else None
+
+
 def motion_costs(ctx: Context) -> list[dict]:
     """One LMDM window (guidance as one batched call) four ways: eager, the DDIM loop as one CUDA graph,
     the compiled step (inductor), the compiled step inside the graph. ms per window and per DDIM step,
@@ -484,11 +501,13 @@ def motion_costs(ctx: Context) -> list[dict]:
             print(f"  motion {name:24s} FAILED {exc}", flush=True)
             continue
         ref = out if ref is None else ref
+        kps = None if ch.get("cuda_graphs") else _kernels_per_step(
+            lambda: P.sample_window(e, cf, cond, sched, noises, None, x=x), S, ctx.dev)
         ms = 1e3 * r.median_s
         eager_ms = ms if eager_ms is None else eager_ms
         rows.append(row | {"ms_per_window": ms, "ms_per_ddim_step": ms / S, "speedup_vs_eager": eager_ms / ms,
                            "max_abs_diff_vs_eager": float((out - ref).abs().max()), "eager_abs_max": float(ref.abs().max()),
-                           "build_s": build_s, "runs": r.iters, "status": "ok"})
+                           "kernels_per_step": kps, "build_s": build_s, "runs": r.iters, "status": "ok"})
         print(f"  motion {name:24s} {ms:8.2f} ms per window (max |Δ| vs eager {rows[-1]['max_abs_diff_vs_eager']:.2e})",
               flush=True)
     ctx.res.tables["motion"] = rows
@@ -957,8 +976,8 @@ COLUMNS = {
                   "putback_encode_ms", "rendered", "bypassed", "gpu_peak_mb", "rss_peak_mb", "psnr_vs_dense_db",
                   "ssim_vs_dense", "psnr_speech_frames_db", "psnr_silence_vs_eased_db", "status", "reason"],
     "e2e_stages": ["stage", "ms_per_frame", "share", "calls"],
-    "motion": ["variant", "steps", "ms_per_window", "ms_per_ddim_step", "speedup_vs_eager", "max_abs_diff_vs_eager",
-               "eager_abs_max", "build_s", "runs", "status", "reason"],
+    "motion": ["variant", "steps", "ms_per_window", "ms_per_ddim_step", "speedup_vs_eager", "kernels_per_step",
+               "max_abs_diff_vs_eager", "eager_abs_max", "build_s", "runs", "status", "reason"],
     "strides": ["step", "config", "fps", "runs", "speedup", "rendered", "psnr_vs_dense_db", "ssim_vs_dense",
                 "psnr_speech_frames_db"],
     "comparisons": ["source", "claim", "their_value", "our_value", "unit", "verdict", "reason"],
