@@ -257,6 +257,24 @@ def test_attention_kernels_per_shape_padded_and_in_one_graph():
         ls.set_attention_kernels(m, per_shape={labels[0]: "cudnn+wide"}, latent=8)
 
 
+def test_a_compiled_attention_keeps_the_kernel_it_was_traced_with():
+    graphs = []
+
+    def record(gm, example):
+        graphs.append({n.target for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    att = ls.Attention(32, 2)
+    x = torch.randn(2, 16, 32)
+    fn = torch.compile(att, backend=record, fullgraph=True)
+    with torch.no_grad():
+        for spec in ("math", None, "math", "math+pad"):
+            att.set_kernel(spec)
+            torch.testing.assert_close(fn(x), att(x))
+    # a new choice is a new trace (guarded), an earlier one is found again; padding is in the graph
+    assert len(graphs) == 3 and sum(any("pad" in str(t) for t in g) for g in graphs) == 1
+
+
 def _guided(m, seed=0):
     from lab.accel import sampling
 
