@@ -88,6 +88,27 @@ def test_tiny_forward_shapes(tiny):
         assert x0.shape == (2, L, 265)
 
 
+def test_lmdm_sampler_arrangement_is_the_forward(tiny):
+    # FiLMs and cross-attention keys / values once per window, q|k as one GEMM, batch-first attention:
+    # every step's x0 equals the module's forward up to fp32 rounding
+    d = D.dims("tiny")
+    lm, L = tiny["lmdm"], d.seq_frames
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        enc = lm.encode_condition(torch.randn(1, L, d.cond_dim, generator=g).expand(2, -1, -1), torch.tensor([True, False]))
+        times = torch.tensor([[999, 999], [480, 480], [0, 0]])
+        films, keys, values = D.window_constants(lm, enc, times, D.film_weights(lm))
+        assert films.shape == (3, 2, d.lm_layers, 3, 2, d.lm_latent) and keys.shape == (3, d.lm_layers, 2, L + 2, d.lm_latent)
+        x, cf = torch.randn(2, L, 265, generator=g), torch.randn(2, 265, generator=g)
+        for i in range(3):
+            ref = lm(x, cf, None, times[i], encoded=enc)
+            got = D.sampler_forward(lm, x, cf, films[i], keys[i], values[i])
+            assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+        # one half alone (guidance as two calls) slices the same constants
+        half = D.sampler_forward(lm, x[1:], cf[1:], films[0, 1:], keys[0, :, 1:], values[0, :, 1:])
+        assert torch.allclose(half, lm(x[1:], cf[1:], None, times[0, 1:], encoded=(enc[0][1:], enc[1][1:])), atol=1e-5)
+
+
 def test_lmdm_condition_and_null_embedding_matter(tiny):
     d = D.dims("tiny")
     lm = tiny["lmdm"]

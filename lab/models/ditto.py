@@ -701,6 +701,78 @@ class MotionDecoder(nn.Module):
         return self.final_layer(self.seqTransDecoder(h, memory, tvec))
 
 
+# ----------------------------------------------------------------------------- the LMDM arranged for a sampler
+# The same forward as `MotionDecoder.forward`, with what the 50 steps of a DDIM window share computed once per
+# window: every FiLM's scale and shift (they read only the time and the pooled condition, all 24 as one GEMM),
+# and the cross-attention keys and values (the memory is the 80 condition tokens plus 2 time tokens, each row
+# normalised and rotated on its own: the condition rows' projections are the same at every step). Attention
+# runs on (B, heads, N, hd) views of the batch-first projections (nn.MultiheadAttention transposes to sequence-
+# first and back, a copy each way), and the self-attention's q and k, read from the same input, are one GEMM.
+# Numbers: the eager forward's up to the rounding of differently shaped GEMMs.
+
+def heads_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Multi-head attention of (B, N, E) projections (no dropout, default scale), → (B, N, E)."""
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(-1, (heads, -1)).transpose(-3, -2)
+
+    return F.scaled_dot_product_attention(split(q), split(k), split(v)).transpose(-3, -2).flatten(-2)
+
+
+def film_weights(net: MotionDecoder) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every FiLM linear of the decoder stack stacked (layer by layer, film1..3): one (L·3·2·dim, dim) linear."""
+    lins = [f.block[1] for layer in net.seqTransDecoder.stack for f in (layer.film1, layer.film2, layer.film3)]
+    return torch.cat([lin.weight for lin in lins]), torch.cat([lin.bias for lin in lins])
+
+
+def window_constants(net: MotionDecoder, encoded: tuple[torch.Tensor, torch.Tensor], times: torch.Tensor,
+                     films_w: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a window's steps share. `encoded` = `encode_condition`'s (tokens (B, N, dim), pooled (B, dim)),
+    `times` (S, B) the steps' diffusion times → FiLM scale / shift (S, B, layers, 3, 2, dim), cross-attention
+    keys and values (S, layers, B, N + 2, dim)."""
+    tokens, cond_hidden = encoded
+    stack = net.seqTransDecoder.stack
+    s, b = times.shape
+    n, dim = tokens.shape[-2:]
+    t_hidden = net.time_mlp(times.flatten()).unflatten(0, (s, b))
+    act = F.mish(net.to_time_cond(t_hidden) + cond_hidden)
+    films = F.linear(act, *films_w).unflatten(-1, (len(stack), 3, 2, dim))
+    memory = net.norm_cond(torch.cat([tokens.expand(s, -1, -1, -1), net.to_time_tokens(t_hidden)], dim=-2))
+    rot = net.rotary.rotate(memory)
+    keys = memory.new_empty(s, len(stack), b, n + 2, dim)
+    values = torch.empty_like(keys)
+    for i, layer in enumerate(stack):
+        w, bias = layer.multihead_attn.in_proj_weight, layer.multihead_attn.in_proj_bias
+        for out, src, j in ((keys, rot, 1), (values, memory, 2)):
+            wj, bj = w[j * dim:(j + 1) * dim], bias[j * dim:(j + 1) * dim]
+            out[:, i, :, :n] = F.linear(src[0, :, :n], wj, bj)   # condition rows: the same at every step
+            out[:, i, :, n:] = F.linear(src[:, :, n:], wj, bj)   # time rows: per step
+    return films, keys, values
+
+
+def sampler_forward(net: MotionDecoder, x: torch.Tensor, cond_frame: torch.Tensor, films: torch.Tensor,
+                    keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One step's x0 prediction from `window_constants` at that step (films (B, layers, 3, 2, dim), keys /
+    values (layers, B, N + 2, dim)); x (B, N, 265), cond_frame (B, 265)."""
+    b, n, _ = x.shape
+    heads = net.d.lm_heads
+    h = net.input_projection(torch.cat([x, cond_frame[:, None].expand(b, n, -1)], dim=-1))
+    for i, layer in enumerate(net.seqTransDecoder.stack):
+        f = films[:, i, :, :, None]                       # (B, 3, 2, 1, dim): scale, shift per sub-block
+        e = h.shape[-1]
+        w, bias = layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias
+        y = layer.norm1(h)
+        q, k = F.linear(layer.rotary.rotate(y), w[:2 * e], bias[:2 * e]).chunk(2, dim=-1)
+        a = layer.self_attn.out_proj(heads_attention(q, k, F.linear(y, w[2 * e:], bias[2 * e:]), heads))
+        h = h + ((f[:, 0, 0] + 1) * a + f[:, 0, 1])
+        w, bias = layer.multihead_attn.in_proj_weight, layer.multihead_attn.in_proj_bias
+        q = F.linear(layer.rotary.rotate(layer.norm2(h)), w[:e], bias[:e])
+        a = layer.multihead_attn.out_proj(heads_attention(q, keys[i], values[i], heads))
+        h = h + ((f[:, 1, 0] + 1) * a + f[:, 1, 1])
+        y = layer.linear2(F.gelu(layer.linear1(layer.norm3(h))))
+        h = h + ((f[:, 2, 0] + 1) * y + f[:, 2, 1])
+    return net.final_layer(h)
+
+
 # ----------------------------------------------------------------------------- diffusion schedule + DDIM
 
 @dataclass

@@ -499,23 +499,24 @@ def _ddim_coefs(engine: Engine) -> list[torch.Tensor]:
 
 
 def _compiled_step(engine: Engine):
-    """One guided DDIM step — both guidance halves (one B=2 call with `batch_cfg`), the guidance mix
-    and the update — as one torch.compile'd function (inductor, dynamic=False: fixed shapes). Inductor
-    fuses the LayerNorms, FiLMs, rotary, Mish/GELU and the update into a few kernels around the GEMMs
-    and attention: the eager step is ~500 small launches, which is what it costs on a big GPU."""
+    """One guided DDIM step — both guidance halves (one B=2 call with `batch_cfg`), the guidance mix and the
+    update — as one torch.compile'd function (inductor, dynamic=False: fixed shapes) over the LMDM arranged for
+    a sampler (`D.sampler_forward`: what the window's steps share comes in precomputed). Inductor fuses the
+    LayerNorms, FiLMs, rotary, GELU and the update into a few kernels around the GEMMs and attention: the
+    eager step is ~490 small launches, which is what it costs on a big GPU."""
     cfg = engine.cfg
     key = ("lmdm_step", cfg.guidance, cfg.batch_cfg)
     if key in engine.variants:
         return engine.variants[key]
     net, g = engine.nets["lmdm"], cfg.guidance
 
-    def step(x, cf, enc_u, enc_c, t, noise, coef):
+    def step(x, cf, films, keys, values, noise, coef):
         if cfg.batch_cfg:
-            out = net(x.expand(2, -1, -1), cf.expand(2, -1), None, t, encoded=enc_u)
+            out = D.sampler_forward(net, x.expand(2, -1, -1), cf.expand(2, -1), films, keys, values)
             unc, con = out[:1], out[1:]
         else:
-            unc = net(x, cf, None, t[:1], encoded=enc_u)
-            con = net(x, cf, None, t[:1], encoded=enc_c)
+            unc = D.sampler_forward(net, x, cf, films[:1], keys[:, :1], values[:, :1])
+            con = D.sampler_forward(net, x, cf, films[1:], keys[:, 1:], values[:, 1:])
         x0 = unc + (con - unc) * g
         sa, s1a, san, c, sigma = coef.unbind(0)
         return x0 * san + c * ((x - sa * x0) / s1a) + sigma * noise
@@ -526,19 +527,23 @@ def _compiled_step(engine: Engine):
 
 
 def _denoise_compiled(engine: Engine, x: torch.Tensor, cf: torch.Tensor, c: torch.Tensor, noises: torch.Tensor,
-                      times: list[torch.Tensor], coefs: list[torch.Tensor], drop: torch.Tensor) -> torch.Tensor:
-    """`_denoise` with the compiled step: the same model calls and update, fused."""
+                      times: torch.Tensor, coefs: list[torch.Tensor], drop: torch.Tensor,
+                      films_w: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`_denoise` with the compiled step: the same model calls and update; what the steps share (condition
+    encoding, FiLMs, cross-attention keys / values) once per window."""
     net, step = engine.nets["lmdm"], _compiled_step(engine)
     # always in inference mode, on fresh tensors: the compiled step's guards then see one kind of tensor
     # at every step, in a CUDA-graph capture and outside one: one compilation
     with torch.inference_mode():
         x, cf = x.clone(), cf.clone()
         if engine.cfg.batch_cfg:
-            enc_u, enc_c = net.encode_condition(c.expand(2, -1, -1), drop), None
-        else:
-            enc_u, enc_c = net.encode_condition(c, drop[:1]), net.encode_condition(c, drop[1:])
+            enc = net.encode_condition(c.expand(2, -1, -1), drop)
+        else:   # each half encoded on its own, as the two-call eager path does
+            halves = net.encode_condition(c, drop[:1]), net.encode_condition(c, drop[1:])
+            enc = tuple(torch.cat(p) for p in zip(*halves))
+        films, keys, values = D.window_constants(net, enc, times, films_w)
         for i in range(len(coefs)):
-            x = step(x, cf, enc_u, enc_c, times[i], noises[i].clone(), coefs[i])
+            x = step(x, cf, films[i], keys[i], values[i], noises[i].clone(), coefs[i])
     return x.clone() if not torch.is_inference_mode_enabled() else x   # a plain tensor for plain callers
 
 
@@ -556,13 +561,14 @@ def _window_fn(engine: Engine):
     times = torch.tensor([[t, t] for t in steps[:-1]], device=dev)
     drop = torch.tensor([True, False], device=dev)
     if cfg.motion_compile:
-        step_times = [t.clone() for t in times]
         coefs = _ddim_coefs(engine)
+        with torch.no_grad():   # before any capture: a constant, not a tensor of a graph's pool
+            films_w = D.film_weights(engine.nets["lmdm"])
 
         def fn(x, cf, c, noises):
-            return _denoise_compiled(engine, x, cf, c, noises, step_times, coefs, drop)
+            return _denoise_compiled(engine, x, cf, c, noises, times, coefs, drop, films_w)
     else:
-        step_times = coefs = []
+        coefs, films_w = [], ()
 
         def fn(x, cf, c, noises):
             return _denoise(engine, x, cf, c, noises, times, drop)
@@ -577,7 +583,7 @@ def _window_fn(engine: Engine):
         t0 = time.perf_counter()
         run, keep = capture(fn, ex, warmup=2, clone_output=True)
         engine.compile_s += time.perf_counter() - t0
-        engine.variants[key + ("keep",)] = keep + [times, drop, step_times, coefs]
+        engine.variants[key + ("keep",)] = keep + [times, drop, coefs, films_w]
     engine.variants[key] = run
     return run
 
