@@ -44,7 +44,7 @@ WRITEUP = {"eager_s_per_s": 41.065, "optimized_s_per_s": 27.702, "faster_pct": 3
 # upstream's own UNet3D on our H200 (random weights, fp16, guided 2 × 16 frames at 64² latents)
 ANCHOR_H200 = {"eager_ms_per_step": 175.5, "compile_ms_per_step": 119.9, "vae_s_per_s": 0.62}
 # for run_all's deadline: seconds at full size on an H200 (run_07_levers: UNet compile 85 s, VAE step 20 s with its 13 s compile, modes 37 s)
-ESTIMATE_S = {"attention": 40, "compile": 90, "vae_compile": 30, "modes": 45, "loop": 15, "memory": 60, "fp8": 20}  # full size on an H200, for run_all's deadline
+ESTIMATE_S = {"attention": 40, "compile": 120, "vae_compile": 30, "modes": 45, "loop": 15, "memory": 60, "fp8": 20}  # full size on an H200, for run_all's deadline
 # exact switches of the model, in the order the waterfall adds them (each alone, then together)
 LEVERS = ("null_audio", "shared_prefix", "guided_shortcuts", "fused_qkv", "attention_kernels")
 TARGETS = {"exact_s_per_s": 2.5, "exact_cosine": 0.9999, "dpm8_s_per_s": 1.0, "memory_growth": 0.10}
@@ -893,15 +893,22 @@ def memory_scaling(ctx: Context) -> list[dict]:
             rep, _ = _run(ctx, ctx.prof.memory_mode, "fast", keep=False)
         finally:
             ctx.job = saved
+        block, peaks = ctx.prof.block, rep.gpu_peak_mb_per_block
+        full = rep.n_frames // block
         rows.append({"input_s": seconds, "frames": rep.n_frames, "mode": ctx.prof.memory_mode, "runner": best_runner(ctx)[0],
                      "cache_encodes": True, "cached_source_frames": len(job.encodes), "wall_s": rep.wall_s,
                      "peak_rss_mb": rep.peak_rss_mb, "rss_first_block_mb": rep.rss_mb_per_block[0],
                      "rss_last_block_mb": rep.rss_mb_per_block[-1], "peak_gpu_mb": rep.peak_gpu_mb,
-                     "gpu_last_block_mb": rep.gpu_mb_per_block[-1]})
+                     "gpu_last_block_mb": rep.gpu_mb_per_block[-1], "last_block_frames": rep.n_frames - full * block,
+                     # a short last block runs the eager UNet at its own length: its peak apart from the others'
+                     "peak_gpu_mb_full_blocks": max(peaks[:full]) if peaks[:full] else None,
+                     "peak_gpu_mb_last_block": peaks[-1] if peaks and full < len(peaks) else None})
     a, b = rows[0], rows[-1]
     ctx.res.metrics["memory_growth"] = {
         "rss": b["peak_rss_mb"] / a["peak_rss_mb"] - 1,
         "gpu": (b["peak_gpu_mb"] / a["peak_gpu_mb"] - 1) if a["peak_gpu_mb"] else None}
+    if a.get("peak_gpu_mb_full_blocks") and b.get("peak_gpu_mb_full_blocks"):  # diagnostic, not the target's figure
+        ctx.res.metrics["memory_growth_gpu_full_blocks"] = b["peak_gpu_mb_full_blocks"] / a["peak_gpu_mb_full_blocks"] - 1
     ctx.res.tables["memory"] = rows
     ctx.partial()
     return rows

@@ -451,6 +451,7 @@ class RunReport:
     gpu_mb_per_block: list[float]
     mode: str
     fast: str
+    gpu_peak_mb_per_block: list[float] = field(default_factory=list)  # each block's own peak (a short last block runs eager)
     faces: torch.Tensor | None = None        # (n, 3, S, S) uint8 when keep_faces
     latents: torch.Tensor | None = None      # (n, 4, h, w) float32 when keep_faces
 
@@ -480,7 +481,7 @@ def run(engine: Engine, job: Job, sink: Callable[[np.ndarray], None] | None = No
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
-    rss, gpu, kept_faces, kept_lat = [], [], [], []
+    rss, gpu, peaks, kept_faces, kept_lat = [], [], [], [], []
     stage = None
     t0 = time.perf_counter()
     for s, e in tqdm(blocks(n, cfg.block), desc="blocks", disable=not progress):
@@ -526,12 +527,15 @@ def run(engine: Engine, job: Job, sink: Callable[[np.ndarray], None] | None = No
                     torch.cuda.empty_cache()
         rss.append(proc.memory_info().rss / 2**20)
         gpu.append(torch.cuda.memory_allocated(dev) / 2**20 if cuda else 0.0)
+        if cuda:
+            peaks.append(torch.cuda.max_memory_allocated(dev) / 2**20)
+            torch.cuda.reset_peak_memory_stats(dev)
     if cuda:
         torch.cuda.synchronize(dev)
     wall = time.perf_counter() - t0
-    return RunReport(n, cfg.fps, wall, timer.totals(), len(rss),
-                     torch.cuda.max_memory_allocated(dev) / 2**20 if cuda else None, max(rss), rss, gpu, cfg.mode, cfg.fast,
-                     torch.cat(kept_faces) if kept_faces else None, torch.cat(kept_lat) if kept_lat else None)
+    return RunReport(n, cfg.fps, wall, timer.totals(), len(rss), max(peaks) if cuda else None, max(rss), rss, gpu,
+                     cfg.mode, cfg.fast, peaks, torch.cat(kept_faces) if kept_faces else None,
+                     torch.cat(kept_lat) if kept_lat else None)
 
 
 def render(engine: Engine, job: Job, out_path: str, crf: int = 18, preset: str = "veryfast",
