@@ -416,20 +416,23 @@ def attention_kernels(ctx: Context) -> list[dict]:
 
 
 def attention_kernel_rows(cfg, dev: torch.device, dtype: torch.dtype, block: int = 16, latent: int = 64,
-                          iters: int = 20) -> list[dict]:
+                          iters: int = 20, kinds: tuple[str, ...] = ("spatial", "cross", "temporal")) -> list[dict]:
     """Each attention shape alone on inputs in the model's layout (self-attention: q, k, v as views
     of one fused projection; cross: separate), per kernel spec (`parse_kernel`): SDPA's own choice
     ("auto", the reference), each SDPA backend alone, each with the head dim zero-padded to a multiple
     of 64 ("+pad": the same result), and on a GPU for the 16-token temporal attention "math"
-    compiled (plain batched matmuls with the softmax fused between them). ms per call (median),
-    TFLOP/s of the attention's matrix products, cosine vs "auto"."""
-    import torch.nn.functional as F
-
+    compiled (plain batched matmuls with the softmax fused between them) and "triton"
+    (`lab.accel.short_attention`: one program per sequence and head, where Triton runs). ms per call
+    (median), TFLOP/s of the attention's matrix products, cosine vs "auto"."""
+    from lab.accel import short_attention
     from lab.models.latentsync import attention, parse_kernel
 
     rows = []
     gpu = dev.type == "cuda"
-    for sh in attention_shapes(cfg, block, 2, latent):
+    triton_ok = short_attention.available(dev)[0]
+    if triton_ok:
+        short_attention.register()
+    for sh in [s for s in attention_shapes(cfg, block, 2, latent) if s["attention"].split()[0] in kinds]:
         n, h, L, Lk, d = sh["seqs"], sh["heads"], sh["tokens"], sh["kv_tokens"], sh["head_dim"]
         c = h * d
         g = torch.Generator(device=dev).manual_seed(0)
@@ -443,6 +446,8 @@ def attention_kernel_rows(cfg, dev: torch.device, dtype: torch.dtype, block: int
         specs = [("auto", False)] + [(b, False) for b in ("cudnn", "flash", "efficient")]
         if L * Lk <= 256 * 256:  # plain matmuls: the scores are small enough to write out
             specs += [("math", False)] + ([("math", True)] if gpu and sh["attention"].startswith("temporal") else [])
+        if triton_ok and sh["attention"].startswith("temporal"):
+            specs.append(("triton", False))
         if d % 64:
             specs += [(f"{b}+pad", False) for b in ("auto", "cudnn", "flash", "efficient")]
         for spec, compiled in specs:

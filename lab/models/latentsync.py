@@ -138,6 +138,18 @@ _BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cu
 PAD = 64   # "+pad": head dim zero-padded to a multiple of this (the widths attention kernels are tuned for)
 
 
+# attention kernels beyond SDPA's, registered by lab.accel (e.g. "triton": lab.accel.short_attention):
+# name → (fn(q, k, v, heads) on (N, L, H·d) tensors, the attention kinds it serves)
+_KERNELS: dict[str, tuple[Any, tuple[str, ...]]] = {}
+
+
+def register_attention_kernel(name: str, fn: Any, kinds: tuple[str, ...] = ("temporal",)) -> None:
+    """Offer `fn(q, k, v, heads)` as attention kernel `name` for the attention kinds in `kinds`."""
+    if name in ("auto", *SDPA_KERNELS) or "+" in name:
+        raise InputError(f"attention kernel name {name!r} is taken by SDPA's or not a plain name")
+    _KERNELS[name] = (fn, tuple(kinds))
+
+
 def parse_kernel(spec: str | None, where: str = "attention kernel") -> tuple[str | None, bool]:
     """An attention kernel spec → (SDPA backend or None for SDPA's own choice, pad head dim).
 
@@ -147,9 +159,12 @@ def parse_kernel(spec: str | None, where: str = "attention kernel") -> tuple[str
     if spec is None:
         return None, False
     base, _, extra = str(spec).partition("+")
+    if base in _KERNELS and not extra:
+        return base, False
     if base not in ("auto", *SDPA_KERNELS) or extra not in ("", "pad"):
         raise InputError(f"{where} {spec!r} not understood; expected one of {('auto', *SDPA_KERNELS)}, "
-                         f"optionally with '+pad' (e.g. 'cudnn+pad'), or None")
+                         f"optionally with '+pad' (e.g. 'cudnn+pad'), one of the registered kernels "
+                         f"{tuple(_KERNELS)}, or None")
     return (None if base == "auto" else base), extra == "pad"
 
 
@@ -158,6 +173,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, bac
     """Multi-head scaled dot-product attention on (N, L, C) tensors: SDPA's own kernel choice, or
     `backend` alone; `pad`: head dim zero-padded to a multiple of 64 (same result). Both are plain
     Python constants at trace time, so torch.compile keeps them in one graph."""
+    if backend in _KERNELS:
+        return _KERNELS[backend][0](q, k, v, heads)
     n, lq, c = q.shape
     d = c // heads
     q, k, v = (x.reshape(n, -1, heads, d).transpose(1, 2) for x in (q, k, v))
@@ -584,6 +601,10 @@ def set_attention_kernels(model: nn.Module, spatial: str | None = None, temporal
             raise InputError(f"attention shape {label!r} is not in this UNet at {latent}² latents; its shapes: "
                              f"{sorted(labels)}")
         parse_kernel(spec, f"attention kernel for {label!r}")
+    for label, mod in sites:
+        spec = (per_shape or {}).get(label, kinds[label.split()[0]])
+        if spec in _KERNELS and label.split()[0] not in _KERNELS[spec][1]:
+            raise InputError(f"attention kernel {spec!r} serves {_KERNELS[spec][1]} attention, not {label!r}")
     for label, mod in sites:
         mod.set_kernel((per_shape or {}).get(label, kinds[label.split()[0]]))
     return model

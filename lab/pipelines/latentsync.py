@@ -148,6 +148,10 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
         from lab.models.latentsync import fuse_qkv
 
         fuse_qkv(unet.model)
+    from lab.accel import short_attention
+
+    if short_attention.available(dev)[0]:
+        short_attention.register()  # attention kernel "triton" for the temporal attention
     engine = Engine(cfg, dev, dt, unet, vae, whisper, mask=fixed_mask(cfg.face).to(dev, dt),
                     weights={"latentsync_unet": unet.weights, "sd-vae": vae.weights, "whisper-tiny": w_src})
     set_attention_kernels(engine, cfg.attention_kernels)
