@@ -62,3 +62,15 @@ def test_compiled_graph_with_guided_shortcuts_matches_eager(tiny):
         assert cosine(r(*ex).float(), ref) > 0.9999
     finally:
         fuse_qkv(m, False)
+
+
+def test_triton_temporal_attention_matches_sdpa_compiled_in_one_graph():
+    from lab.accel import short_attention as sa
+    from lab.models.latentsync import attention
+
+    q, k, v = torch.randn(512, 16, 3 * 320, device="cuda", dtype=torch.float16).chunk(3, -1)  # fused projection
+    ref = attention(q, k, v, 8).float()
+    assert cosine(sa.short_attention(q, k, v, 8).float(), ref) > 0.99999
+    sa.register()
+    fn = torch.compile(lambda q, k, v: attention(q, k, v, 8, "triton"), fullgraph=True)
+    assert cosine(fn(q, k, v).float(), ref) > 0.99999
