@@ -170,9 +170,10 @@ def parse_kernel(spec: str | None, where: str = "attention kernel") -> tuple[str
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, backend: str | None = None,
               pad: bool = False) -> torch.Tensor:
-    """Multi-head scaled dot-product attention on (N, L, C) tensors: SDPA's own kernel choice, or
-    `backend` alone; `pad`: head dim zero-padded to a multiple of 64 (same result). Both are plain
-    Python constants at trace time, so torch.compile keeps them in one graph."""
+    """Multi-head scaled dot-product attention on (N, L, C) tensors: SDPA's own kernel choice, one
+    SDPA `backend` alone, or a registered kernel (`register_attention_kernel`); `pad`: head dim
+    zero-padded to a multiple of 64 (same result). Both are plain Python constants at trace time, so
+    torch.compile keeps them in one graph."""
     if backend in _KERNELS:
         return _KERNELS[backend][0](q, k, v, heads)
     n, lq, c = q.shape
