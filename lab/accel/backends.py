@@ -349,13 +349,16 @@ def _compile(c: _Ctx, mode: str = "default", dynamic: bool | None = False, fullg
 
 
 def capture(fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor], warmup: int = 3,
-            clone_output: bool = True) -> tuple[Callable[..., Any], list[Any]]:
+            clone_output: bool = True, stream: Any = None) -> tuple[Callable[..., Any], list[Any]]:
     """Capture `fn(*example_inputs)` into one CUDA graph; return (run, objects to keep alive).
 
     Warm-up runs on a side stream (what torch.cuda.graph expects: lazy init, cuDNN autotuning and
     compilation happen there, outside capture). `run(*args)` checks shapes, copies args into the
     static input buffers, replays, and returns a clone of the static output (or the buffer
-    itself with clone_output=False: valid until the next call).
+    itself with clone_output=False: valid until the next call). `stream`: the capture stream
+    (default: torch's one shared capture stream). Graphs captured on one stream share that stream's
+    cuBLAS workspace, so two graphs that replay at the same time on different streams must be
+    captured on different streams.
     """
     device = example_inputs[0].device
     with torch.no_grad():
@@ -371,7 +374,7 @@ def capture(fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor], warm
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             static_out = fn(*static_in)
     shapes = [tuple(x.shape) for x in static_in]
 
