@@ -580,10 +580,14 @@ def _window_fn(engine: Engine):
         d, L = engine.dims, engine.dims.seq_frames
         ex = [torch.randn(1, L, D.MOTION_DIM, device=dev), torch.randn(1, D.MOTION_DIM, device=dev),
               torch.randn(1, L, d.cond_dim, device=dev), torch.randn(cfg.sampling_steps, 1, L, D.MOTION_DIM, device=dev)]
+        # the window's graph replays on MotionStream's side stream while the renderer's graphs replay on
+        # the main stream: graphs captured on one stream share its cuBLAS workspace, so this one is captured
+        # on a stream of its own (of the high-priority pool, where only the motion model's streams live)
+        cap = torch.cuda.Stream(dev, priority=-1)
         t0 = time.perf_counter()
-        run, keep = capture(fn, ex, warmup=2, clone_output=True)
+        run, keep = capture(fn, ex, warmup=2, clone_output=True, stream=cap)
         engine.compile_s += time.perf_counter() - t0
-        engine.variants[key + ("keep",)] = keep + [times, drop, coefs, films_w]
+        engine.variants[key + ("keep",)] = keep + [times, drop, coefs, films_w, cap]
     engine.variants[key] = run
     return run
 
