@@ -715,7 +715,7 @@ def final_step(ctx: Context) -> list[dict]:
     renderer), output stride 3 and 2 at that configuration, each a median of runs; the encoder ceiling
     follows as its own step."""
     steps = waterfall_steps(ctx)[-3:]
-    rows, top, top_ch = [], None, None
+    rows, top, top_ch, first = [], None, None, None
     for step, ch in steps:
         try:
             rep = _timed(ctx, ch, repeats=ctx.prof.repeats)
@@ -725,6 +725,10 @@ def final_step(ctx: Context) -> list[dict]:
             continue
         ctx.runs[step] = rep
         rows.append(_row(step, rep, top))
+        if first is not None and top is not first and rep.faces is not None and first.faces is not None:
+            # each row against the first as well as the one before: which row moved the output
+            rows[-1]["psnr_vs_first_db"] = _quality(rep, first)["psnr_db"]
+        first = rep if first is None else first
         top, top_ch = rep, ch
         print(f"  final {step:55s} {rep.fps:8.1f} FPS (median of {rep.runs})", flush=True)
         ctx.res.tables["e2e_final"] = rows
