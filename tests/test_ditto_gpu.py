@@ -1,0 +1,29 @@
+"""Ditto on the GPU host (pytest -m gpu): the motion model compiled and/or streamed beside the renderer gives
+the frames of the plain path (motion before the render loop, eager DDIM loop in one CUDA graph)."""
+import pytest
+import torch
+
+from lab import metrics
+from lab.pipelines import ditto as P
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_compiled_and_streamed_motion_keep_the_frames():
+    from lab.experiments.ditto import speech_with_pauses
+
+    # the final configuration's pillars with upstream's renderer precision: at full size the renderer's and the
+    # motion model's CUDA graphs replay at the same time on two streams, as in the end-to-end rows
+    cfg = P.Config(size="full", batch_size=16, source_pool="vram", cuda_graphs=True, hubert_batch=16,
+                   silence="bypass", putback="gpu", async_writer=True, writer="null")
+    torch.backends.cudnn.benchmark = True
+    engine = P.build(cfg, "cuda")
+    avatar = P.prepare(engine)
+    audio = speech_with_pauses(8.4, ((3.6, 4.8),))        # 210 frames: three LMDM windows
+    ref = P.run(engine, avatar, audio, 16000, keep_faces=True)
+    assert ref.motion_windows == 3
+    for changes in (dict(motion_compile=True), dict(stream_motion=True), dict(stream_motion=True, motion_compile=True)):
+        e = P.reconfigure(engine, **changes)
+        for _ in range(2):   # the first run compiles / captures; the second replays beside the renderer's graph
+            got = P.run(e, avatar, audio, 16000, keep_faces=True)
+            assert metrics.psnr(got.faces, ref.faces) > 45, changes
