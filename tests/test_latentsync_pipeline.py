@@ -206,3 +206,23 @@ def test_kernel_choice_is_the_fastest_explicit_kernel_that_keeps_the_result():
     assert choose_attention_kernels(rows, compiled=False) == {"spatial 64²": "flash+pad", "temporal 64²": "flash"}
     assert choose_attention_kernels(rows, compiled=True) == {"spatial 64²": "flash+pad", "temporal 64²": "math"}
     assert attention_choice_ms(rows, compiled=True) == pytest.approx({"auto_ms_per_step": 2.6, "chosen_ms_per_step": 2.0})
+
+
+def test_memory_step_measures_both_last_blocks_after_one_untimed_run(tmp_path, monkeypatch):
+    from lab.experiments import latentsync as L
+
+    ctx = L.setup("cpu", quick=True, out_dir=str(tmp_path / "run"))
+    seen = []
+    run = L._run
+
+    def spy(c, mode, fast, keep=True, job=None, **cfg):
+        seen.append(cfg.get("last_block"))
+        return run(c, mode, fast, keep, job, **cfg)
+
+    monkeypatch.setattr(L, "_run", spy)
+    rows = L.memory_scaling(ctx)
+    lo, hi = ctx.prof.memory_seconds
+    assert [(r["last_block"], r["input_s"]) for r in rows] == [("short", lo), ("short", hi), ("pad", lo), ("pad", hi)]
+    # the warm-up run comes first and is not a row; every run got the last-block rule of its row
+    assert seen == ["short", "short", "short", "pad", "pad"]
+    assert set(ctx.res.metrics["memory_growth"]) == set(ctx.res.metrics["memory_growth_last_block_padded"]) == {"rss", "gpu"}

@@ -13,6 +13,22 @@ from lab.video import read_video_info
 FS = (128, 192)  # composite (width, height)
 
 
+class _Collect:
+    """A writer that keeps copies of what it is given (the pipeline may reuse its buffers)."""
+
+    def __init__(self):
+        self.frames = []
+
+    def write(self, f):
+        self.frames.append(np.array(f))
+
+    def close(self):
+        pass
+
+    def abort(self):
+        pass
+
+
 @pytest.fixture(scope="module")
 def engine():
     cfg = mt.Config(size="tiny", frame_size=FS, crop=64, loop_frames=5, batch_size=4, dtype="fp32")
@@ -216,22 +232,9 @@ def test_gpu_blend_path_matches_cpu_blend(engine, speech, monkeypatch):
     """blend='gpu' (torch, batched, run here on CPU tensors) and the numpy blend give the same frames."""
     a, sr = speech
 
-    class Collect:
-        def __init__(self):
-            self.frames = []
-
-        def write(self, f):
-            self.frames.append(np.asarray(f))
-
-        def close(self):
-            pass
-
-        def abort(self):
-            pass
-
     got = {}
     for blend in ("cpu", "gpu"):
-        w = Collect()
+        w = _Collect()
         monkeypatch.setattr(mt, "_open_writer", lambda *args, _w=w: _w)
         mt.run(mt.reconfigure(engine, blend=blend, pipe_format="rgb24"), a, sr, "unused.mp4", n_frames=8)
         got[blend] = np.concatenate(w.frames)
@@ -257,23 +260,10 @@ def test_region_composite_pipes_the_same_planes_as_whole_frames(engine, speech):
     very bytes the whole-frame blend + conversion does, whatever the host-wait and pipe settings."""
     a, sr = speech
 
-    class Collect:
-        def __init__(self):
-            self.frames = []
-
-        def write(self, f):
-            self.frames.append(np.array(f))
-
-        def close(self):
-            pass
-
-        def abort(self):
-            pass
-
     got = {}
     for comp, wait in (("frame", "spin"), ("region", "sleep")):
         e = mt.reconfigure(engine, blend="gpu", pipe_format="yuv420p", mode="async", composite=comp, host_wait=wait)
-        w = Collect()
+        w = _Collect()
         r = mt.run(e, a, sr, None, n_frames=10, sink=w)
         got[comp] = np.concatenate(w.frames)
         assert ("composite_yuv420p" if comp == "region" else "yuv420p") in {s["stage"] for s in r.stages}

@@ -700,12 +700,7 @@ def compiled_step(ctx: Context) -> list[dict]:
         wf.append(_row(step, rep, ref))
         ctx.res.tables["e2e_stages"] = [dict(r) for r in rep.stages]
         print(f"  waterfall {step:55s} {rep.fps:8.1f} FPS", flush=True)
-        rows = ctx.res.tables.setdefault("strides", [])
-        for k in (2, 3):
-            r = _timed(ctx, ch | dict(stride=k, stride_space="output"), repeats=ctx.prof.repeats)
-            rows.append(_row(f"stride {k}, SLERP of output (final config)", r, rep) | {
-                "space": "output", "stride": k, "speedup": r.fps / rep.fps, "config": "final"})
-            print(f"  stride {k} output (final) {r.fps:8.1f} FPS", flush=True)
+        _final_strides(ctx, ch, rep, (2, 3))
     ctx.partial()
     return ctx.res.tables.get("renderer", [])
 
@@ -737,14 +732,20 @@ def final_step(ctx: Context) -> list[dict]:
     ctx.res.tables["e2e_final"] = rows
     if top is None:
         return rows
-    st_rows = ctx.res.tables.setdefault("strides", [])
-    for k in (3, 2):
-        r = _timed(ctx, top_ch | dict(stride=k, stride_space="output"), repeats=ctx.prof.repeats)
-        st_rows.append(_row(f"stride {k}, SLERP of output (final config)", r, top) | {
-            "space": "output", "stride": k, "speedup": r.fps / top.fps, "config": "final"})
+    _final_strides(ctx, top_ch, top, (3, 2))
+    return rows
+
+
+def _final_strides(ctx: Context, changes: dict, dense: P.RunReport, strides: tuple[int, ...]) -> None:
+    """Output strides at a final configuration, each a "strides" row against that configuration's dense run
+    (saved after each row)."""
+    rows = ctx.res.tables.setdefault("strides", [])
+    for k in strides:
+        r = _timed(ctx, changes | dict(stride=k, stride_space="output"), repeats=ctx.prof.repeats)
+        rows.append(_row(f"stride {k}, SLERP of output (final config)", r, dense) | {
+            "space": "output", "stride": k, "speedup": r.fps / dense.fps, "config": "final"})
         print(f"  stride {k} output (final) {r.fps:8.1f} FPS", flush=True)
         ctx.partial()
-    return rows
 
 
 # ----------------------------------------------------------------------------- 6. encoder ceiling, 7. memory

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -372,7 +372,7 @@ def waterfall(engine: Engine, audio: np.ndarray, sr: int, n_frames: int, folder:
             reps.append(mt.run(cur, audio, sr, out, n_frames=frames))
             if out is not None and out.exists():
                 out.unlink()  # the row's video only proved the encode ran; keep the run folder small
-        r = sorted(reps, key=lambda x: x.fps)[len(reps) // 2]
+        r = _middle(reps, lambda x: x.fps)
         st = {s["stage"]: s["seconds"] for s in r.stages}
         rows.append({"step": label, "fps": r.fps, "wall_s": r.wall_s, "speedup": 0.0, "frames": frames,
                      "resample_ms": 1e3 * st.get("resample", 0.0), "unet_s": st.get("unet", 0.0),
@@ -802,9 +802,14 @@ def e2e_rates(run: Run, engine: Engine, clip: Clip, repeats: int | None = None) 
     return out
 
 
+def _middle(runs: list, fps: Callable[[Any], float]) -> Any:
+    """The run with the median FPS (the upper middle of an even count)."""
+    return sorted(runs, key=fps)[len(runs) // 2]
+
+
 def _median_report(reports: list[dict]) -> dict:
     """The run with the median FPS (the upper middle of an even count), with every run's FPS."""
-    mid = dict(sorted(reports, key=lambda r: r["fps"])[len(reports) // 2])
+    mid = dict(_middle(reports, lambda r: r["fps"]))
     mid["fps_runs"] = [r["fps"] for r in reports]
     mid["runs"] = len(reports)
     return mid
