@@ -220,3 +220,23 @@ def test_compiled_motion_model_says_what_is_missing(engine, monkeypatch):
         P.reconfigure(engine, motion_compile=True)
     with pytest.raises(BackendUnavailable, match="g\\+\\+"):
         P.build(P.replace(engine.cfg, motion_compile=True), "cpu")
+
+
+def test_bf16_motion_is_close_to_fp32_and_the_compiled_step_agrees(engine, monkeypatch):
+    # bf16 autocast moves the window by bf16 rounding (not zero, not far); the compiled step gives the eager bf16 loop
+    monkeypatch.setattr(P, "MOTION_COMPILE_BACKEND", "aot_eager")
+    d, L = engine.dims, engine.dims.seq_frames
+    g = torch.Generator().manual_seed(4)
+    cond, cf = torch.randn(L, d.cond_dim, generator=g), torch.randn(265, generator=g)
+    noises, x = torch.randn(3, 1, L, 265, generator=g), torch.randn(1, L, 265, generator=g)
+    sched = P.D.Schedule.make(3)
+    e = P.reconfigure(engine, sampling_steps=3)
+    ref = P.sample_window(e, cf, cond, sched, noises, None, x=x)
+    half = P.sample_window(P.reconfigure(e, motion_precision="bf16"), cf, cond, sched, noises, None, x=x)
+    comp = P.sample_window(P.reconfigure(e, motion_precision="bf16", motion_compile=True), cf, cond, sched, noises, None, x=x)
+    assert half.dtype == torch.float32 and torch.isfinite(half).all()
+    err = (half - ref).abs().max().item() / ref.abs().max().item()
+    assert 0 < err < 0.05
+    assert torch.allclose(comp, half, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    with pytest.raises(InputError, match="motion_precision"):
+        P.reconfigure(engine, motion_precision="fp16")

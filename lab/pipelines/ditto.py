@@ -62,6 +62,7 @@ COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
 STRIDE_SPACES = ("output", "feature", "motion")
 MOTIONS = ("lmdm", "rms")
 MOTION_MODES = {"offline": 10, "online": 70}   # window overlap in frames
+MOTION_PRECISIONS = ("fp32", "bf16")
 CROP_SCALE = 2.3          # source crop side / face box side (upstream's final crop)
 CROP_VY = -0.125          # crop centre moved up by this fraction of the side
 LIP_KP = (6, 12, 14, 17, 19, 20)   # keypoints the RMS demo drive moves
@@ -98,6 +99,7 @@ class Config:
     motion_mode: str = "offline"
     stream_motion: bool = False       # LMDM windows generated as the render loop reaches them, on a side CUDA stream
     motion_compile: bool = False      # the LMDM's guided DDIM step torch.compile'd (inductor, fixed shapes)
+    motion_precision: str = "fp32"    # the LMDM's forwards: "fp32" (upstream's PyTorch runtime) | "bf16" (autocast; approximate)
     sampling_steps: int = 50
     guidance: float = 2.0
     eta: float = 1.0
@@ -113,7 +115,8 @@ class Config:
                                      ("source_pool", self.source_pool, POOLS), ("silence", self.silence, SILENCE),
                                      ("putback", self.putback, PUTBACKS), ("writer", self.writer, WRITERS),
                                      ("compile", self.compile, COMPILE), ("stride_space", self.stride_space, STRIDE_SPACES),
-                                     ("motion", self.motion, MOTIONS), ("motion_mode", self.motion_mode, tuple(MOTION_MODES))):
+                                     ("motion", self.motion, MOTIONS), ("motion_mode", self.motion_mode, tuple(MOTION_MODES)),
+                                     ("motion_precision", self.motion_precision, MOTION_PRECISIONS)):
             if value not in allowed:
                 raise InputError(f"Config.{name} must be one of {allowed}, got {value!r}")
         for name in ("batch_size", "stride", "sampling_steps", "hubert_batch", "queue_frames", "ease_frames"):
@@ -462,21 +465,33 @@ def _denoise(engine: Engine, x: torch.Tensor, cf: torch.Tensor, c: torch.Tensor,
     net = engine.nets["lmdm"]
     sched = D.Schedule.make(cfg.sampling_steps)
     ac, steps = sched.alphas_cumprod, sched.times
+    amp = _motion_autocast(engine)
     # the condition's encoding is the same at every step of the window: once, not 2·S times
-    if cfg.batch_cfg:
-        enc2 = net.encode_condition(c.expand(2, -1, -1), drop)
-    else:
-        enc_u, enc_c = net.encode_condition(c, drop[:1]), net.encode_condition(c, drop[1:])
-    for i, (t, t_next) in enumerate(zip(steps[:-1], steps[1:])):
+    with amp():
         if cfg.batch_cfg:
-            out = net(x.expand(2, -1, -1), cf.expand(2, -1), None, times[i], drop, encoded=enc2)
-            unc, con = out[:1], out[1:]
+            enc2 = net.encode_condition(c.expand(2, -1, -1), drop)
         else:
-            unc = net(x, cf, None, times[i, :1], drop[:1], encoded=enc_u)
-            con = net(x, cf, None, times[i, :1], drop[1:], encoded=enc_c)
+            enc_u, enc_c = net.encode_condition(c, drop[:1]), net.encode_condition(c, drop[1:])
+    for i, (t, t_next) in enumerate(zip(steps[:-1], steps[1:])):
+        with amp():
+            if cfg.batch_cfg:
+                out = net(x.expand(2, -1, -1), cf.expand(2, -1), None, times[i], drop, encoded=enc2).float()
+                unc, con = out[:1], out[1:]
+            else:
+                unc = net(x, cf, None, times[i, :1], drop[:1], encoded=enc_u).float()
+                con = net(x, cf, None, times[i, :1], drop[1:], encoded=enc_c).float()
         x0 = unc + (con - unc) * cfg.guidance
         x = D.ddim_step(x, x0, float(ac[t]), float(ac[t_next]) if t_next >= 0 else None, noises[i], cfg.eta)
     return x
+
+
+def _motion_autocast(engine: Engine):
+    """The LMDM forwards' precision: fp32 as upstream's PyTorch runtime runs them, or bf16 autocast (GEMMs and
+    attention on the tensor cores, norms and the DDIM update in fp32): the model's ~7 GFLOP per step are
+    small fp32 GEMMs that run on the SIMT units. Approximate: the difference is measured, not assumed."""
+    on = engine.cfg.motion_precision == "bf16"
+    dev = engine.device.type
+    return lambda: torch.autocast(dev, dtype=torch.bfloat16, enabled=on)
 
 
 def _ddim_coefs(engine: Engine) -> list[torch.Tensor]:
@@ -505,18 +520,19 @@ def _compiled_step(engine: Engine):
     LayerNorms, FiLMs, rotary, GELU and the update into a few kernels around the GEMMs and attention: the
     eager step is ~490 small launches, which is what it costs on a big GPU."""
     cfg = engine.cfg
-    key = ("lmdm_step", cfg.guidance, cfg.batch_cfg)
+    key = ("lmdm_step", cfg.guidance, cfg.batch_cfg, cfg.motion_precision)
     if key in engine.variants:
         return engine.variants[key]
-    net, g = engine.nets["lmdm"], cfg.guidance
+    net, g, amp = engine.nets["lmdm"], cfg.guidance, _motion_autocast(engine)
 
     def step(x, cf, films, keys, values, noise, coef):
-        if cfg.batch_cfg:
-            out = D.sampler_forward(net, x.expand(2, -1, -1), cf.expand(2, -1), films, keys, values)
-            unc, con = out[:1], out[1:]
-        else:
-            unc = D.sampler_forward(net, x, cf, films[:1], keys[:, :1], values[:, :1])
-            con = D.sampler_forward(net, x, cf, films[1:], keys[:, 1:], values[:, 1:])
+        with amp():
+            if cfg.batch_cfg:
+                out = D.sampler_forward(net, x.expand(2, -1, -1), cf.expand(2, -1), films, keys, values).float()
+                unc, con = out[:1], out[1:]
+            else:
+                unc = D.sampler_forward(net, x, cf, films[:1], keys[:, :1], values[:, :1]).float()
+                con = D.sampler_forward(net, x, cf, films[1:], keys[:, 1:], values[:, 1:]).float()
         x0 = unc + (con - unc) * g
         sa, s1a, san, c, sigma = coef.unbind(0)
         return x0 * san + c * ((x - sa * x0) / s1a) + sigma * noise
@@ -536,12 +552,13 @@ def _denoise_compiled(engine: Engine, x: torch.Tensor, cf: torch.Tensor, c: torc
     # at every step, in a CUDA-graph capture and outside one: one compilation
     with torch.inference_mode():
         x, cf = x.clone(), cf.clone()
-        if engine.cfg.batch_cfg:
-            enc = net.encode_condition(c.expand(2, -1, -1), drop)
-        else:   # each half encoded on its own, as the two-call eager path does
-            halves = net.encode_condition(c, drop[:1]), net.encode_condition(c, drop[1:])
-            enc = tuple(torch.cat(p) for p in zip(*halves))
-        films, keys, values = D.window_constants(net, enc, times, films_w)
+        with _motion_autocast(engine)():
+            if engine.cfg.batch_cfg:
+                enc = net.encode_condition(c.expand(2, -1, -1), drop)
+            else:   # each half encoded on its own, as the two-call eager path does
+                halves = net.encode_condition(c, drop[:1]), net.encode_condition(c, drop[1:])
+                enc = tuple(torch.cat(p) for p in zip(*halves))
+            films, keys, values = D.window_constants(net, enc, times, films_w)
         for i in range(len(coefs)):
             x = step(x, cf, films[i], keys[i], values[i], noises[i].clone(), coefs[i])
     return x.clone() if not torch.is_inference_mode_enabled() else x   # a plain tensor for plain callers
@@ -554,7 +571,7 @@ def _window_fn(engine: Engine):
     `motion_compile` each step inside it is the compiled, fused step."""
     cfg, dev = engine.cfg, engine.device
     key = ("lmdm_window", cfg.cuda_graphs, cfg.sampling_steps, cfg.guidance, cfg.eta, cfg.batch_cfg,
-           cfg.motion_compile)
+           cfg.motion_compile, cfg.motion_precision)
     if key in engine.variants:
         return engine.variants[key]
     steps = D.Schedule.make(cfg.sampling_steps).times
