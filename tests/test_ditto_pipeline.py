@@ -240,3 +240,16 @@ def test_bf16_motion_is_close_to_fp32_and_the_compiled_step_agrees(engine, monke
     assert torch.allclose(comp, half, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     with pytest.raises(InputError, match="motion_precision"):
         P.reconfigure(engine, motion_precision="fp16")
+
+
+def test_fft_mask_conv_renders_the_same_faces(engine, avatar):
+    # the dense motion's mask conv through FFTs (fp32) is the same function as the conv: same faces
+    from lab.accel.fft_conv import FFTConv3d
+
+    a = _speech_with_pause()
+    ref = P.run(engine, avatar, a, SR, keep_faces=True)
+    e = P.reconfigure(engine, fft_mask=True, pad_channels=True)
+    got = P.run(e, avatar, a, SR, keep_faces=True)
+    warp = next(v for k, v in e.variants.items() if k[:2] == ("module", "warp_network") and k[-1])
+    assert isinstance(warp.dense_motion_network.mask, FFTConv3d)
+    assert (got.faces.int() - ref.faces.int()).abs().max() <= 1

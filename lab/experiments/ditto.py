@@ -66,9 +66,9 @@ ANCHOR_H200 = {"b1_fps": 65.9, "b8_fps": 135.5, "compile_b8_fps": 240.5, "best_s
 TARGETS = {"renderer_fps": 360.0, "renderer_psnr_db": 50.0, "e2e_fps": 150.0, "encoder_share": 0.90, "rss_growth": 0.05}
 ESTIMATE_S = {"motion": 70, "final": 100, "renderer": 30, "stages": 15, "waterfall": 60, "strides": 60, "encoder": 10, "memory": 60, "compiled": 60}
 def _variant(precision: str, fold: bool, channels_last: bool, pad: bool, compile: str, graphs: bool,
-             cl3d: bool = False, fuse: bool = False) -> dict:
+             cl3d: bool = False, fuse: bool = False, fft: bool = False) -> dict:
     return dict(precision=precision, fold_spectral_norm=fold, channels_last=channels_last, pad_channels=pad,
-                compile=compile, cuda_graphs=graphs, channels_last_3d=cl3d, fuse_spade=fuse)
+                compile=compile, cuda_graphs=graphs, channels_last_3d=cl3d, fuse_spade=fuse, fft_mask=fft)
 
 
 VARIANTS = {
@@ -85,6 +85,8 @@ VARIANTS = {
     "compile+graph+fuse+cl3d": _variant("fp16", True, True, False, "default", True, cl3d=True, fuse=True),
     "fp16+pad8+fuse+graph": _variant("fp16", True, False, True, "none", True, fuse=True),
     "compile+graph+pad8+fuse": _variant("fp16", True, False, True, "default", True, fuse=True),
+    "fp16+pad8+fuse+fft+graph": _variant("fp16", True, False, True, "none", True, fuse=True, fft=True),
+    "compile+graph+pad8+fuse+fft": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True),
 }
 VARIANT_TEXT = {
     "upstream": "upstream's precision: fp32 weights under fp16 autocast, spectral-norm hooks, NCHW, eager",
@@ -100,6 +102,8 @@ VARIANT_TEXT = {
     "compile+graph+fuse+cl3d": "merged SPADE convs, NDHWC 3-D convs, torch.compile (default mode), CUDA graph",
     "fp16+pad8+fuse+graph": "fp16, folded, NCHW, dense-motion channels padded to 8, merged SPADE convs, CUDA graph",
     "compile+graph+pad8+fuse": "the same through torch.compile (default mode), CUDA graph",
+    "fp16+pad8+fuse+fft+graph": "fp16+pad8+fuse+graph with the 7³ mask conv through FFTs in fp32 (lab.accel.fft_conv), CUDA graph",
+    "compile+graph+pad8+fuse+fft": "the same through torch.compile (default mode), CUDA graph",
 }
 
 
@@ -131,7 +135,7 @@ class Profile:
 # (161; `fp16+fold-nchw` separates the layout from the padding): the full profile keeps the variants that can
 # still win, the others stay in VARIANTS for the notebook
 FULL_VARIANTS = ["upstream", "fp16+fold-nchw", "fp16+fold+graph", "fp16+pad8+graph", "fp16+pad8+fuse+graph",
-                 "compile+graph", "compile+graph+pad8+fuse"]
+                 "fp16+pad8+fuse+fft+graph", "compile+graph", "compile+graph+pad8+fuse", "compile+graph+pad8+fuse+fft"]
 
 
 def profile(quick: bool, device: torch.device) -> Profile:

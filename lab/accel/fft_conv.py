@@ -1,0 +1,112 @@
+"""A large-kernel 3-D convolution computed through FFTs: the same function as the Conv3d, in fp32.
+
+Why: Ditto's dense-motion mask conv (7³ kernel, 142 → 22 channels, 16×64×64 voxels) is 140 of the
+renderer's 1234 GFLOP per frame, and cuDNN runs it at ~137 TFLOP/s on an H200 (18 % of the fp16 matrix
+rate: 22 output channels give the implicit GEMM a 24-wide N). Through FFTs its work is the transforms plus one
+complex multiply-add per frequency, input channel and output channel: ~2 GFLOP per frame instead of 140.
+
+    fast = FFTConv3d(conv, spatial=(16, 64, 64))    # weights transformed once, for that input size
+    y = fast(x)                                      # == conv(x) up to fp32 rounding (x fp16 or fp32)
+
+Linear (not circular) convolution: the volume is zero-padded to an FFT size ≥ size + kernel − 1 per axis
+(the smallest 2·3·5·7-smooth number), so no output wraps around; cross-correlation (what Conv3d computes)
+is convolution with the kernel flipped, and the conv's zero padding is where the output is cropped. The
+transforms and the channel contraction run in fp32 (complex64), so the result is at least as accurate as the
+fp16 conv it replaces. The transformed weights are fp32 for the chosen size only (1.6 GB for Ditto's mask
+conv): they stay fp32 when the module is cast to half. Inside torch.compile the whole computation is one
+opaque custom op (`lab::fft_conv3d`); cuFFT plans are made on the first call, so warm up before a CUDA-graph
+capture (as `capture` does).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lab.errors import InputError
+
+
+def smooth_size(n: int) -> int:
+    """The smallest integer ≥ n whose prime factors are 2, 3, 5 and 7 (sizes cuFFT transforms fast)."""
+    m = max(1, int(n))
+    while True:
+        k = m
+        for p in (2, 3, 5, 7):
+            while k % p == 0:
+                k //= p
+        if k == 1:
+            return m
+        m += 1
+
+
+@torch.library.custom_op("lab::fft_conv3d", mutates_args=())
+def fft_conv3d(x: torch.Tensor, w_hat: torch.Tensor, bias: torch.Tensor, fft: list[int], crop: list[int],
+               out: list[int]) -> torch.Tensor:
+    """x (B, Cin, D, H, W); w_hat the flipped kernel's rfftn as a real view (F, Cin, Cout, 2); bias (Cout,)
+    (fp32); fft the transform size; crop the first output index per axis; out the output size per axis."""
+    b, cin = x.shape[:2]
+    xf = torch.fft.rfftn(x.float(), s=fft, dim=(2, 3, 4))                        # (B, Cin, fd, fh, fw/2+1)
+    half = xf.shape[2:]
+    wf = torch.view_as_complex(w_hat)                                             # (F, Cin, Cout)
+    yf = torch.bmm(xf.reshape(b, cin, -1).permute(2, 0, 1), wf)                   # (F, B, Cout)
+    yf = yf.permute(1, 2, 0).reshape(b, wf.shape[2], *half)
+    y = torch.fft.irfftn(yf, s=fft, dim=(2, 3, 4))
+    y = y[:, :, crop[0]:crop[0] + out[0], crop[1]:crop[1] + out[1], crop[2]:crop[2] + out[2]]
+    return (y + bias.view(1, -1, 1, 1, 1)).to(x.dtype).contiguous()
+
+
+@fft_conv3d.register_fake
+def _(x, w_hat, bias, fft, crop, out):
+    return x.new_empty((x.shape[0], w_hat.shape[2], *out))
+
+
+class FFTConv3d(nn.Module):
+    """`conv` (a stride-1, dilation-1, groups-1, zero-padded Conv3d) through FFTs for inputs of size `spatial`
+    (D, H, W). The conv's weights are read once; later changes to it are not seen."""
+
+    def __init__(self, conv: nn.Conv3d, spatial: tuple[int, int, int]):
+        super().__init__()
+        if not isinstance(conv, nn.Conv3d):
+            raise InputError(f"FFTConv3d takes an nn.Conv3d, got {type(conv).__name__}")
+        if conv.groups != 1 or tuple(conv.stride) != (1, 1, 1) or tuple(conv.dilation) != (1, 1, 1) \
+                or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            raise InputError(f"FFTConv3d needs groups=1, stride 1, dilation 1 and numeric zero padding; got groups="
+                             f"{conv.groups}, stride {conv.stride}, dilation {conv.dilation}, padding {conv.padding!r} "
+                             f"({conv.padding_mode})")
+        spatial = tuple(int(s) for s in spatial)
+        if len(spatial) != 3 or min(spatial) < 1:
+            raise InputError(f"spatial must be the input's (D, H, W), got {spatial}")
+        k, pad = tuple(conv.kernel_size), tuple(conv.padding)
+        self.spatial, self.cin, self.cout = spatial, conv.in_channels, conv.out_channels
+        self.out_size = [s + 2 * p - kk + 1 for s, p, kk in zip(spatial, pad, k)]
+        if min(self.out_size) < 1:
+            raise InputError(f"input {spatial} is smaller than the kernel {k} with padding {pad}")
+        self.fft = [smooth_size(s + kk - 1) for s, kk in zip(spatial, k)]
+        self.crop = [kk - 1 - p for kk, p in zip(k, pad)]
+        with torch.no_grad():
+            w = conv.weight.detach().float().flip(2, 3, 4)
+            wf = torch.fft.rfftn(w, s=self.fft, dim=(2, 3, 4))                   # (Cout, Cin, fd, fh, fw/2+1)
+            wf = wf.reshape(self.cout, self.cin, -1).permute(2, 1, 0).contiguous()  # (F, Cin, Cout)
+        # plain attributes, not buffers: module.half() must not round the transformed weights
+        self.w_hat = torch.view_as_real(wf)
+        b = conv.bias.detach().float() if conv.bias is not None else torch.zeros(self.cout, device=w.device)
+        self.bias_f32 = b.contiguous()
+
+    def extra_repr(self) -> str:
+        return f"{self.cin}, {self.cout}, spatial={self.spatial}, fft={tuple(self.fft)}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 5 or tuple(x.shape[1:]) != (self.cin, *self.spatial):
+            raise InputError(f"FFTConv3d was built for inputs (B, {self.cin}, {', '.join(map(str, self.spatial))}), "
+                             f"got {tuple(x.shape)}: build one per input size")
+        if x.device != self.w_hat.device:
+            raise InputError(f"FFTConv3d's weights are on {self.w_hat.device}, the input on {x.device}")
+        return fft_conv3d(x, self.w_hat, self.bias_f32, self.fft, self.crop, self.out_size)
+
+
+def fft_mask_conv(dense_motion: nn.Module, spatial: tuple[int, int, int]) -> nn.Module:
+    """Swap, in place, a Ditto dense-motion network's 7³ mask conv for its FFT form; returns the network."""
+    dense_motion.mask = FFTConv3d(dense_motion.mask, spatial)
+    return dense_motion
+
+
+__all__ = ["FFTConv3d", "fft_conv3d", "fft_mask_conv", "smooth_size"]

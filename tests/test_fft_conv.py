@@ -1,0 +1,51 @@
+"""FFT form of a 3-D convolution: the conv's function (any kernel, padding, channel counts), fp32 weights
+after a cast to half, one opaque op under torch.compile, clear errors for what it cannot compute."""
+import pytest
+import torch
+from torch import nn
+
+from lab.accel.fft_conv import FFTConv3d, smooth_size
+from lab.errors import InputError
+
+
+def test_smooth_sizes():
+    assert [smooth_size(n) for n in (1, 11, 13, 22, 70, 97)] == [1, 12, 14, 24, 70, 98]
+
+
+@pytest.mark.parametrize("cin,cout,k,pad,spatial", [(6, 5, 7, 3, (4, 10, 12)), (8, 8, 3, 1, (5, 9, 9)),
+                                                    (3, 2, 3, 0, (6, 6, 7)), (4, 3, 5, 1, (6, 8, 8)),
+                                                    (2, 3, (3, 5, 1), (1, 2, 0), (5, 7, 6))])
+def test_equals_the_conv(cin, cout, k, pad, spatial):
+    torch.manual_seed(0)
+    conv = nn.Conv3d(cin, cout, k, padding=pad)
+    x = torch.randn(2, cin, *spatial)
+    ref, got = conv(x), FFTConv3d(conv, spatial)(x)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_half_keeps_fp32_weights_and_compiles_as_one_op():
+    conv = nn.Conv3d(6, 5, 7, padding=3)
+    x = torch.randn(2, 6, 4, 10, 12)
+    f = FFTConv3d(conv, (4, 10, 12)).half()
+    assert f.w_hat.dtype == torch.float32
+    y = f(x.half())
+    assert y.dtype == torch.float16 and (y.float() - conv(x)).abs().max() < 2e-2 * conv(x).abs().max()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x.half()), y)
+
+
+def test_bad_inputs():
+    with pytest.raises(InputError, match="stride"):
+        FFTConv3d(nn.Conv3d(2, 2, 3, stride=2, padding=1), (4, 8, 8))
+    with pytest.raises(InputError, match="groups"):
+        FFTConv3d(nn.Conv3d(2, 2, 3, groups=2, padding=1), (4, 8, 8))
+    with pytest.raises(InputError, match="padding"):
+        FFTConv3d(nn.Conv3d(2, 2, 3, padding="same"), (4, 8, 8))
+    with pytest.raises(InputError, match="Conv3d"):
+        FFTConv3d(nn.Conv2d(2, 2, 3), (4, 8, 8))
+    with pytest.raises(InputError, match="smaller than the kernel"):
+        FFTConv3d(nn.Conv3d(2, 2, 7), (4, 8, 8))
+    f = FFTConv3d(nn.Conv3d(2, 3, 3, padding=1), (4, 8, 8))
+    with pytest.raises(InputError, match="built for inputs"):
+        f(torch.randn(1, 2, 4, 8, 9))
