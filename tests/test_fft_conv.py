@@ -1,5 +1,10 @@
 """FFT form of a 3-D convolution: the conv's function (any kernel, padding, channel counts), fp32 weights
 after a cast to half, one opaque op under torch.compile, clear errors for what it cannot compute."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from torch import nn
@@ -49,3 +54,33 @@ def test_bad_inputs():
     f = FFTConv3d(nn.Conv3d(2, 3, 3, padding=1), (4, 8, 8))
     with pytest.raises(InputError, match="built for inputs"):
         f(torch.randn(1, 2, 4, 8, 9))
+
+
+CHECK = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from lab.accel.fft_conv import FFTConv3d
+    torch.manual_seed(0)
+    conv = nn.Conv3d(3, 3, 3, padding=1)
+    x = torch.randn(2, 3, 4, 6, 6)
+    f = FFTConv3d(conv, (4, 6, 6), contraction="triton")
+    ref = conv(x)
+    print(f.contraction, ((f(x) - ref).abs().max() / ref.abs().max()).item())
+""")
+
+
+def test_triton_contraction_under_the_interpreter():
+    # the kernel run by Triton's interpreter on the CPU (a subprocess: the interpreter is chosen at definition)
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr[-2000:]
+    name, err = r.stdout.split()[-2:]
+    assert name == "triton" and float(err) < 1e-5
+
+
+def test_auto_contraction_is_bmm_off_the_gpu_and_bad_names_are_refused():
+    assert FFTConv3d(nn.Conv3d(2, 2, 3, padding=1), (4, 6, 6)).contraction == "bmm"
+    with pytest.raises(InputError, match="contraction"):
+        FFTConv3d(nn.Conv3d(2, 2, 3, padding=1), (4, 6, 6), contraction="fast")

@@ -12,7 +12,8 @@ Linear (not circular) convolution: the volume is zero-padded to an FFT size ≥ 
 (the smallest 2·3·5·7-smooth number), so no output wraps around; cross-correlation (what Conv3d computes)
 is convolution with the kernel flipped, and the conv's zero padding is where the output is cropped. The
 transforms and the channel contraction run in fp32 (complex64), so the result is at least as accurate as the
-fp16 conv it replaces. The transformed weights are fp32 for the chosen size only (1.6 GB for Ditto's mask
+fp16 conv it replaces. The contraction (per frequency, input channels × output channels) is one Triton kernel on
+a GPU (each transformed input and weight read once, frequency-contiguous) or a batched complex matmul. The transformed weights are fp32 for the chosen size only (1.6 GB for Ditto's mask
 conv): they stay fp32 when the module is cast to half. Inside torch.compile the whole computation is one
 opaque custom op (`lab::fft_conv3d`); cuFFT plans are made on the first call, so warm up before a CUDA-graph
 capture (as `capture` does).
@@ -23,6 +24,15 @@ import torch
 from torch import nn
 
 from lab.errors import InputError
+
+try:  # Triton ships with PyTorch's CUDA wheels; without it the contraction is a batched matmul
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+CONTRACTIONS = ("auto", "bmm", "triton")
+_INT32 = 2**31 - 1
 
 
 def smooth_size(n: int) -> int:
@@ -38,33 +48,83 @@ def smooth_size(n: int) -> int:
         m += 1
 
 
+if triton is not None:
+    @triton.jit
+    def _contract_kernel(x_ptr, w_ptr, y_ptr, B, O, F, C: tl.constexpr,
+                         BLOCK_B: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr):
+        # y[b, o, f] = sum_c x[b, c, f] * w[c, o, f] (complex, interleaved re/im): one program per BLOCK_F
+        # frequencies holds every (b, o) accumulator, so x and w are each read once, frequency-contiguous
+        pid = tl.program_id(0)
+        f = pid * BLOCK_F + tl.arange(0, BLOCK_F)
+        b = tl.arange(0, BLOCK_B)
+        o = tl.arange(0, BLOCK_O)
+        fm = f < F
+        xm = (b[:, None] < B) & fm[None, :]
+        wm = (o[:, None] < O) & fm[None, :]
+        acc_re = tl.zeros((BLOCK_B, BLOCK_O, BLOCK_F), tl.float32)
+        acc_im = tl.zeros((BLOCK_B, BLOCK_O, BLOCK_F), tl.float32)
+        for c in range(C):
+            xo = ((b[:, None] * C + c) * F + f[None, :]) * 2
+            x_re = tl.load(x_ptr + xo, mask=xm, other=0.0)[:, None, :]
+            x_im = tl.load(x_ptr + xo + 1, mask=xm, other=0.0)[:, None, :]
+            wo = ((c * O + o[:, None]) * F + f[None, :]) * 2
+            w_re = tl.load(w_ptr + wo, mask=wm, other=0.0)[None, :, :]
+            w_im = tl.load(w_ptr + wo + 1, mask=wm, other=0.0)[None, :, :]
+            acc_re += x_re * w_re - x_im * w_im
+            acc_im += x_re * w_im + x_im * w_re
+        yo = ((b[:, None, None] * O + o[None, :, None]) * F + f[None, None, :]) * 2
+        ym = (b[:, None, None] < B) & (o[None, :, None] < O) & fm[None, None, :]
+        tl.store(y_ptr + yo, acc_re, mask=ym)
+        tl.store(y_ptr + yo + 1, acc_im, mask=ym)
+
+
+def _contract_triton(xf: torch.Tensor, w_hat: torch.Tensor, block_f: int = 8) -> torch.Tensor:
+    """(B, C, F) complex · (C, O, F, 2) real view → (B, O, F) complex, by the Triton kernel."""
+    b, c, f = xf.shape
+    o = w_hat.shape[1]
+    y = torch.empty(b, o, f, 2, device=xf.device, dtype=torch.float32)
+    xr = torch.view_as_real(xf.contiguous())
+    bb, bo = triton.next_power_of_2(b), triton.next_power_of_2(o)
+    _contract_kernel[(triton.cdiv(f, block_f),)](xr, w_hat, y, b, o, f, C=c, BLOCK_B=bb, BLOCK_O=bo, BLOCK_F=block_f,
+                                                   num_warps=4 if bb * bo * block_f <= 4096 else 8)
+    return torch.view_as_complex(y)
+
+
 @torch.library.custom_op("lab::fft_conv3d", mutates_args=())
 def fft_conv3d(x: torch.Tensor, w_hat: torch.Tensor, bias: torch.Tensor, fft: list[int], crop: list[int],
-               out: list[int]) -> torch.Tensor:
-    """x (B, Cin, D, H, W); w_hat the flipped kernel's rfftn as a real view (F, Cin, Cout, 2); bias (Cout,)
-    (fp32); fft the transform size; crop the first output index per axis; out the output size per axis."""
+               out: list[int], contraction: str) -> torch.Tensor:
+    """x (B, Cin, D, H, W); w_hat the flipped kernel's rfftn as a real view, (F, Cin, Cout, 2) for "bmm" or
+    (Cin, Cout, F, 2) for "triton"; bias (Cout,) fp32; fft the transform size; crop the first output index per
+    axis; out the output size per axis."""
     b, cin = x.shape[:2]
     xf = torch.fft.rfftn(x.float(), s=fft, dim=(2, 3, 4))                        # (B, Cin, fd, fh, fw/2+1)
     half = xf.shape[2:]
-    wf = torch.view_as_complex(w_hat)                                             # (F, Cin, Cout)
-    yf = torch.bmm(xf.reshape(b, cin, -1).permute(2, 0, 1), wf)                   # (F, B, Cout)
-    yf = yf.permute(1, 2, 0).reshape(b, wf.shape[2], *half)
-    y = torch.fft.irfftn(yf, s=fft, dim=(2, 3, 4))
+    if contraction == "triton":
+        cout = w_hat.shape[1]
+        yf = _contract_triton(xf.reshape(b, cin, -1), w_hat)                      # (B, Cout, F)
+    else:
+        wf = torch.view_as_complex(w_hat)                                         # (F, Cin, Cout)
+        cout = wf.shape[2]
+        yf = torch.bmm(xf.reshape(b, cin, -1).permute(2, 0, 1), wf).permute(1, 2, 0)   # (B, Cout, F)
+    y = torch.fft.irfftn(yf.reshape(b, cout, *half), s=fft, dim=(2, 3, 4))
     y = y[:, :, crop[0]:crop[0] + out[0], crop[1]:crop[1] + out[1], crop[2]:crop[2] + out[2]]
     return (y + bias.view(1, -1, 1, 1, 1)).to(x.dtype).contiguous()
 
 
 @fft_conv3d.register_fake
-def _(x, w_hat, bias, fft, crop, out):
-    return x.new_empty((x.shape[0], w_hat.shape[2], *out))
+def _(x, w_hat, bias, fft, crop, out, contraction):
+    cout = w_hat.shape[1] if contraction == "triton" else w_hat.shape[2]
+    return x.new_empty((x.shape[0], cout, *out))
 
 
 class FFTConv3d(nn.Module):
     """`conv` (a stride-1, dilation-1, groups-1, zero-padded Conv3d) through FFTs for inputs of size `spatial`
     (D, H, W). The conv's weights are read once; later changes to it are not seen."""
 
-    def __init__(self, conv: nn.Conv3d, spatial: tuple[int, int, int]):
+    def __init__(self, conv: nn.Conv3d, spatial: tuple[int, int, int], contraction: str = "auto"):
         super().__init__()
+        if contraction not in CONTRACTIONS:
+            raise InputError(f"contraction={contraction!r}: expected one of {CONTRACTIONS}")
         if not isinstance(conv, nn.Conv3d):
             raise InputError(f"FFTConv3d takes an nn.Conv3d, got {type(conv).__name__}")
         if conv.groups != 1 or tuple(conv.stride) != (1, 1, 1) or tuple(conv.dilation) != (1, 1, 1) \
@@ -82,17 +142,24 @@ class FFTConv3d(nn.Module):
             raise InputError(f"input {spatial} is smaller than the kernel {k} with padding {pad}")
         self.fft = [smooth_size(s + kk - 1) for s, kk in zip(spatial, k)]
         self.crop = [kk - 1 - p for kk, p in zip(k, pad)]
+        w = conv.weight.detach()
+        n_freq = self.fft[0] * self.fft[1] * (self.fft[2] // 2 + 1)
+        if contraction == "auto":   # the kernel where it can run and its int32 offsets suffice
+            fits = 2 * n_freq * self.cin * max(self.cout, 32) < _INT32
+            contraction = "triton" if triton is not None and w.is_cuda and fits else "bmm"
+        self.contraction = contraction
         with torch.no_grad():
-            w = conv.weight.detach().float().flip(2, 3, 4)
-            wf = torch.fft.rfftn(w, s=self.fft, dim=(2, 3, 4))                   # (Cout, Cin, fd, fh, fw/2+1)
-            wf = wf.reshape(self.cout, self.cin, -1).permute(2, 1, 0).contiguous()  # (F, Cin, Cout)
+            wf = torch.fft.rfftn(w.float().flip(2, 3, 4), s=self.fft, dim=(2, 3, 4))   # (Cout, Cin, fd, fh, fw/2+1)
+            wf = wf.reshape(self.cout, self.cin, -1)
+            # "bmm": (F, Cin, Cout), one matrix per frequency; "triton": (Cin, Cout, F), frequencies contiguous
+            wf = (wf.permute(2, 1, 0) if contraction == "bmm" else wf.permute(1, 0, 2)).contiguous()
         # plain attributes, not buffers: module.half() must not round the transformed weights
         self.w_hat = torch.view_as_real(wf)
         b = conv.bias.detach().float() if conv.bias is not None else torch.zeros(self.cout, device=w.device)
         self.bias_f32 = b.contiguous()
 
     def extra_repr(self) -> str:
-        return f"{self.cin}, {self.cout}, spatial={self.spatial}, fft={tuple(self.fft)}"
+        return f"{self.cin}, {self.cout}, spatial={self.spatial}, fft={tuple(self.fft)}, contraction={self.contraction}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 5 or tuple(x.shape[1:]) != (self.cin, *self.spatial):
@@ -100,7 +167,7 @@ class FFTConv3d(nn.Module):
                              f"got {tuple(x.shape)}: build one per input size")
         if x.device != self.w_hat.device:
             raise InputError(f"FFTConv3d's weights are on {self.w_hat.device}, the input on {x.device}")
-        return fft_conv3d(x, self.w_hat, self.bias_f32, self.fft, self.crop, self.out_size)
+        return fft_conv3d(x, self.w_hat, self.bias_f32, self.fft, self.crop, self.out_size, self.contraction)
 
 
 def fft_mask_conv(dense_motion: nn.Module, spatial: tuple[int, int, int]) -> nn.Module:

@@ -87,6 +87,7 @@ VARIANTS = {
     "compile+graph+pad8+fuse": _variant("fp16", True, False, True, "default", True, fuse=True),
     "fp16+pad8+fuse+fft+graph": _variant("fp16", True, False, True, "none", True, fuse=True, fft=True),
     "compile+graph+pad8+fuse+fft": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True),
+    "compile+graph+pad8+fuse+fft+cl3d": _variant("fp16", True, False, True, "default", True, cl3d=True, fuse=True, fft=True),
 }
 VARIANT_TEXT = {
     "upstream": "upstream's precision: fp32 weights under fp16 autocast, spectral-norm hooks, NCHW, eager",
@@ -104,6 +105,7 @@ VARIANT_TEXT = {
     "compile+graph+pad8+fuse": "the same through torch.compile (default mode), CUDA graph",
     "fp16+pad8+fuse+fft+graph": "fp16+pad8+fuse+graph with the 7³ mask conv through FFTs in fp32 (lab.accel.fft_conv), CUDA graph",
     "compile+graph+pad8+fuse+fft": "the same through torch.compile (default mode), CUDA graph",
+    "compile+graph+pad8+fuse+fft+cl3d": "the same with the dense motion's 3-D convs channels-last (NDHWC), padded ones included",
 }
 
 
@@ -135,7 +137,8 @@ class Profile:
 # (161; `fp16+fold-nchw` separates the layout from the padding): the full profile keeps the variants that can
 # still win, the others stay in VARIANTS for the notebook
 FULL_VARIANTS = ["upstream", "fp16+fold-nchw", "fp16+fold+graph", "fp16+pad8+graph", "fp16+pad8+fuse+graph",
-                 "fp16+pad8+fuse+fft+graph", "compile+graph", "compile+graph+pad8+fuse", "compile+graph+pad8+fuse+fft"]
+                 "fp16+pad8+fuse+fft+graph", "compile+graph", "compile+graph+pad8+fuse", "compile+graph+pad8+fuse+fft",
+                 "compile+graph+pad8+fuse+fft+cl3d"]
 
 
 def profile(quick: bool, device: torch.device) -> Profile:

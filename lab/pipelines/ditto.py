@@ -195,7 +195,7 @@ def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last
     through FFTs or not (cached copies; the loaded network itself is never changed)."""
     import copy
 
-    from lab.accel.channel_pad import pad_conv_channels
+    from lab.accel.channel_pad import PaddedConv, pad_conv_channels
     from lab.accel.spade_fuse import fuse_spade
     from lab.accel.spectral_fold import fold_spectral_norm
 
@@ -225,6 +225,8 @@ def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last
                     sub.to(memory_format=torch.channels_last)
                 if cl3d and isinstance(sub, torch.nn.Conv3d):
                     sub.to(memory_format=torch.channels_last_3d)
+                if cl3d and isinstance(sub, PaddedConv) and sub.weight.dim() == 5:
+                    sub.weight.data = sub.weight.data.contiguous(memory_format=torch.channels_last_3d)
         engine.variants[key] = m
     return engine.variants[key]
 
