@@ -12,8 +12,9 @@ Linear (not circular) convolution: the volume is zero-padded to an FFT size ≥ 
 (the smallest 2·3·5·7-smooth number), so no output wraps around; cross-correlation (what Conv3d computes)
 is convolution with the kernel flipped, and the conv's zero padding is where the output is cropped. The
 transforms and the channel contraction run in fp32 (complex64), so the result is at least as accurate as the
-fp16 conv it replaces. The contraction (per frequency, input channels × output channels) is one Triton kernel on
-a GPU (each transformed input and weight read once, frequency-contiguous) or a batched complex matmul. The transformed weights are fp32 for the chosen size only (1.6 GB for Ditto's mask
+fp16 conv it replaces. The contraction (per frequency, input channels × output channels) is a batched complex
+matmul, or (`contraction="triton"`) one Triton kernel that reads each transformed input and weight once,
+frequency-contiguous — slower on the H200 at Ditto's shape (8.62 vs 7.14 ms per call, transforms included). The transformed weights are fp32 for the chosen size only (1.6 GB for Ditto's mask
 conv): they stay fp32 when the module is cast to half. Inside torch.compile the whole computation is one
 opaque custom op (`lab::fft_conv3d`); cuFFT plans are made on the first call, so warm up before a CUDA-graph
 capture (as `capture` does).
@@ -144,9 +145,13 @@ class FFTConv3d(nn.Module):
         self.crop = [kk - 1 - p for kk, p in zip(k, pad)]
         w = conv.weight.detach()
         n_freq = self.fft[0] * self.fft[1] * (self.fft[2] // 2 + 1)
-        if contraction == "auto":   # the kernel where it can run and its int32 offsets suffice
-            fits = 2 * n_freq * self.cin * max(self.cout, 32) < _INT32
-            contraction = "triton" if triton is not None and w.is_cuda and fits else "bmm"
+        if contraction == "auto":
+            # the batched matmul: on an H200 at Ditto's mask-conv shape the Triton kernel took 8.62 ms per
+            # B = 16 call against bmm's 7.14 (both with the transforms); "triton" stays selectable
+            contraction = "bmm"
+        if contraction == "triton" and 2 * n_freq * self.cin * max(self.cout, 32) >= _INT32:
+            raise InputError(f"contraction='triton' indexes with int32: {self.cin} × {self.cout} channels over "
+                             f"{n_freq} frequencies is too large; use 'bmm'")
         self.contraction = contraction
         with torch.no_grad():
             wf = torch.fft.rfftn(w.float().flip(2, 3, 4), s=self.fft, dim=(2, 3, 4))   # (Cout, Cin, fd, fh, fw/2+1)
