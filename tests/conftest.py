@@ -11,3 +11,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture
+def triton_interpreter():
+    """Run a Python snippet under Triton's CPU interpreter and return its stdout. A subprocess: the
+    interpreter is chosen when a kernel is defined, i.e. at import."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def run(code: str) -> str:
+        r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                           capture_output=True, text=True, timeout=120, cwd=root)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout
+    return run

@@ -189,15 +189,20 @@ def test_streamed_motion_is_the_same_motion(engine, avatar):
         assert (got.faces.int() - ref.faces.int()).abs().max() <= 1
 
 
+def _window_inputs(engine, steps: int, seed: int):
+    """Condition, conditioning frame, per-step and initial noise, and schedule of one LMDM window."""
+    d, L = engine.dims, engine.dims.seq_frames
+    g = torch.Generator().manual_seed(seed)
+    cond, cf = torch.randn(L, d.cond_dim, generator=g), torch.randn(265, generator=g)
+    noises, x = torch.randn(steps, 1, L, 265, generator=g), torch.randn(1, L, 265, generator=g)
+    return cond, cf, noises, x, P.D.Schedule.make(steps)
+
+
 def test_compiled_motion_model_is_the_same_motion(engine, avatar, monkeypatch):
     # the compiled DDIM step (tensor coefficients, rotary tables in the trace, guidance mix and update in one
     # function) against the eager loop; traced with aot_eager here (inductor's C++ build on a CPU takes ~45 s)
     monkeypatch.setattr(P, "MOTION_COMPILE_BACKEND", "aot_eager")
-    d, L = engine.dims, engine.dims.seq_frames
-    g = torch.Generator().manual_seed(3)
-    cond, cf = torch.randn(L, d.cond_dim, generator=g), torch.randn(265, generator=g)
-    noises, x = torch.randn(2, 1, L, 265, generator=g), torch.randn(1, L, 265, generator=g)
-    sched = P.D.Schedule.make(2)
+    cond, cf, noises, x, sched = _window_inputs(engine, steps=2, seed=3)
     for batched in (True, False):
         e = P.reconfigure(engine, batch_cfg=batched)
         ref = P.sample_window(e, cf, cond, sched, noises, None, x=x)
@@ -225,11 +230,7 @@ def test_compiled_motion_model_says_what_is_missing(engine, monkeypatch):
 def test_bf16_motion_is_close_to_fp32_and_the_compiled_step_agrees(engine, monkeypatch):
     # bf16 autocast moves the window by bf16 rounding (not zero, not far); the compiled step gives the eager bf16 loop
     monkeypatch.setattr(P, "MOTION_COMPILE_BACKEND", "aot_eager")
-    d, L = engine.dims, engine.dims.seq_frames
-    g = torch.Generator().manual_seed(4)
-    cond, cf = torch.randn(L, d.cond_dim, generator=g), torch.randn(265, generator=g)
-    noises, x = torch.randn(3, 1, L, 265, generator=g), torch.randn(1, L, 265, generator=g)
-    sched = P.D.Schedule.make(3)
+    cond, cf, noises, x, sched = _window_inputs(engine, steps=3, seed=4)
     e = P.reconfigure(engine, sampling_steps=3)
     ref = P.sample_window(e, cf, cond, sched, noises, None, x=x)
     half = P.sample_window(P.reconfigure(e, motion_precision="bf16"), cf, cond, sched, noises, None, x=x)
@@ -238,6 +239,7 @@ def test_bf16_motion_is_close_to_fp32_and_the_compiled_step_agrees(engine, monke
     err = (half - ref).abs().max().item() / ref.abs().max().item()
     assert 0 < err < 0.05
     assert torch.allclose(comp, half, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    assert (comp - half).abs().max() < (comp - ref).abs().max()   # the compiled step runs bf16 too, not fp32
     with pytest.raises(InputError, match="motion_precision"):
         P.reconfigure(engine, motion_precision="fp16")
 

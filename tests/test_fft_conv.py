@@ -1,8 +1,5 @@
 """FFT form of a 3-D convolution: the conv's function (any kernel, padding, channel counts), fp32 weights
 after a cast to half, one opaque op under torch.compile, clear errors for what it cannot compute."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -69,14 +66,8 @@ CHECK = textwrap.dedent("""
 """)
 
 
-def test_triton_contraction_under_the_interpreter():
-    # the kernel run by Triton's interpreter on the CPU (a subprocess: the interpreter is chosen at definition)
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=120,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0, r.stderr[-2000:]
-    name, err = r.stdout.split()[-2:]
+def test_triton_contraction_under_the_interpreter(triton_interpreter):
+    name, err = triton_interpreter(CHECK).split()[-2:]
     assert name == "triton" and float(err) < 1e-5
 
 

@@ -1,9 +1,6 @@
 """The short-sequence attention kernel (lab.accel.short_attention) against SDPA, run by Triton's
 interpreter on the CPU (a subprocess: the interpreter is chosen when the kernel is defined), and its
 place among the UNet's attention kernels."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -27,13 +24,8 @@ CHECK = textwrap.dedent("""
 """)
 
 
-def test_short_attention_matches_sdpa_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=120,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert float(r.stdout.split()[-1]) < 1e-5   # fp32 to round-off; fp16 within 1e-3
+def test_short_attention_matches_sdpa_under_the_interpreter(triton_interpreter):
+    assert float(triton_interpreter(CHECK).split()[-1]) < 1e-5   # fp32 to round-off; fp16 within 1e-3
 
 
 def test_short_attention_is_offered_for_the_temporal_attention_only():

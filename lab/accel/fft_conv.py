@@ -14,8 +14,9 @@ is convolution with the kernel flipped, and the conv's zero padding is where the
 transforms and the channel contraction run in fp32 (complex64), so the result is at least as accurate as the
 fp16 conv it replaces. The contraction (per frequency, input channels × output channels) is a batched complex
 matmul, or (`contraction="triton"`) one Triton kernel that reads each transformed input and weight once,
-frequency-contiguous — slower on the H200 at Ditto's shape (8.62 vs 7.14 ms per call, transforms included). The transformed weights are fp32 for the chosen size only (1.6 GB for Ditto's mask
-conv): they stay fp32 when the module is cast to half. Inside torch.compile the whole computation is one
+frequency-contiguous — slower on the H200 at Ditto's shape (8.62 vs 7.14 ms per call, transforms included).
+The transformed weights are fp32 for the chosen size only (1.5 GB for Ditto's mask conv): they stay fp32 when
+the module is cast to half. Inside torch.compile the whole computation is one
 opaque custom op (`lab::fft_conv3d`); cuFFT plans are made on the first call, so warm up before a CUDA-graph
 capture (as `capture` does).
 """
