@@ -272,9 +272,11 @@ def test_committed_notebooks_open_unmodified(lab):
 
 
 def _hud(page) -> dict:
-    hud = page.locator(".lab-hud").last
-    return {"state": hud.get_attribute("data-state"), "updates": int(hud.get_attribute("data-updates") or 0),
-            "text": hud.inner_text()}
+    # one read of the element: the HUD's output is replaced while the kernel runs, and separate reads of its
+    # state and its text can straddle a replacement (the old run's "final" with the new run's label)
+    state, updates, text = page.locator(".lab-hud").last.evaluate(
+        "e => [e.getAttribute('data-state'), e.getAttribute('data-updates'), e.innerText]")
+    return {"state": state, "updates": int(updates or 0), "text": text}
 
 
 def test_studio_panel_in_lab(lab):
