@@ -33,7 +33,9 @@ try:  # Triton ships with PyTorch's CUDA wheels; without it the contraction is a
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-CONTRACTIONS = ("auto", "bmm", "triton")
+CONTRACTIONS = ("auto", "bmm", "bmm-freq", "triton")
+# what "auto" means on a GPU (a CPU always gets "bmm")
+AUTO_CONTRACTION = "bmm"
 _INT32 = 2**31 - 1
 
 
@@ -92,6 +94,29 @@ def _contract_triton(xf: torch.Tensor, w_hat: torch.Tensor, block_f: int = 8) ->
     return torch.view_as_complex(y)
 
 
+def _freq_major(x: torch.Tensor, w_hat: torch.Tensor, bias: torch.Tensor, fft: list[int], crop: list[int],
+                out: list[int]) -> torch.Tensor:
+    # the volume laid out (fd, fh, fw, B, Cin): the transforms batch over the innermost (B, Cin) and leave each
+    # frequency's B × Cin matrix contiguous, so the batched matmul reads the spectrum in place (the
+    # channels-first layout needs a transposing copy of the whole spectrum before the matmul)
+    b, cin, d, h, w = x.shape
+    fd, fh, fw = fft
+    xt = x.new_empty((fd, fh, fw, b, cin), dtype=torch.float32)
+    xt[d:].zero_()
+    xt[:d, h:].zero_()
+    xt[:d, :h, w:].zero_()
+    xt[:d, :h, :w].copy_(x.permute(2, 3, 4, 0, 1))                               # pad and cast in one pass
+    xf = torch.fft.rfftn(xt, dim=(0, 1, 2))                                       # (fd, fh, fw/2+1, B, Cin)
+    wf = torch.view_as_complex(w_hat)                                             # (F, Cin, Cout)
+    cout = wf.shape[2]
+    yf = torch.bmm(xf.reshape(-1, b, cin), wf)                                    # (F, B, Cout)
+    y = torch.fft.irfftn(yf.view(*xf.shape[:3], b, cout), s=fft, dim=(0, 1, 2))   # (fd, fh, fw, B, Cout)
+    y = y[crop[0]:crop[0] + out[0], crop[1]:crop[1] + out[1], crop[2]:crop[2] + out[2]] + bias
+    res = x.new_empty((b, cout, *out))
+    res.copy_(y.permute(3, 4, 0, 1, 2))
+    return res
+
+
 @torch.library.custom_op("lab::fft_conv3d", mutates_args=())
 def fft_conv3d(x: torch.Tensor, w_hat: torch.Tensor, bias: torch.Tensor, fft: list[int], crop: list[int],
                out: list[int], contraction: str) -> torch.Tensor:
@@ -99,6 +124,8 @@ def fft_conv3d(x: torch.Tensor, w_hat: torch.Tensor, bias: torch.Tensor, fft: li
     (Cin, Cout, F, 2) for "triton"; bias (Cout,) fp32; fft the transform size; crop the first output index per
     axis; out the output size per axis."""
     b, cin = x.shape[:2]
+    if contraction == "bmm-freq":
+        return _freq_major(x, w_hat, bias, fft, crop, out)
     xf = torch.fft.rfftn(x.float(), s=fft, dim=(2, 3, 4))                        # (B, Cin, fd, fh, fw/2+1)
     half = xf.shape[2:]
     if contraction == "triton":
@@ -123,7 +150,8 @@ class FFTConv3d(nn.Module):
     """`conv` (a stride-1, dilation-1, groups-1, zero-padded Conv3d) through FFTs for inputs of size `spatial`
     (D, H, W). The conv's weights are read once; later changes to it are not seen."""
 
-    def __init__(self, conv: nn.Conv3d, spatial: tuple[int, int, int], contraction: str = "auto"):
+    def __init__(self, conv: nn.Conv3d, spatial: tuple[int, int, int], contraction: str = "auto",
+                 sizes: tuple[int, int, int] | None = None):
         super().__init__()
         if contraction not in CONTRACTIONS:
             raise InputError(f"contraction={contraction!r}: expected one of {CONTRACTIONS}")
@@ -142,14 +170,21 @@ class FFTConv3d(nn.Module):
         self.out_size = [s + 2 * p - kk + 1 for s, p, kk in zip(spatial, pad, k)]
         if min(self.out_size) < 1:
             raise InputError(f"input {spatial} is smaller than the kernel {k} with padding {pad}")
-        self.fft = [smooth_size(s + kk - 1) for s, kk in zip(spatial, k)]
+        need = [s + kk - 1 for s, kk in zip(spatial, k)]
+        if sizes is None:
+            self.fft = [smooth_size(n) for n in need]
+        else:
+            self.fft = [int(n) for n in sizes]
+            if len(self.fft) != 3 or any(f < n for f, n in zip(self.fft, need)):
+                raise InputError(f"sizes={tuple(sizes)}: each FFT size must be at least input + kernel − 1 = "
+                                 f"{tuple(need)}, or the convolution wraps around")
         self.crop = [kk - 1 - p for kk, p in zip(k, pad)]
         w = conv.weight.detach()
         n_freq = self.fft[0] * self.fft[1] * (self.fft[2] // 2 + 1)
         if contraction == "auto":
             # the batched matmul: on an H200 at Ditto's mask-conv shape the Triton kernel took 8.62 ms per
             # B = 16 call against bmm's 7.14 (both with the transforms); "triton" stays selectable
-            contraction = "bmm"
+            contraction = AUTO_CONTRACTION if w.is_cuda else "bmm"
         if contraction == "triton" and 2 * n_freq * self.cin * max(self.cout, 32) >= _INT32:
             raise InputError(f"contraction='triton' indexes with int32: {self.cin} × {self.cout} channels over "
                              f"{n_freq} frequencies is too large; use 'bmm'")
@@ -157,8 +192,9 @@ class FFTConv3d(nn.Module):
         with torch.no_grad():
             wf = torch.fft.rfftn(w.float().flip(2, 3, 4), s=self.fft, dim=(2, 3, 4))   # (Cout, Cin, fd, fh, fw/2+1)
             wf = wf.reshape(self.cout, self.cin, -1)
-            # "bmm": (F, Cin, Cout), one matrix per frequency; "triton": (Cin, Cout, F), frequencies contiguous
-            wf = (wf.permute(2, 1, 0) if contraction == "bmm" else wf.permute(1, 0, 2)).contiguous()
+            # "bmm"/"bmm-freq": (F, Cin, Cout), one matrix per frequency; "triton": (Cin, Cout, F), frequencies
+            # contiguous
+            wf = (wf.permute(1, 0, 2) if contraction == "triton" else wf.permute(2, 1, 0)).contiguous()
         # plain attributes, not buffers: module.half() must not round the transformed weights
         self.w_hat = torch.view_as_real(wf)
         b = conv.bias.detach().float() if conv.bias is not None else torch.zeros(self.cout, device=w.device)
