@@ -33,7 +33,7 @@ try:  # Triton ships with PyTorch's CUDA wheels; without it the contraction is a
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-CONTRACTIONS = ("auto", "bmm", "bmm-freq", "triton")
+CONTRACTIONS = ("auto", "bmm", "triton")
 # what "auto" means on a GPU (a CPU always gets "bmm")
 AUTO_CONTRACTION = "bmm"
 _INT32 = 2**31 - 1
@@ -57,76 +57,58 @@ if triton is not None:
     def _contract_kernel(x_ptr, w_ptr, y_ptr, B, O, F, C: tl.constexpr,
                          BLOCK_B: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr):
         # y[b, o, f] = sum_c x[b, c, f] * w[c, o, f] (complex, interleaved re/im): one program per BLOCK_F
-        # frequencies holds every (b, o) accumulator, so x and w are each read once, frequency-contiguous
+        # frequencies holds every (b, o) accumulator, so x and w are each read once; each row of a tile is
+        # 2·BLOCK_F contiguous floats (re/im interleaved), loaded whole and split in registers
         pid = tl.program_id(0)
-        f = pid * BLOCK_F + tl.arange(0, BLOCK_F)
+        f2 = pid * BLOCK_F * 2 + tl.arange(0, 2 * BLOCK_F)          # float offsets within a row
         b = tl.arange(0, BLOCK_B)
         o = tl.arange(0, BLOCK_O)
-        fm = f < F
+        fm = f2 < 2 * F
         xm = (b[:, None] < B) & fm[None, :]
         wm = (o[:, None] < O) & fm[None, :]
         acc_re = tl.zeros((BLOCK_B, BLOCK_O, BLOCK_F), tl.float32)
         acc_im = tl.zeros((BLOCK_B, BLOCK_O, BLOCK_F), tl.float32)
         for c in range(C):
-            xo = ((b[:, None] * C + c) * F + f[None, :]) * 2
-            x_re = tl.load(x_ptr + xo, mask=xm, other=0.0)[:, None, :]
-            x_im = tl.load(x_ptr + xo + 1, mask=xm, other=0.0)[:, None, :]
-            wo = ((c * O + o[:, None]) * F + f[None, :]) * 2
-            w_re = tl.load(w_ptr + wo, mask=wm, other=0.0)[None, :, :]
-            w_im = tl.load(w_ptr + wo + 1, mask=wm, other=0.0)[None, :, :]
+            xt = tl.load(x_ptr + (b[:, None] * C + c) * (2 * F) + f2[None, :], mask=xm, other=0.0)
+            wt = tl.load(w_ptr + (c * O + o[:, None]) * (2 * F) + f2[None, :], mask=wm, other=0.0)
+            x_re, x_im = tl.split(tl.reshape(xt, (BLOCK_B, BLOCK_F, 2)))
+            w_re, w_im = tl.split(tl.reshape(wt, (BLOCK_O, BLOCK_F, 2)))
+            x_re, x_im = x_re[:, None, :], x_im[:, None, :]
+            w_re, w_im = w_re[None, :, :], w_im[None, :, :]
             acc_re += x_re * w_re - x_im * w_im
             acc_im += x_re * w_im + x_im * w_re
-        yo = ((b[:, None, None] * O + o[None, :, None]) * F + f[None, None, :]) * 2
+        yt = tl.reshape(tl.join(acc_re, acc_im), (BLOCK_B, BLOCK_O, 2 * BLOCK_F))
+        yo = (b[:, None, None] * O + o[None, :, None]) * (2 * F) + f2[None, None, :]
         ym = (b[:, None, None] < B) & (o[None, :, None] < O) & fm[None, None, :]
-        tl.store(y_ptr + yo, acc_re, mask=ym)
-        tl.store(y_ptr + yo + 1, acc_im, mask=ym)
+        tl.store(y_ptr + yo, yt, mask=ym)
 
 
-def _contract_triton(xf: torch.Tensor, w_hat: torch.Tensor, block_f: int = 8) -> torch.Tensor:
+# the Triton contraction's tile: frequencies per program and warps (module-level so a probe can sweep them)
+TRITON_TILE = {"block_f": 16, "num_warps": 8}
+
+
+def _contract_triton(xf: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
     """(B, C, F) complex · (C, O, F, 2) real view → (B, O, F) complex, by the Triton kernel."""
     b, c, f = xf.shape
     o = w_hat.shape[1]
     y = torch.empty(b, o, f, 2, device=xf.device, dtype=torch.float32)
     xr = torch.view_as_real(xf.contiguous())
-    bb, bo = triton.next_power_of_2(b), triton.next_power_of_2(o)
-    _contract_kernel[(triton.cdiv(f, block_f),)](xr, w_hat, y, b, o, f, C=c, BLOCK_B=bb, BLOCK_O=bo, BLOCK_F=block_f,
-                                                   num_warps=4 if bb * bo * block_f <= 4096 else 8)
+    bf = TRITON_TILE["block_f"]
+    _contract_kernel[(triton.cdiv(f, bf),)](xr, w_hat, y, b, o, f, C=c, BLOCK_B=triton.next_power_of_2(b),
+                                            BLOCK_O=triton.next_power_of_2(o), BLOCK_F=bf,
+                                            num_warps=TRITON_TILE["num_warps"])
     return torch.view_as_complex(y)
 
 
-def _freq_major(x: torch.Tensor, w_hat: torch.Tensor, bias: torch.Tensor, fft: list[int], crop: list[int],
-                out: list[int]) -> torch.Tensor:
-    # the volume laid out (fd, fh, fw, B, Cin): the transforms batch over the innermost (B, Cin) and leave each
-    # frequency's B × Cin matrix contiguous, so the batched matmul reads the spectrum in place (the
-    # channels-first layout needs a transposing copy of the whole spectrum before the matmul)
-    b, cin, d, h, w = x.shape
-    fd, fh, fw = fft
-    xt = x.new_empty((fd, fh, fw, b, cin), dtype=torch.float32)
-    xt[d:].zero_()
-    xt[:d, h:].zero_()
-    xt[:d, :h, w:].zero_()
-    xt[:d, :h, :w].copy_(x.permute(2, 3, 4, 0, 1))                               # pad and cast in one pass
-    xf = torch.fft.rfftn(xt, dim=(0, 1, 2))                                       # (fd, fh, fw/2+1, B, Cin)
-    wf = torch.view_as_complex(w_hat)                                             # (F, Cin, Cout)
-    cout = wf.shape[2]
-    yf = torch.bmm(xf.reshape(-1, b, cin), wf)                                    # (F, B, Cout)
-    y = torch.fft.irfftn(yf.view(*xf.shape[:3], b, cout), s=fft, dim=(0, 1, 2))   # (fd, fh, fw, B, Cout)
-    y = y[crop[0]:crop[0] + out[0], crop[1]:crop[1] + out[1], crop[2]:crop[2] + out[2]] + bias
-    res = x.new_empty((b, cout, *out))
-    res.copy_(y.permute(3, 4, 0, 1, 2))
-    return res
-
-
 @torch.library.custom_op("lab::fft_conv3d", mutates_args=())
-def fft_conv3d(x: torch.Tensor, w_hat: torch.Tensor, bias: torch.Tensor, fft: list[int], crop: list[int],
-               out: list[int], contraction: str) -> torch.Tensor:
-    """x (B, Cin, D, H, W); w_hat the flipped kernel's rfftn as a real view, (F, Cin, Cout, 2) for "bmm" or
-    (Cin, Cout, F, 2) for "triton"; bias (Cout,) fp32; fft the transform size; crop the first output index per
-    axis; out the output size per axis."""
-    b, cin = x.shape[:2]
-    if contraction == "bmm-freq":
-        return _freq_major(x, w_hat, bias, fft, crop, out)
-    xf = torch.fft.rfftn(x.float(), s=fft, dim=(2, 3, 4))                        # (B, Cin, fd, fh, fw/2+1)
+def fft_conv3d(xp: torch.Tensor, w_hat: torch.Tensor, bias: torch.Tensor, crop: list[int], out: list[int],
+               contraction: str, dtype: torch.dtype) -> torch.Tensor:
+    """xp (B, Cin, fd, fh, fw): the input, fp32, zero-padded to the transform size; w_hat the flipped kernel's
+    rfftn as a real view, (F, Cin, Cout, 2) for "bmm" or (Cin, Cout, F, 2) for "triton"; bias (Cout,) fp32;
+    crop the first output index per axis; out the output size per axis; dtype the output's."""
+    b, cin = xp.shape[:2]
+    fft = list(xp.shape[2:])
+    xf = torch.fft.rfftn(xp, dim=(2, 3, 4))                                      # (B, Cin, fd, fh, fw/2+1)
     half = xf.shape[2:]
     if contraction == "triton":
         cout = w_hat.shape[1]
@@ -137,13 +119,14 @@ def fft_conv3d(x: torch.Tensor, w_hat: torch.Tensor, bias: torch.Tensor, fft: li
         yf = torch.bmm(xf.reshape(b, cin, -1).permute(2, 0, 1), wf).permute(1, 2, 0)   # (B, Cout, F)
     y = torch.fft.irfftn(yf.reshape(b, cout, *half), s=fft, dim=(2, 3, 4))
     y = y[:, :, crop[0]:crop[0] + out[0], crop[1]:crop[1] + out[1], crop[2]:crop[2] + out[2]]
-    return (y + bias.view(1, -1, 1, 1, 1)).to(x.dtype).contiguous()
+    res = torch.empty((b, cout, *out), device=xp.device, dtype=dtype)
+    return torch.add(y, bias.view(1, -1, 1, 1, 1), out=res)                      # crop, bias and cast: one pass
 
 
 @fft_conv3d.register_fake
-def _(x, w_hat, bias, fft, crop, out, contraction):
+def _(xp, w_hat, bias, crop, out, contraction, dtype):
     cout = w_hat.shape[1] if contraction == "triton" else w_hat.shape[2]
-    return x.new_empty((x.shape[0], cout, *out))
+    return xp.new_empty((xp.shape[0], cout, *out), dtype=dtype)
 
 
 class FFTConv3d(nn.Module):
@@ -192,8 +175,7 @@ class FFTConv3d(nn.Module):
         with torch.no_grad():
             wf = torch.fft.rfftn(w.float().flip(2, 3, 4), s=self.fft, dim=(2, 3, 4))   # (Cout, Cin, fd, fh, fw/2+1)
             wf = wf.reshape(self.cout, self.cin, -1)
-            # "bmm"/"bmm-freq": (F, Cin, Cout), one matrix per frequency; "triton": (Cin, Cout, F), frequencies
-            # contiguous
+            # "bmm": (F, Cin, Cout), one matrix per frequency; "triton": (Cin, Cout, F), frequencies contiguous
             wf = (wf.permute(1, 0, 2) if contraction == "triton" else wf.permute(2, 1, 0)).contiguous()
         # plain attributes, not buffers: module.half() must not round the transformed weights
         self.w_hat = torch.view_as_real(wf)
@@ -209,7 +191,13 @@ class FFTConv3d(nn.Module):
                              f"got {tuple(x.shape)}: build one per input size")
         if x.device != self.w_hat.device:
             raise InputError(f"FFTConv3d's weights are on {self.w_hat.device}, the input on {x.device}")
-        return fft_conv3d(x, self.w_hat, self.bias_f32, self.fft, self.crop, self.out_size, self.contraction)
+        # the cast and the zero padding outside the op: under torch.compile they fuse into the kernel that
+        # makes x (one fp32 write of the padded volume instead of a cast, a fill and a copy)
+        pads = []
+        for n, size in zip(reversed(self.fft), reversed(self.spatial)):
+            pads += [0, n - size]
+        xp = torch.nn.functional.pad(x.float(), pads)
+        return fft_conv3d(xp, self.w_hat, self.bias_f32, self.crop, self.out_size, self.contraction, x.dtype)
 
 
 def fft_mask_conv(dense_motion: nn.Module, spatial: tuple[int, int, int]) -> nn.Module:

@@ -66,10 +66,10 @@ ANCHOR_H200 = {"b1_fps": 65.9, "b8_fps": 135.5, "compile_b8_fps": 240.5, "best_s
 TARGETS = {"renderer_fps": 360.0, "renderer_psnr_db": 50.0, "e2e_fps": 150.0, "encoder_share": 0.90, "rss_growth": 0.05}
 ESTIMATE_S = {"motion": 70, "final": 100, "renderer": 30, "stages": 15, "waterfall": 60, "strides": 60, "encoder": 10, "memory": 60, "compiled": 60}
 def _variant(precision: str, fold: bool, channels_last: bool, pad: bool, compile: str, graphs: bool,
-             cl3d: bool = False, fuse: bool = False, fft: bool = False, tap: bool = False) -> dict:
+             cl3d: bool = False, fuse: bool = False, fft: bool = False, tap: bool = False, mix: bool = False) -> dict:
     return dict(precision=precision, fold_spectral_norm=fold, channels_last=channels_last, pad_channels=pad,
                 compile=compile, cuda_graphs=graphs, channels_last_3d=cl3d, fuse_spade=fuse, fft_mask=fft,
-                tap_occlusion=tap)
+                tap_occlusion=tap, fused_mix=mix)
 
 
 VARIANTS = {
@@ -90,6 +90,8 @@ VARIANTS = {
     "compile+graph+pad8+fuse+fft": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True),
     "compile+graph+pad8+fuse+fft+cl3d": _variant("fp16", True, False, True, "default", True, cl3d=True, fuse=True, fft=True),
     "compile+graph+pad8+fuse+fft+tap": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True, tap=True),
+    "compile+graph+pad8+fuse+fft+tap+mix": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True, tap=True,
+                                                    mix=True),
     "compile+graph+pad8+fuse+fft+cl": _variant("fp16", True, True, True, "default", True, fuse=True, fft=True),
     "compile+graph+pad8+fuse+fft+cl+tap": _variant("fp16", True, True, True, "default", True, fuse=True, fft=True, tap=True),
 }
@@ -112,6 +114,7 @@ VARIANT_TEXT = {
     "compile+graph+pad8+fuse+fft+cl3d": "the same with the dense motion's 3-D convs channels-last (NDHWC), padded ones included",
     "compile+graph+pad8+fuse+fft+tap": "compile+graph+pad8+fuse+fft with the 1-channel occlusion conv as one matmul + shifted sum "
                                        "(lab.accel.tap_conv)",
+    "compile+graph+pad8+fuse+fft+tap+mix": "the same with the 22-way motion mix as multiply + sum (fused with the softmax)",
     "compile+graph+pad8+fuse+fft+cl": "compile+graph+pad8+fuse+fft with the decoder's 2-D convs channels-last",
     "compile+graph+pad8+fuse+fft+cl+tap": "both: channels-last decoder and the tap-form occlusion conv",
 }

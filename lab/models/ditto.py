@@ -356,6 +356,7 @@ class DenseMotionNetwork(nn.Module):
         self.compress = nn.Conv3d(d.reshape_channel, d.dm_compress, 1)
         self.norm = nn.BatchNorm3d(d.dm_compress)
         self.occlusion = nn.Conv2d(self.hourglass.out_filters * d.reshape_depth, 1, 7, padding=3)
+        self.fused_mix = False   # True: the motion mix as multiply + sum (same products; a compiler fuses it)
 
     def sparse_motions(self, grid: torch.Tensor, kp_s: torch.Tensor, kp_d: torch.Tensor) -> torch.Tensor:
         """(B, 22, d, h, w, 3): identity, then grid − kp_d + kp_s per keypoint."""
@@ -378,7 +379,10 @@ class DenseMotionNetwork(nn.Module):
         heat = torch.cat([torch.zeros_like(heat[:, :1]), heat], dim=1)[:, :, None]
         pred = self.hourglass(torch.cat([heat, deformed], dim=2).view(b, -1, d, h, w))
         mask = torch.softmax(self.mask(pred), dim=1)                                  # (B, 22, d, h, w)
-        deformation = torch.einsum("bkdhw,bkdhwc->bdhwc", mask, motions)
+        if self.fused_mix:   # one fused kernel with the softmax instead of a gemv per sample
+            deformation = (mask.unsqueeze(-1) * motions).sum(1)
+        else:
+            deformation = torch.einsum("bkdhw,bkdhwc->bdhwc", mask, motions)
         occlusion = torch.sigmoid(self.occlusion(pred.reshape(b, -1, h, w)))
         return deformation, occlusion
 

@@ -86,6 +86,7 @@ class Config:
     fuse_spade: bool = False          # the decoder's SPADE modulation convs merged (exact; lab.accel.spade_fuse)
     fft_mask: bool = False            # the dense motion's 7³ mask conv through FFTs in fp32 (same function; lab.accel.fft_conv)
     tap_occlusion: bool = False       # the 1-channel 7×7 occlusion conv as one matmul + shifted sum (same function; lab.accel.tap_conv)
+    fused_mix: bool = False           # the 22-way motion mix as multiply + sum, fused by the compiler (same products)
     silence: str = "off"
     silence_threshold: float = sil.THRESHOLD
     ease_frames: int = sil.RAMP
@@ -191,11 +192,11 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
 
 def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last: bool,
             pad: bool = False, cl3d: bool = False, fuse: bool = False, fft: bool = False,
-            tap: bool = False) -> torch.nn.Module:
+            tap: bool = False, mix: bool = False) -> torch.nn.Module:
     """The warp or decoder at a precision, spectral norm folded or not, channels-last (2-D convs;
     `cl3d`: 3-D convs) or not, conv channels padded or not, SPADE convs merged or not, the mask conv
-    through FFTs or not, the occlusion conv in tap form or not (cached copies; the loaded network itself is
-    never changed)."""
+    through FFTs or not, the occlusion conv in tap form or not, the motion mix fused or not (cached copies;
+    the loaded network itself is never changed)."""
     import copy
 
     from lab.accel.channel_pad import PaddedConv, pad_conv_channels
@@ -204,10 +205,11 @@ def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last
 
     fft = fft and name == "warp_network"
     tap = tap and name == "warp_network"
-    key = ("module", name, precision, fold, channels_last, pad, cl3d, fuse and name == "decoder", tap, fft)
+    mix = mix and name == "warp_network"
+    key = ("module", name, precision, fold, channels_last, pad, cl3d, fuse and name == "decoder", tap, mix, fft)
     if key not in engine.variants:
         m = engine.nets[name]
-        if fold or precision == "fp16" or channels_last or pad or cl3d or fuse or fft or tap:
+        if fold or precision == "fp16" or channels_last or pad or cl3d or fuse or fft or tap or mix:
             m = copy.deepcopy(m)
             if fold:
                 fold_spectral_norm(m)
@@ -220,6 +222,8 @@ def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last
                 from lab.accel.tap_conv import tap_occlusion
 
                 tap_occlusion(m.dense_motion_network)
+            if mix:
+                m.dense_motion_network.fused_mix = True
             if pad:
                 pad_conv_channels(m)
             if fuse and name == "decoder":
@@ -245,7 +249,7 @@ def stage_fn(engine: Engine, kind: str, batch: int):
     cfg = engine.cfg
     precision = cfg.precision if engine.device.type == "cuda" else "fp32"
     key = (kind, precision, cfg.fold_spectral_norm, cfg.channels_last, cfg.pad_channels, cfg.channels_last_3d,
-           cfg.fuse_spade, cfg.fft_mask, cfg.tap_occlusion, cfg.compile, cfg.cuda_graphs, batch)
+           cfg.fuse_spade, cfg.fft_mask, cfg.tap_occlusion, cfg.fused_mix, cfg.compile, cfg.cuda_graphs, batch)
     if key in engine.variants:
         return engine.variants[key]
     if cfg.cuda_graphs:
@@ -269,7 +273,7 @@ def stage_fn(engine: Engine, kind: str, batch: int):
         engine.variants[key] = fn
         return fn
     warp = _module(engine, "warp_network", precision, cfg.fold_spectral_norm, False, cfg.pad_channels,
-                   cfg.channels_last_3d, fft=cfg.fft_mask, tap=cfg.tap_occlusion)
+                   cfg.channels_last_3d, fft=cfg.fft_mask, tap=cfg.tap_occlusion, mix=cfg.fused_mix)
     dec = _module(engine, "decoder", precision, cfg.fold_spectral_norm, cfg.channels_last, cfg.pad_channels,
                   fuse=cfg.fuse_spade)
     module = {"render": D.Renderer(warp, dec), "warp": warp, "decode": dec}[kind]
