@@ -13,8 +13,10 @@ Linear (not circular) convolution: the volume is zero-padded to an FFT size ≥ 
 is convolution with the kernel flipped, and the conv's zero padding is where the output is cropped. The
 transforms and the channel contraction run in fp32 (complex64), so the result is at least as accurate as the
 fp16 conv it replaces. The contraction (per frequency, input channels × output channels) is a batched complex
-matmul, or (`contraction="triton"`) one Triton kernel that reads each transformed input and weight once,
-frequency-contiguous — slower on the H200 at Ditto's shape (8.62 vs 7.14 ms per call, transforms included).
+matmul (`contraction="bmm"`, the CPU's), or one Triton kernel that reads each transformed input and weight once,
+frequency-contiguous, with no transposing copy of the spectrum (`"triton"`, the GPU's: 6.26 vs 7.15 ms per
+call on an H200 at Ditto's shape, transforms included). A frequency-major layout (transforms over a
+(D, H, W, B, C) volume, so the matmul reads the spectrum in place) was measured slower still: 9.24 ms.
 The transformed weights are fp32 for the chosen size only (1.5 GB for Ditto's mask conv): they stay fp32 when
 the module is cast to half. Inside torch.compile the whole computation is one
 opaque custom op (`lab::fft_conv3d`); cuFFT plans are made on the first call, so warm up before a CUDA-graph
@@ -34,8 +36,10 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 CONTRACTIONS = ("auto", "bmm", "triton")
-# what "auto" means on a GPU (a CPU always gets "bmm")
-AUTO_CONTRACTION = "bmm"
+# what "auto" means on a GPU (a CPU always gets "bmm"): on an H200 at Ditto's mask-conv shape (B = 16) the whole
+# FFT conv took 6.26 ms with the Triton contraction against 7.15 with the batched matmul, whose input is a
+# transposing copy of the whole spectrum
+AUTO_CONTRACTION = "triton" if triton is not None else "bmm"
 _INT32 = 2**31 - 1
 
 
@@ -54,37 +58,63 @@ def smooth_size(n: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _contract_kernel(x_ptr, w_ptr, y_ptr, B, O, F, C: tl.constexpr,
-                         BLOCK_B: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr):
+    def _contract_kernel(x_ptr, w_ptr, y_ptr, B, O, F, C: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_O: tl.constexpr,
+                         BLOCK_O2: tl.constexpr, BLOCK_F: tl.constexpr, STAGES: tl.constexpr):
         # y[b, o, f] = sum_c x[b, c, f] * w[c, o, f] (complex, interleaved re/im): one program per BLOCK_F
         # frequencies holds every (b, o) accumulator, so x and w are each read once; each row of a tile is
-        # 2·BLOCK_F contiguous floats (re/im interleaved), loaded whole and split in registers
+        # 2·BLOCK_F contiguous floats (re/im interleaved), loaded whole and split in registers. The output
+        # channels are covered by two power-of-two blocks (22 = 16 + 8 rather than 32: a quarter fewer FMAs)
         pid = tl.program_id(0)
         f2 = pid * BLOCK_F * 2 + tl.arange(0, 2 * BLOCK_F)          # float offsets within a row
         b = tl.arange(0, BLOCK_B)
         o = tl.arange(0, BLOCK_O)
+        o2 = BLOCK_O + tl.arange(0, BLOCK_O2)
         fm = f2 < 2 * F
         xm = (b[:, None] < B) & fm[None, :]
         wm = (o[:, None] < O) & fm[None, :]
+        wm2 = (o2[:, None] < O) & fm[None, :]
         acc_re = tl.zeros((BLOCK_B, BLOCK_O, BLOCK_F), tl.float32)
         acc_im = tl.zeros((BLOCK_B, BLOCK_O, BLOCK_F), tl.float32)
-        for c in range(C):
+        acc2_re = tl.zeros((BLOCK_B, BLOCK_O2, BLOCK_F), tl.float32)
+        acc2_im = tl.zeros((BLOCK_B, BLOCK_O2, BLOCK_F), tl.float32)
+        for c in tl.range(0, C, num_stages=STAGES):
             xt = tl.load(x_ptr + (b[:, None] * C + c) * (2 * F) + f2[None, :], mask=xm, other=0.0)
-            wt = tl.load(w_ptr + (c * O + o[:, None]) * (2 * F) + f2[None, :], mask=wm, other=0.0)
             x_re, x_im = tl.split(tl.reshape(xt, (BLOCK_B, BLOCK_F, 2)))
-            w_re, w_im = tl.split(tl.reshape(wt, (BLOCK_O, BLOCK_F, 2)))
             x_re, x_im = x_re[:, None, :], x_im[:, None, :]
+            wt = tl.load(w_ptr + (c * O + o[:, None]) * (2 * F) + f2[None, :], mask=wm, other=0.0)
+            w_re, w_im = tl.split(tl.reshape(wt, (BLOCK_O, BLOCK_F, 2)))
             w_re, w_im = w_re[None, :, :], w_im[None, :, :]
             acc_re += x_re * w_re - x_im * w_im
             acc_im += x_re * w_im + x_im * w_re
+            if BLOCK_O2 > 1:
+                wt2 = tl.load(w_ptr + (c * O + o2[:, None]) * (2 * F) + f2[None, :], mask=wm2, other=0.0)
+                v_re, v_im = tl.split(tl.reshape(wt2, (BLOCK_O2, BLOCK_F, 2)))
+                v_re, v_im = v_re[None, :, :], v_im[None, :, :]
+                acc2_re += x_re * v_re - x_im * v_im
+                acc2_im += x_re * v_im + x_im * v_re
         yt = tl.reshape(tl.join(acc_re, acc_im), (BLOCK_B, BLOCK_O, 2 * BLOCK_F))
         yo = (b[:, None, None] * O + o[None, :, None]) * (2 * F) + f2[None, None, :]
         ym = (b[:, None, None] < B) & (o[None, :, None] < O) & fm[None, None, :]
         tl.store(y_ptr + yo, yt, mask=ym)
+        if BLOCK_O2 > 1:
+            yt2 = tl.reshape(tl.join(acc2_re, acc2_im), (BLOCK_B, BLOCK_O2, 2 * BLOCK_F))
+            yo2 = (b[:, None, None] * O + o2[None, :, None]) * (2 * F) + f2[None, None, :]
+            ym2 = (b[:, None, None] < B) & (o2[None, :, None] < O) & fm[None, None, :]
+            tl.store(y_ptr + yo2, yt2, mask=ym2)
 
 
-# the Triton contraction's tile: frequencies per program and warps (module-level so a probe can sweep them)
-TRITON_TILE = {"block_f": 16, "num_warps": 8}
+# the Triton contraction's tile: frequencies per program, warps, load pipeline depth, and whether the output
+# channels are split into two power-of-two blocks (module-level so a probe can sweep them)
+TRITON_TILE = {"block_f": 8, "num_warps": 8, "stages": 1, "split_o": True}
+
+
+def _o_blocks(o: int, split: bool) -> tuple[int, int]:
+    """(first, second) power-of-two blocks covering o channels: 22 → (16, 8) split, (32, 1) not."""
+    full = triton.next_power_of_2(o)
+    if not split or full == o:
+        return full, 1
+    first = full // 2
+    return first, max(2, triton.next_power_of_2(o - first))
 
 
 def _contract_triton(xf: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
@@ -93,10 +123,11 @@ def _contract_triton(xf: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
     o = w_hat.shape[1]
     y = torch.empty(b, o, f, 2, device=xf.device, dtype=torch.float32)
     xr = torch.view_as_real(xf.contiguous())
-    bf = TRITON_TILE["block_f"]
-    _contract_kernel[(triton.cdiv(f, bf),)](xr, w_hat, y, b, o, f, C=c, BLOCK_B=triton.next_power_of_2(b),
-                                            BLOCK_O=triton.next_power_of_2(o), BLOCK_F=bf,
-                                            num_warps=TRITON_TILE["num_warps"])
+    t = TRITON_TILE
+    o1, o2 = _o_blocks(o, t["split_o"])
+    _contract_kernel[(triton.cdiv(f, t["block_f"]),)](xr, w_hat, y, b, o, f, C=c, BLOCK_B=triton.next_power_of_2(b),
+                                                     BLOCK_O=o1, BLOCK_O2=o2, BLOCK_F=t["block_f"], STAGES=t["stages"],
+                                                     num_warps=t["num_warps"])
     return torch.view_as_complex(y)
 
 
@@ -165,8 +196,6 @@ class FFTConv3d(nn.Module):
         w = conv.weight.detach()
         n_freq = self.fft[0] * self.fft[1] * (self.fft[2] // 2 + 1)
         if contraction == "auto":
-            # the batched matmul: on an H200 at Ditto's mask-conv shape the Triton kernel took 8.62 ms per
-            # B = 16 call against bmm's 7.14 (both with the transforms); "triton" stays selectable
             contraction = AUTO_CONTRACTION if w.is_cuda else "bmm"
         if contraction == "triton" and 2 * n_freq * self.cin * max(self.cout, 32) >= _INT32:
             raise InputError(f"contraction='triton' indexes with int32: {self.cin} × {self.cout} channels over "

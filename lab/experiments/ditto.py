@@ -92,6 +92,8 @@ VARIANTS = {
     "compile+graph+pad8+fuse+fft+tap": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True, tap=True),
     "compile+graph+pad8+fuse+fft+tap+mix": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True, tap=True,
                                                     mix=True),
+    "compile+graph+pad8+fuse+fft+tap+mix+cl3d": _variant("fp16", True, False, True, "default", True, cl3d=True, fuse=True,
+                                                         fft=True, tap=True, mix=True),
     "compile+graph+pad8+fuse+fft+cl": _variant("fp16", True, True, True, "default", True, fuse=True, fft=True),
     "compile+graph+pad8+fuse+fft+cl+tap": _variant("fp16", True, True, True, "default", True, fuse=True, fft=True, tap=True),
 }
@@ -115,6 +117,7 @@ VARIANT_TEXT = {
     "compile+graph+pad8+fuse+fft+tap": "compile+graph+pad8+fuse+fft with the 1-channel occlusion conv as one matmul + shifted sum "
                                        "(lab.accel.tap_conv)",
     "compile+graph+pad8+fuse+fft+tap+mix": "the same with the 22-way motion mix as multiply + sum (fused with the softmax)",
+    "compile+graph+pad8+fuse+fft+tap+mix+cl3d": "the same with the dense motion's 3-D convs channels-last (NDHWC)",
     "compile+graph+pad8+fuse+fft+cl": "compile+graph+pad8+fuse+fft with the decoder's 2-D convs channels-last",
     "compile+graph+pad8+fuse+fft+cl+tap": "both: channels-last decoder and the tap-form occlusion conv",
 }
