@@ -255,3 +255,18 @@ def test_fft_mask_conv_renders_the_same_faces(engine, avatar):
     warp = next(v for k, v in e.variants.items() if k[:2] == ("module", "warp_network") and k[-1])
     assert isinstance(warp.dense_motion_network.mask, FFTConv3d)
     assert (got.faces.int() - ref.faces.int()).abs().max() <= 1
+
+
+def test_tap_occlusion_and_fused_mix_render_the_same_faces(engine, avatar):
+    # the occlusion conv as matmul + shifted sum and the motion mix as multiply + sum: the same function
+    from lab.accel.tap_conv import TapConv2d
+
+    a = _speech_with_pause()
+    ref = P.run(engine, avatar, a, SR, keep_faces=True)
+    e = P.reconfigure(engine, tap_occlusion=True, fused_mix=True)
+    got = P.run(e, avatar, a, SR, keep_faces=True)
+    warp = next(v for k, v in e.variants.items() if k[:2] == ("module", "warp_network") and k[-3] and k[-2])
+    dm = warp.dense_motion_network
+    assert isinstance(dm.occlusion, TapConv2d) and dm.fused_mix
+    assert not engine.nets["warp_network"].dense_motion_network.fused_mix   # the loaded network is untouched
+    assert (got.faces.int() - ref.faces.int()).abs().max() <= 1

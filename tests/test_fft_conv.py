@@ -75,3 +75,41 @@ def test_auto_contraction_is_bmm_off_the_gpu_and_bad_names_are_refused():
     assert FFTConv3d(nn.Conv3d(2, 2, 3, padding=1), (4, 6, 6)).contraction == "bmm"
     with pytest.raises(InputError, match="contraction"):
         FFTConv3d(nn.Conv3d(2, 2, 3, padding=1), (4, 6, 6), contraction="fast")
+
+
+def test_explicit_transform_sizes_and_too_small_ones_refused():
+    torch.manual_seed(0)
+    conv = nn.Conv3d(3, 2, 3, padding=1)
+    x = torch.randn(2, 3, 4, 6, 6)
+    f = FFTConv3d(conv, (4, 6, 6), sizes=(8, 9, 10))
+    assert f.fft == [8, 9, 10] and (f(x) - conv(x)).abs().max() <= 1e-5 * conv(x).abs().max()
+    with pytest.raises(InputError, match="at least input"):
+        FFTConv3d(conv, (4, 6, 6), sizes=(5, 8, 8))   # depth needs 4 + 3 − 1 = 6
+
+
+def test_output_channel_blocks():
+    pytest.importorskip("triton")
+    from lab.accel.fft_conv import _o_blocks
+
+    assert _o_blocks(22, True) == (16, 8) and _o_blocks(22, False) == (32, 1)
+    assert _o_blocks(8, True) == (8, 1) and _o_blocks(17, True) == (16, 2) and _o_blocks(3, True) == (2, 2)
+
+
+SPLIT = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from lab.accel import fft_conv as fc
+    torch.manual_seed(0)
+    errs = []
+    for cout, split, stages in ((22, True, 3), (22, False, 1), (5, True, 2)):
+        fc.TRITON_TILE.update(split_o=split, stages=stages, block_f=4)
+        conv = nn.Conv3d(3, cout, 3, padding=1)
+        x = torch.randn(3, 3, 4, 6, 6)
+        ref = conv(x)
+        errs.append(((fc.FFTConv3d(conv, (4, 6, 6), contraction="triton")(x) - ref).abs().max() / ref.abs().max()).item())
+    print(max(errs))
+""")
+
+
+def test_triton_contraction_channel_split_and_pipeline(triton_interpreter):
+    assert float(triton_interpreter(SPLIT).split()[-1]) < 1e-5

@@ -14,7 +14,7 @@ is convolution with the kernel flipped, and the conv's zero padding is where the
 transforms and the channel contraction run in fp32 (complex64), so the result is at least as accurate as the
 fp16 conv it replaces. The contraction (per frequency, input channels × output channels) is a batched complex
 matmul (`contraction="bmm"`, the CPU's), or one Triton kernel that reads each transformed input and weight once,
-frequency-contiguous, with no transposing copy of the spectrum (`"triton"`, the GPU's: 6.26 vs 7.15 ms per
+frequency-contiguous, with no transposing copy of the spectrum (`"triton"`, the GPU's: 5.14 vs 7.19 ms per
 call on an H200 at Ditto's shape, transforms included). A frequency-major layout (transforms over a
 (D, H, W, B, C) volume, so the matmul reads the spectrum in place) was measured slower still: 9.24 ms.
 The transformed weights are fp32 for the chosen size only (1.5 GB for Ditto's mask conv): they stay fp32 when
@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 CONTRACTIONS = ("auto", "bmm", "triton")
 # what "auto" means on a GPU (a CPU always gets "bmm"): on an H200 at Ditto's mask-conv shape (B = 16) the whole
-# FFT conv took 6.26 ms with the Triton contraction against 7.15 with the batched matmul, whose input is a
+# FFT conv took 5.14 ms with the Triton contraction against 7.19 with the batched matmul, whose input is a
 # transposing copy of the whole spectrum
 AUTO_CONTRACTION = "triton" if triton is not None else "bmm"
 _INT32 = 2**31 - 1
@@ -104,8 +104,10 @@ if triton is not None:
 
 
 # the Triton contraction's tile: frequencies per program, warps, load pipeline depth, and whether the output
-# channels are split into two power-of-two blocks (module-level so a probe can sweep them)
-TRITON_TILE = {"block_f": 8, "num_warps": 8, "stages": 1, "split_o": True}
+# channels are split into two power-of-two blocks (module-level so a probe can sweep them). Swept on an H200 at
+# Ditto's shape (24 tiles): this one took 5.14 ms per FFT conv; without the 3-stage load pipeline 6.95, without
+# the channel split 7.45, and the batched matmul 7.19
+TRITON_TILE = {"block_f": 16, "num_warps": 4, "stages": 3, "split_o": True}
 
 
 def _o_blocks(o: int, split: bool) -> tuple[int, int]:

@@ -149,10 +149,11 @@ class Profile:
 
 # measured before on the H200 at B = 16: NDHWC 3-D convs slower (123 vs 129 FPS), NCHW + channel padding faster
 # (161; `fp16+fold-nchw` separates the layout from the padding): the full profile keeps the variants that can
-# still win, the others stay in VARIANTS for the notebook
+# still win, the others stay in VARIANTS for the notebook (later: NDHWC also slower with the FFT mask conv, 357.0 vs
+# 364.9 FPS; a channels-last decoder slower, 320.3 vs 321.1)
 FULL_VARIANTS = ["upstream", "fp16+fold-nchw", "fp16+fold+graph", "fp16+pad8+graph", "fp16+pad8+fuse+graph",
                  "fp16+pad8+fuse+fft+graph", "compile+graph", "compile+graph+pad8+fuse", "compile+graph+pad8+fuse+fft",
-                 "compile+graph+pad8+fuse+fft+cl3d"]
+                 "compile+graph+pad8+fuse+fft+tap", "compile+graph+pad8+fuse+fft+tap+mix"]
 
 
 def profile(quick: bool, device: torch.device) -> Profile:
