@@ -270,3 +270,13 @@ def test_tap_occlusion_and_fused_mix_render_the_same_faces(engine, avatar):
     assert isinstance(dm.occlusion, TapConv2d) and dm.fused_mix
     assert not engine.nets["warp_network"].dense_motion_network.fused_mix   # the loaded network is untouched
     assert (got.faces.int() - ref.faces.int()).abs().max() <= 1
+
+
+def test_output_stride_faces_do_not_depend_on_the_block_size(engine, avatar):
+    # keyframes carry across blocks: the interpolated faces are the same however the frames are blocked
+    a = _speech_with_pause()
+    e = P.reconfigure(engine, stride=3, stride_space="output")
+    ref = P.run(e, avatar, a, SR, keep_faces=True)
+    for block in (7, 12, 40):
+        got = P.run(e, avatar, a, SR, keep_faces=True, block_frames=block)
+        assert torch.equal(got.faces, ref.faces), block
