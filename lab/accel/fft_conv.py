@@ -164,7 +164,8 @@ def _(xp, w_hat, bias, crop, out, contraction, dtype):
 
 class FFTConv3d(nn.Module):
     """`conv` (a stride-1, dilation-1, groups-1, zero-padded Conv3d) through FFTs for inputs of size `spatial`
-    (D, H, W). The conv's weights are read once; later changes to it are not seen."""
+    (D, H, W). The conv's weights are read once; later changes to it are not seen. `sizes` overrides the
+    transform size per axis (each at least input + kernel − 1; other smooth sizes were measured no faster)."""
 
     def __init__(self, conv: nn.Conv3d, spatial: tuple[int, int, int], contraction: str = "auto",
                  sizes: tuple[int, int, int] | None = None):
