@@ -270,3 +270,20 @@ def test_lmdm_condition_encoded_once_is_the_same_forward(tiny):
         assert torch.equal(net(x, cf, None, t, drop, encoded=enc), ref)
         assert torch.equal(net(x, cf, c, t, drop), ref)           # the rotary tables, cached, give the same numbers
     assert not any("_tables" in k for k in net.state_dict())
+
+
+def test_fused_motion_mix_gives_the_same_deformation():
+    # the pipeline's faces barely follow the keypoints with random weights, so the mix is checked where it is made
+    torch.manual_seed(0)
+    dm = D.build("warp_network", "tiny").eval().dense_motion_network
+    d = D.dims("tiny")
+    feat = torch.randn(2, d.reshape_channel, d.reshape_depth, d.feature_hw, d.feature_hw)
+    kp_s = 0.3 * torch.randn(2, D.NUM_KP, 3)
+    kp_d = kp_s + 0.1 * torch.randn_like(kp_s)
+    with torch.no_grad():
+        ref, occ = dm(feat, kp_s, kp_d)
+        dm.fused_mix = True
+        got, occ2 = dm(feat, kp_s, kp_d)
+    assert torch.equal(occ, occ2)
+    assert torch.allclose(got, ref, atol=1e-6)
+    assert not torch.allclose(ref, dm(feat, kp_s, kp_s)[0], atol=1e-3)   # the deformation follows the keypoints

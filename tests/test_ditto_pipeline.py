@@ -280,3 +280,4 @@ def test_output_stride_faces_do_not_depend_on_the_block_size(engine, avatar):
     for block in (7, 12, 40):
         got = P.run(e, avatar, a, SR, keep_faces=True, block_frames=block)
         assert torch.equal(got.faces, ref.faces), block
+        assert got.counts["rendered"] == ref.counts["rendered"] == ref.keyframes, block   # each keyframe once

@@ -95,7 +95,6 @@ VARIANTS = {
     "compile+graph+pad8+fuse+fft+tap+mix+cl3d": _variant("fp16", True, False, True, "default", True, cl3d=True, fuse=True,
                                                          fft=True, tap=True, mix=True),
     "compile+graph+pad8+fuse+fft+cl": _variant("fp16", True, True, True, "default", True, fuse=True, fft=True),
-    "compile+graph+pad8+fuse+fft+cl+tap": _variant("fp16", True, True, True, "default", True, fuse=True, fft=True, tap=True),
 }
 VARIANT_TEXT = {
     "upstream": "upstream's precision: fp32 weights under fp16 autocast, spectral-norm hooks, NCHW, eager",
@@ -119,7 +118,6 @@ VARIANT_TEXT = {
     "compile+graph+pad8+fuse+fft+tap+mix": "the same with the 22-way motion mix as multiply + sum (fused with the softmax)",
     "compile+graph+pad8+fuse+fft+tap+mix+cl3d": "the same with the dense motion's 3-D convs channels-last (NDHWC)",
     "compile+graph+pad8+fuse+fft+cl": "compile+graph+pad8+fuse+fft with the decoder's 2-D convs channels-last",
-    "compile+graph+pad8+fuse+fft+cl+tap": "both: channels-last decoder and the tap-form occlusion conv",
 }
 
 
