@@ -23,6 +23,8 @@ of a process that no longer runs are removed by the next writer in that folder
 from __future__ import annotations
 
 import errno
+import math
+import mmap
 import os
 import queue
 import re
@@ -816,6 +818,72 @@ class AsyncWriter(_CloseOrAbort):
             self.queue.put(_STOP)
             self.thread.join()
         self.writer.abort()
+
+
+# ---------------------------------------------------------------- the encoder's own rate, host buffers
+
+def encoder_rate(frames: np.ndarray, pix_fmt: str, size: tuple[int, int], fps: float, n: int, preset: str,
+                 crf: int, args: list[str] | None = None, parallel: int = 1, folder: str | Path | None = None,
+                 batch: int = 16, pipe_buffer: int = 0, zero_copy: bool = False) -> float:
+    """Frames per second libx264 encodes `n` frames (the recorded ones, cycled if fewer) with nothing
+    else running, through the pipeline's own writer (lab.video.FFmpegWriter: same preset, crf,
+    input pixel format, pipe size and write path, yuv420p out, mp4 file), fed `batch` frames per
+    write as the pipeline feeds it; timed from the first frame written to the files closed (ffmpeg's
+    start-up before it is not counted). `parallel` encoders each take a contiguous share."""
+    extra = [str(a) for a in (args or [])]
+    tmp = Path(tempfile.mkdtemp(dir=folder))
+    writers = []
+    try:
+        for k in range(parallel):
+            writers.append(FFmpegWriter(tmp / f"enc{k}.mp4", fps, size, crf=crf, preset=preset, pix_fmt=pix_fmt,
+                                        pipe_buffer=pipe_buffer, zero_copy=zero_copy, x264_args=extra))
+    except BaseException:
+        for w in writers:
+            w.abort()
+        tmp.rmdir()
+        raise
+    shares = np.array_split(np.arange(n), parallel)
+    errors: list[BaseException] = []
+    order = np.arange(n) % len(frames)
+    contiguous = len(frames) >= n  # slices of the recording itself, as the pipeline hands over its buffers
+
+    def feed(w: FFmpegWriter, idx: np.ndarray) -> None:
+        try:
+            for s in range(0, len(idx), batch):
+                j = idx[s:s + batch]
+                w.write(frames[j[0]:j[-1] + 1] if contiguous else frames[order[j]])
+            w.close()
+        except BaseException as e:
+            errors.append(e)
+            w.abort()
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=feed, args=(w, s)) for w, s in zip(writers, shares)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for f in tmp.iterdir():
+        f.unlink()
+    tmp.rmdir()
+    if errors:
+        raise BackendUnavailable(f"libx264 via ffmpeg failed: {errors[0]}")
+    return n / wall
+
+
+def host_buffer(shape: tuple, dtype: torch.dtype, pin: bool, register: bool) -> tuple[torch.Tensor, str]:
+    """A host buffer the GPU copies into asynchronously (page-locked). register=True: ordinary
+    anonymous pages locked with cudaHostRegister, which the kernel can hand to a pipe by reference
+    (vmsplice); cudaHostAlloc's memory (torch's pin_memory) is a driver mapping it cannot take."""
+    if not pin:
+        return torch.empty(shape, dtype=dtype), "pageable"
+    if register:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        t = torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+        if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0)) == 0:
+            return t, "registered"  # stays registered for the life of the process (the engine keeps it)
+    return torch.empty(shape, dtype=dtype, pin_memory=True), "pinned"
 
 
 # ---------------------------------------------------------------- reading back

@@ -27,3 +27,25 @@ def test_compiled_and_streamed_motion_keep_the_frames():
         for _ in range(2):   # the first run compiles / captures; the second replays beside the renderer's graph
             got = P.run(e, avatar, audio, 16000, keep_faces=True)
             assert metrics.psnr(got.faces, ref.faces) > 45, changes
+
+
+def test_early_start_and_transport_keep_the_frames_on_the_gpu(tmp_path):
+    from lab.experiments.ditto import speech_with_pauses
+    from lab.video import read_video_info
+
+    # the audio features per window on the side stream (HuBERT beside the renderer's graph), the first block one
+    # batch, registered host buffers spliced into the pipe, blocking events: the same faces and the same file
+    cfg = P.Config(size="full", batch_size=16, source_pool="vram", cuda_graphs=True, hubert_batch=16,
+                   silence="bypass", putback="gpu", async_writer=True, writer="ffmpeg", stream_motion=True)
+    torch.backends.cudnn.benchmark = True
+    engine = P.build(cfg, "cuda")
+    avatar = P.prepare(engine)
+    audio = speech_with_pauses(8.4, ((3.6, 4.8),))
+    ref = P.run(engine, avatar, audio, 16000, tmp_path / "ref.mp4", keep_faces=True)
+    e = P.reconfigure(engine, early_start=True, pipe_buffer=1 << 20, zero_copy=True, host_wait="sleep")
+    for i in range(2):
+        got = P.run(e, avatar, audio, 16000, tmp_path / f"got{i}.mp4", keep_faces=True)
+        assert torch.equal(got.faces, ref.faces) and "per window" in got.motion_source
+        assert got.transport["zero_copy"] is True, got.transport      # registered pages: spliced, not copied
+        assert (tmp_path / f"got{i}.mp4").read_bytes() == (tmp_path / "ref.mp4").read_bytes()
+    assert read_video_info(tmp_path / "got1.mp4").n_frames == ref.n_frames == 210

@@ -281,3 +281,44 @@ def test_output_stride_faces_do_not_depend_on_the_block_size(engine, avatar):
         got = P.run(e, avatar, a, SR, keep_faces=True, block_frames=block)
         assert torch.equal(got.faces, ref.faces), block
         assert got.counts["rendered"] == ref.counts["rendered"] == ref.keyframes, block   # each keyframe once
+
+
+def test_early_start_features_per_window_are_the_same_numbers(engine, avatar):
+    # features computed per motion window (HuBERT groups of 3 chunks = 15 frames, not aligned with the windows)
+    # and a first block of one batch: the same faces as the whole-clip features, dense and at stride 3
+    a = _speech_with_pause()
+    for changes in (dict(silence="bypass"), dict(stride=3)):
+        e = P.reconfigure(engine, stream_motion=True, hubert_batch=3, **changes)
+        ref = P.run(e, avatar, a, SR, keep_faces=True)
+        got = P.run(P.reconfigure(e, early_start=True), avatar, a, SR, keep_faces=True)
+        assert "per window" in got.motion_source and "per window" not in ref.motion_source
+        assert got.counts == ref.counts and torch.equal(got.faces, ref.faces), changes
+        assert got.first_frame_s is not None and 0 < got.first_frame_s < got.wall_s
+
+
+def test_feature_stream_rows_equal_the_whole_clip_condition(engine, avatar):
+    a = _speech_with_pause(1.0)
+    n = 25
+    whole = P.condition(engine, P.D.hubert_features(engine.hubert, torch.from_numpy(a), n, batch=2), avatar)
+    fs = P.FeatureStream(P.reconfigure(engine, hubert_batch=2), avatar, a, n)
+    fs.ensure(7)
+    assert fs.done == 10 and fs.calls == 1       # one call of two chunks: frames 0 … 9
+    fs.ensure(n + 5)
+    assert fs.done == n and torch.equal(fs.cond, whole)
+
+
+def test_encoder_transport_writes_the_same_file(engine, avatar, tmp_path):
+    # a 1 MiB pipe, zero-copy writes and sleeping host threads change how frames reach ffmpeg, not the file
+    a = _speech_with_pause(0.8)
+    base = P.reconfigure(engine, writer="ffmpeg", async_writer=True)
+    plain = P.run(base, avatar, a, SR, tmp_path / "plain.mp4")
+    fast = P.run(P.reconfigure(base, pipe_buffer=1 << 20, zero_copy=True, host_wait="sleep"), avatar, a, SR,
+                 tmp_path / "fast.mp4")
+    assert (tmp_path / "plain.mp4").read_bytes() == (tmp_path / "fast.mp4").read_bytes()
+    assert plain.transport["zero_copy"] is False
+    assert fast.transport["zero_copy"] is True or fast.transport["zero_copy_note"]   # or it says why not
+    assert fast.transport["pipe_size"] >= plain.transport["pipe_size"] and fast.transport["host_wait"] == "sleep"
+    with pytest.raises(InputError, match="host_wait"):
+        P.reconfigure(engine, host_wait="poll")
+    with pytest.raises(InputError, match="pipe_buffer"):
+        P.reconfigure(engine, pipe_buffer=-1)

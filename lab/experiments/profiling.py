@@ -32,6 +32,7 @@ from lab.pipelines import musetalk as mt
 from lab.pipelines.musetalk import Engine
 from lab.progress import tqdm
 from lab.timing import bench, count_flops, matmul_ceiling
+from lab.video import encoder_rate  # noqa: F401  (the ceiling's one implementation, shared with notebook 06)
 
 NAME = "01_profiling"
 SOURCE = "Accelerating Real-Time Lip-Sync Pt 2"
@@ -666,61 +667,6 @@ def _expand(args: list[str] | None) -> list[str]:
     return [a.replace("{cores}", str(os.cpu_count() or 1)) for a in (args or [])]
 
 
-def encoder_rate(frames: np.ndarray, pix_fmt: str, size: tuple[int, int], fps: float, n: int, preset: str,
-                 crf: int, args: list[str] | None = None, parallel: int = 1, folder: str | Path | None = None,
-                 batch: int = 16, pipe_buffer: int = 0, zero_copy: bool = False) -> float:
-    """Frames per second libx264 encodes `n` frames (the recorded ones, cycled if fewer) with nothing
-    else running, through the pipeline's own writer (lab.video.FFmpegWriter: same preset, crf,
-    input pixel format, pipe size and write path, yuv420p out, mp4 file), fed `batch` frames per
-    write as the pipeline feeds it; timed from the first frame written to the files closed (ffmpeg's
-    start-up before it is not counted). `parallel` encoders each take a contiguous share."""
-    import tempfile
-    import threading
-
-    from lab.video import FFmpegWriter
-
-    extra = _expand(args)
-    tmp = Path(tempfile.mkdtemp(dir=folder))
-    writers = []
-    try:
-        for k in range(parallel):
-            writers.append(FFmpegWriter(tmp / f"enc{k}.mp4", fps, size, crf=crf, preset=preset, pix_fmt=pix_fmt,
-                                        pipe_buffer=pipe_buffer, zero_copy=zero_copy, x264_args=extra))
-    except BaseException:
-        for w in writers:
-            w.abort()
-        tmp.rmdir()
-        raise
-    shares = np.array_split(np.arange(n), parallel)
-    errors: list[BaseException] = []
-    order = np.arange(n) % len(frames)
-    contiguous = len(frames) >= n  # slices of the recording itself, as the pipeline hands over its buffers
-
-    def feed(w: FFmpegWriter, idx: np.ndarray) -> None:
-        try:
-            for s in range(0, len(idx), batch):
-                j = idx[s:s + batch]
-                w.write(frames[j[0]:j[-1] + 1] if contiguous else frames[order[j]])
-            w.close()
-        except BaseException as e:
-            errors.append(e)
-            w.abort()
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=feed, args=(w, s)) for w, s in zip(writers, shares)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    for f in tmp.iterdir():
-        f.unlink()
-    tmp.rmdir()
-    if errors:
-        raise BackendUnavailable(f"libx264 via ffmpeg failed: {errors[0]}")
-    return n / wall
-
-
 def _transport(cfg: mt.Config) -> dict:
     return {"pipe_buffer": cfg.pipe_buffer, "zero_copy": cfg.zero_copy}
 
@@ -728,6 +674,8 @@ def _transport(cfg: mt.Config) -> dict:
 def ceiling(run: Run, cfg: mt.Config, frames: np.ndarray, pix: str, repeats: int | None = None, **opt: Any) -> list[float]:
     """`repeats` encoder-alone rates (FPS) of the recorded frames with cfg's writer settings."""
     kw = {**_transport(cfg), **opt}
+    if "args" in kw:
+        kw["args"] = _expand(kw["args"])
     return [encoder_rate(frames, pix, cfg.frame_size, cfg.fps, run.encoder_frames, cfg.preset, cfg.crf,
                          folder=run.folder, batch=cfg.batch_size, **kw) for _ in range(repeats or run.repeats)]
 

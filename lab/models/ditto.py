@@ -885,13 +885,17 @@ def hubert_features(model: nn.Module, audio16: torch.Tensor, n_frames: int, batc
     per chunk keep encoder frames [−14 : −4] (10 frames at 50 Hz) and average pairs → 5 frames.
     batch > 1 runs several chunks per call (same result: the chunks are independent)."""
     chunks = hubert_chunks(audio16, n_frames)
-    p = model.feature_extractor.conv_layers[0].conv.weight
-    outs = []
-    for s in range(0, chunks.shape[0], batch):
-        hs = model(chunks[s:s + batch].to(p.device, p.dtype)).last_hidden_state          # (b, 20, hidden)
-        keep = hs[:, -14:-4]
-        outs.append(keep.reshape(keep.shape[0], HUBERT_NEW, 2, -1).mean(2).reshape(-1, hs.shape[-1]))
+    outs = [hubert_chunk_features(model, chunks[s:s + batch]) for s in range(0, chunks.shape[0], batch)]
     return torch.cat(outs)[:n_frames].float()
+
+
+@torch.no_grad()
+def hubert_chunk_features(model: nn.Module, chunks: torch.Tensor) -> torch.Tensor:
+    """One call on b chunks (b, 6480) → (5·b, hidden) features at 25 Hz, in the model's dtype."""
+    p = model.feature_extractor.conv_layers[0].conv.weight
+    hs = model(chunks.to(p.device, p.dtype)).last_hidden_state          # (b, 20, hidden)
+    keep = hs[:, -14:-4]
+    return keep.reshape(keep.shape[0], HUBERT_NEW, 2, -1).mean(2).reshape(-1, hs.shape[-1])
 
 
 # ----------------------------------------------------------------------------- building and loading

@@ -20,6 +20,12 @@ Every acceleration is a switch in `Config`, so one process can time each alone a
 * ``putback``: "cpu" (upstream: warpAffine of render and mask to the frame, blend, per frame on
   the host) or "gpu" (one batched inverse-affine grid_sample and a fused blend, YUV on the device).
 * ``async_writer``: the encoder fed through a bounded queue by a background thread.
+* ``pipe_buffer`` / ``zero_copy`` / ``host_wait``: the host side of the encoder (the encoded file is the
+  same): a larger pipe to ffmpeg, the frames' pages handed to it by reference (vmsplice) instead of
+  copied, and host threads that sleep on blocking CUDA events instead of spinning a core the encoder
+  needs.
+* ``early_start``: the audio features computed per motion window as the loop reaches it (the same
+  numbers) and a first block of one batch, so the encoder gets its first frames sooner.
 * ``stride`` / ``stride_space``: keyframes every k frames with SLERP in between, of the rendered
   faces ("output": the renderer runs on keyframes only), of the warped features ("feature": the
   warp runs on keyframes, the decoder on every frame) or of the 265-d motion ("motion": the
@@ -63,6 +69,7 @@ STRIDE_SPACES = ("output", "feature", "motion")
 MOTIONS = ("lmdm", "rms")
 MOTION_MODES = {"offline": 10, "online": 70}   # window overlap in frames
 MOTION_PRECISIONS = ("fp32", "bf16")
+HOST_WAITS = ("spin", "sleep")
 CROP_SCALE = 2.3          # source crop side / face box side (upstream's final crop)
 CROP_VY = -0.125          # crop centre moved up by this fraction of the side
 LIP_KP = (6, 12, 14, 17, 19, 20)   # keypoints the RMS demo drive moves
@@ -108,6 +115,10 @@ class Config:
     eta: float = 1.0
     batch_cfg: bool = True
     hubert_batch: int = 1
+    pipe_buffer: int = 0              # ffmpeg writer: pipe size asked of the kernel, bytes (0: the OS default, 64 KiB)
+    zero_copy: bool = False           # ffmpeg writer: the frames' pages handed to the pipe (vmsplice), not copied into it
+    host_wait: str = "spin"           # host threads waiting on the GPU: "spin" (CUDA's default busy-wait) | "sleep" (blocking events)
+    early_start: bool = False         # audio features per motion window as the loop needs them (with stream_motion); first block one batch
     frame_size: tuple[int, int] = (1080, 1920)   # (width, height) of the canvas for the default avatar
     fps: float = 25.0
     seed: int = 0
@@ -119,13 +130,16 @@ class Config:
                                      ("putback", self.putback, PUTBACKS), ("writer", self.writer, WRITERS),
                                      ("compile", self.compile, COMPILE), ("stride_space", self.stride_space, STRIDE_SPACES),
                                      ("motion", self.motion, MOTIONS), ("motion_mode", self.motion_mode, tuple(MOTION_MODES)),
-                                     ("motion_precision", self.motion_precision, MOTION_PRECISIONS)):
+                                     ("motion_precision", self.motion_precision, MOTION_PRECISIONS),
+                                     ("host_wait", self.host_wait, HOST_WAITS)):
             if value not in allowed:
                 raise InputError(f"Config.{name} must be one of {allowed}, got {value!r}")
         for name in ("batch_size", "stride", "sampling_steps", "hubert_batch", "queue_frames", "ease_frames"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InputError(f"Config.{name} must be an integer >= 1, got {v!r}")
+        if isinstance(self.pipe_buffer, bool) or not isinstance(self.pipe_buffer, int) or self.pipe_buffer < 0:
+            raise InputError(f"Config.pipe_buffer must be an int >= 0 (bytes; 0 = the OS default), got {self.pipe_buffer!r}")
         if self.fps != 25:
             raise InputError(f"Config.fps must be 25: the motion model and the audio chunking are built for 25 fps "
                              f"(640 samples per frame at 16 kHz), got {self.fps}")
@@ -470,13 +484,47 @@ def _gather_fs(engine: Engine, avatar: Avatar, src: np.ndarray) -> torch.Tensor:
 def condition(engine: Engine, feats: torch.Tensor, avatar: Avatar) -> torch.Tensor:
     """Per frame: audio features, emotion (neutral), eye open / eye ball (fixed defaults: no
     MediaPipe landmarks here), the source's canonical keypoints → (T, cond_dim)."""
-    t = feats.shape[0]
+    fixed = _fixed_condition(avatar, feats.device)
+    return torch.cat([feats.float(), fixed.expand(feats.shape[0], -1)], dim=1)
+
+
+def _fixed_condition(avatar: Avatar, device: torch.device) -> torch.Tensor:
+    """The per-frame condition after the audio features: emotion, eyes, canonical keypoints (1, 79)."""
     emo = torch.softmax(8.0 * F.one_hot(torch.tensor(4), 8).float(), dim=-1)
     eye_open = torch.tensor([0.3, 0.3])
     eye_ball = torch.zeros(6)
-    fixed = torch.cat([emo, eye_open, eye_ball]).to(feats.device)
-    sc = avatar.kp_c[0].to(feats.device).float()
-    return torch.cat([feats.float(), fixed.expand(t, -1), sc.expand(t, -1)], dim=1)
+    sc = avatar.kp_c[0].to(device).float().reshape(-1)
+    return torch.cat([torch.cat([emo, eye_open, eye_ball]).to(device), sc])[None]
+
+
+class FeatureStream:
+    """The motion model's condition rows, computed as the motion windows reach them: one HuBERT call
+    per `hubert_batch` chunks, grouped from the clip's start as `hubert_features` groups them, so the
+    rows are the same numbers; the first window waits for its own chunks, not the whole clip's. Runs on
+    whatever stream the caller is on (the motion stream's side stream) and never makes the host wait:
+    the audio and the fixed rows are uploaded once, here."""
+
+    def __init__(self, engine: Engine, avatar: Avatar, a16: np.ndarray, n: int):
+        dev = engine.device
+        self.engine, self.n = engine, n
+        # one upload before the loop (the stream is idle then, so its wait costs nothing)
+        self.chunks = D.hubert_chunks(torch.from_numpy(np.ascontiguousarray(a16, dtype=np.float32)).to(dev), n)
+        self.fixed = _fixed_condition(avatar, dev)
+        self.cond = torch.empty((n, engine.hubert.config.hidden_size + self.fixed.shape[1]), device=dev)
+        self.done = 0      # frames whose rows are written
+        self.calls = 0
+
+    def ensure(self, f: int) -> None:
+        """Rows of frames 0 … f − 1 queued."""
+        b = self.engine.cfg.hubert_batch
+        while self.done < min(int(f), self.n):
+            k = self.calls * b
+            feats = D.hubert_chunk_features(self.engine.hubert, self.chunks[k:k + b]).float()
+            lo = self.done
+            hi = min(self.n, lo + feats.shape[0])
+            self.cond[lo:hi, : feats.shape[1]] = feats[: hi - lo]
+            self.cond[lo:hi, feats.shape[1]:] = self.fixed
+            self.done, self.calls = hi, self.calls + 1
 
 
 def _denoise(engine: Engine, x: torch.Tensor, cf: torch.Tensor, c: torch.Tensor, noises: torch.Tensor,
@@ -703,8 +751,11 @@ class MotionStream:
     smoothing, done per chunk of final frames): frames below `ready` are final. The main stream
     waits on an event, never the host."""
 
-    def __init__(self, engine: Engine, avatar: Avatar, cond: torch.Tensor, src: np.ndarray, alpha: np.ndarray):
+    def __init__(self, engine: Engine, avatar: Avatar, cond: "torch.Tensor | FeatureStream", src: np.ndarray,
+                 alpha: np.ndarray):
         cfg, dev = engine.cfg, engine.device
+        self.features = cond if isinstance(cond, FeatureStream) else None
+        cond = cond.cond if isinstance(cond, FeatureStream) else cond
         self.engine, self.avatar, self.cond = engine, avatar, cond
         self.n = n = cond.shape[0]
         self.L, self.ov = engine.dims.seq_frames, _overlap(engine)
@@ -735,6 +786,8 @@ class MotionStream:
     def _window(self) -> None:
         e, w, L, ov, n = self.engine, self.w, self.L, self.ov, self.n
         s = self.starts[w]
+        if self.features is not None:
+            self.features.ensure(s + L)
         c = self.cond[s:s + L]
         if c.shape[0] < L:
             c = torch.cat([c, c[-1:].expand(L - c.shape[0], -1)])
@@ -777,6 +830,11 @@ class MotionStream:
             ev.record()
         self.timing.append((t0, t1))
         self.events.append((self.ready, ev))
+
+    def prefetch(self) -> None:
+        """Queue the first window now (the caller goes on preparing while the GPU runs it)."""
+        if self.w == 0:
+            self._enqueue()
 
     def ensure(self, f: int) -> None:
         """Keypoints of frames 0 … f usable on the current stream; one window more queued behind."""
@@ -1038,17 +1096,20 @@ def _open_writer(engine: Engine, out_path: str | Path | None, size: tuple[int, i
         except ImportError:
             track = None
         w = FFmpegWriter(out_path, cfg.fps, size, audio=track, crf=cfg.crf, preset=cfg.preset,
-                         pix_fmt="yuv420p" if cfg.putback == "gpu" else "rgb24")
+                         pix_fmt="yuv420p" if cfg.putback == "gpu" else "rgb24", pipe_buffer=cfg.pipe_buffer,
+                         zero_copy=cfg.zero_copy)
     return Sink(engine, w, cfg.async_writer, max(1, cfg.queue_frames // cfg.batch_size))
 
 
 class Sink:
-    """Frames → the writer. A device tensor is copied into one of a ring of pinned host buffers
+    """Frames → the writer. A device tensor is copied into one of a ring of page-locked host buffers
     (one DMA per batch, `non_blocking`, an event recorded after it): the host never waits for the
     GPU here. Synchronous: wait for that event, write. Asynchronous: a background thread waits for
     the event and writes, through a queue of `maxsize` batches (bounded memory: the ring has
     maxsize + 2 buffers, so a buffer is refilled only after its write has finished). Errors of
-    the thread come back on the next `write` or on `close`."""
+    the thread come back on the next `write` or on `close`. With a zero-copy writer the buffers are
+    anonymous pages locked with cudaHostRegister (cudaHostAlloc's pinned memory cannot be spliced);
+    host_wait="sleep" makes the events blocking, so the waiting thread sleeps instead of spinning."""
 
     def __init__(self, engine: Engine, inner: Any, background: bool, maxsize: int):
         import queue
@@ -1059,6 +1120,9 @@ class Sink:
         self.i = 0
         self.error: BaseException | None = None
         self.busy_s = 0.0
+        self.first_write: float | None = None     # perf_counter when the first frames reached the writer
+        self.register = engine.device.type == "cuda" and bool(getattr(inner, "zero_copy", False))
+        self.blocking = engine.cfg.host_wait == "sleep"
         self.q: Any = None
         if background:
             self.q = queue.Queue(maxsize=maxsize)
@@ -1071,11 +1135,19 @@ class Sink:
 
     def _buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
         # pinned buffers cached on the engine (allocating pinned memory costs milliseconds per MB)
-        key = ("pinned", shape, self.i % self.ring_size)
+        from lab import video
+
+        key = ("pinned", shape, self.i % self.ring_size, self.register)
         self.i += 1
         if key not in self.engine.variants:
-            self.engine.variants[key] = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+            self.engine.variants[key] = video.host_buffer(shape, torch.uint8, True, self.register)[0]
         return self.engine.variants[key]
+
+    def transport(self) -> dict:
+        """How the frames reached ffmpeg (pipe size granted, zero-copy or why not)."""
+        w = self.inner
+        return {"pipe_size": getattr(w, "pipe_size", None), "zero_copy": getattr(w, "zero_copy", None),
+                "zero_copy_note": getattr(w, "zero_copy_note", ""), "host_wait": self.engine.cfg.host_wait}
 
     def _write(self, item: tuple[np.ndarray, Any]) -> None:
         arr, ev = item
@@ -1083,7 +1155,10 @@ class Sink:
         if ev is not None:
             ev.synchronize()
         self.inner.write(arr)
-        self.busy_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.busy_s += t1 - t0
+        if self.first_write is None:
+            self.first_write = t1
 
     def _loop(self) -> None:
         while (item := self.q.get()) is not None:
@@ -1101,7 +1176,7 @@ class Sink:
             buf = self._buffer((_ring_rows(self.engine, len(frames)), *per))
             host = buf[:len(frames)]
             host.copy_(frames, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=self.blocking)
             ev.record()
             item = (host.numpy(), ev)
         else:
@@ -1201,6 +1276,8 @@ class RunReport:
     frames: dict[int, np.ndarray] = field(default_factory=dict)
     alpha: np.ndarray | None = None
     out_path: str | None = None
+    first_frame_s: float | None = None      # from the call to the first frames handed to the writer
+    transport: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("faces", "frames", "alpha")}
@@ -1251,14 +1328,20 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
     mstream = None
     if cfg.motion == "lmdm":
         with timer.stage("audio_features"):
-            feats = D.hubert_features(engine.hubert, torch.from_numpy(a16), n, batch=cfg.hubert_batch)
-            cond = condition(engine, feats.to(dev), avatar)
+            if streamed and cfg.early_start:   # computed per window by the motion stream, as it reaches them
+                cond: Any = FeatureStream(engine, avatar, a16, n)
+            else:
+                feats = D.hubert_features(engine.hubert, torch.from_numpy(a16), n, batch=cfg.hubert_batch)
+                cond = condition(engine, feats.to(dev), avatar)
         motion_source = f"LMDM {cfg.motion_mode} ({cfg.sampling_steps} DDIM steps, guidance {cfg.guidance})"
         if streamed:
             # 3'. motion and keypoints chunk by chunk inside the render loop (MotionStream)
             mstream = MotionStream(engine, avatar, cond, src, alpha)
             kp_d, windows = mstream.kp_d, mstream.windows
             motion_source += ", streamed on a side stream"
+            if cfg.early_start:
+                motion_source += " (audio features per window)"
+                mstream.prefetch()   # the GPU starts on the first window while the writer opens
         else:
             with timer.stage("motion"):
                 motion, windows = generate_motion(engine, cond, avatar.motion_s[0])
@@ -1291,12 +1374,14 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
     # with 48-frame blocks ran 277.4 FPS end to end against 241.5 with 96: a longer block delays the first
     # output and leaves the encoder idle while it renders; dense, 32-frame blocks 250.8 vs 16-frame 240.6)
     block = block_frames or max(16, 2 * cfg.batch_size, cfg.batch_size * cfg.stride)
+    # early_start: a first block of one batch (of keyframes, with a stride), so the encoder starts sooner
+    first = min(block, cfg.batch_size * cfg.stride) if cfg.early_start else block
     t_loop = time.perf_counter()
     dense = (DenseRenders(engine, avatar, src, kp_d, bypass, counts, mstream)
              if keys is None or cfg.stride_space == "motion" else None)
     try:
-        for s in range(0, n, block):
-            frames = np.arange(s, min(s + block, n))
+        for s in [0, *range(first, n, block)]:
+            frames = np.arange(s, min(s + (first if s == 0 else block), n))
             with timer.stage("render"):
                 if dense is not None:
                     faces = dense.block(int(frames[0]), int(frames[-1]) + 1)
@@ -1332,7 +1417,9 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
         gpu_peak_mb=torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None,
         rss_peak_mb=max(rss), rss_mb=rss, motion_source=motion_source,
         faces=faces_kept.cpu() if faces_kept is not None else None, frames=kept, alpha=alpha,
-        out_path=str(out_path) if out_path is not None and cfg.writer == "ffmpeg" else None)
+        out_path=str(out_path) if out_path is not None and cfg.writer == "ffmpeg" else None,
+        first_frame_s=writer.first_write - t_start if writer.first_write is not None else None,
+        transport=writer.transport())
 
 
 def warmup(engine: Engine, avatar: Avatar, seconds: float = 1.0) -> None:

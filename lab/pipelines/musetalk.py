@@ -841,29 +841,15 @@ def _take_buffers(engine: Engine, key: tuple, n: int) -> list[torch.Tensor]:
     """n host buffers for the async queue, kept with the engine (and its variants) across runs, so
     no run pays for page-locking 50 MB buffers; a run takes them and gives them back at its end
     (a second run at the same time makes its own)."""
+    from lab import video
+
     bufs = engine.variants.pop(key, [])
     _, shape, dtype, pin, register = key
     while len(bufs) < n:
-        t, kind = _host_buffer(shape, dtype, pin, register)
+        t, kind = video.host_buffer(shape, dtype, pin, register)
         bufs.append(t)
         engine.variants[("host_buffer_kind", key)] = kind
     return bufs
-
-
-def _host_buffer(shape: tuple, dtype: torch.dtype, pin: bool, register: bool) -> tuple[torch.Tensor, str]:
-    """A host buffer the GPU copies into asynchronously (page-locked). register=True: ordinary
-    anonymous pages locked with cudaHostRegister, which the kernel can hand to a pipe by reference
-    (vmsplice); cudaHostAlloc's memory (torch's pin_memory) is a driver mapping it cannot take."""
-    if not pin:
-        return torch.empty(shape, dtype=dtype), "pageable"
-    if register:
-        import mmap
-
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        t = torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)  # the tensor keeps the mapping alive
-        if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0)) == 0:
-            return t, "registered"  # stays registered for the life of the process (the engine keeps it)
-    return torch.empty(shape, dtype=dtype, pin_memory=True), "pinned"
 
 
 def _out_shape(engine: Engine) -> tuple[tuple, torch.dtype]:
