@@ -772,6 +772,7 @@ class MotionStream:
         self.alpha = torch.from_numpy(np.ascontiguousarray(alpha, dtype=np.float32)).to(dev)
         self.cond_frame = avatar.motion_s[0].float()
         self.w, self.ready = 0, 0
+        self.hold_ahead = False   # True: queue no window beyond the frames asked for (the first block's frames go first)
         self.events: list[tuple[int, Any]] = []      # (frames final after this window, event)
         self.timing: list[tuple[Any, Any]] = []
         self.side = None
@@ -839,7 +840,8 @@ class MotionStream:
     def ensure(self, f: int) -> None:
         """Keypoints of frames 0 … f usable on the current stream; one window more queued behind."""
         f = min(int(f), self.n - 1)
-        while self.w < len(self.starts) and (self.ready <= f or self.ready <= f + self.L - self.ov):
+        ahead = 0 if self.hold_ahead else self.L - self.ov
+        while self.w < len(self.starts) and self.ready <= f + ahead:
             self._enqueue()
         if self.side is not None:
             ev = next(ev for r, ev in self.events if r > f)
@@ -1341,6 +1343,9 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
             motion_source += ", streamed on a side stream"
             if cfg.early_start:
                 motion_source += " (audio features per window)"
+                # the next window is queued after the first block's frames: on the high-priority side stream
+                # it would otherwise take turns with the first renders and delay the first output by a window
+                mstream.hold_ahead = True
                 mstream.prefetch()   # the GPU starts on the first window while the writer opens
         else:
             with timer.stage("motion"):
@@ -1374,8 +1379,10 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
     # with 48-frame blocks ran 277.4 FPS end to end against 241.5 with 96: a longer block delays the first
     # output and leaves the encoder idle while it renders; dense, 32-frame blocks 250.8 vs 16-frame 240.6)
     block = block_frames or max(16, 2 * cfg.batch_size, cfg.batch_size * cfg.stride)
-    # early_start: a first block of one batch (of keyframes, with a stride), so the encoder starts sooner
-    first = min(block, cfg.batch_size * cfg.stride) if cfg.early_start else block
+    # early_start: a first block of one renderer batch, so the encoder starts sooner (with an output or feature
+    # stride, the frames whose keyframes fill one batch: 0 … (b − 1)·k)
+    one = cfg.batch_size if keys is None or cfg.stride_space == "motion" else (cfg.batch_size - 1) * cfg.stride
+    first = max(1, min(block, one)) if cfg.early_start else block
     t_loop = time.perf_counter()
     dense = (DenseRenders(engine, avatar, src, kp_d, bypass, counts, mstream)
              if keys is None or cfg.stride_space == "motion" else None)
@@ -1395,6 +1402,8 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
                 for part in _batches(frames, max(cfg.batch_size, 8)):
                     sub = faces[part[0] - frames[0]: part[-1] - frames[0] + 1]
                     _putback_and_write(engine, avatar, sub, part, src, writer, mask_dev, mask_np, kept, keep_idx)
+            if mstream is not None:
+                mstream.hold_ahead = False
             rss.append(_rss_mb())
         with timer.stage("writer_close"):
             writer.close()
