@@ -1122,7 +1122,7 @@ class Sink:
         self.i = 0
         self.error: BaseException | None = None
         self.busy_s = 0.0
-        self.first_write: float | None = None     # perf_counter when the first frames reached the writer
+        self.first_write: float | None = None     # perf_counter when the first frames were handed to the writer
         self.register = engine.device.type == "cuda" and bool(getattr(inner, "zero_copy", False))
         self.blocking = engine.cfg.host_wait == "sleep"
         self.q: Any = None
@@ -1156,11 +1156,10 @@ class Sink:
         t0 = time.perf_counter()
         if ev is not None:
             ev.synchronize()
+        if self.first_write is None:   # the first frames are on the host, handed to the writer
+            self.first_write = time.perf_counter()
         self.inner.write(arr)
-        t1 = time.perf_counter()
-        self.busy_s += t1 - t0
-        if self.first_write is None:
-            self.first_write = t1
+        self.busy_s += time.perf_counter() - t0
 
     def _loop(self) -> None:
         while (item := self.q.get()) is not None:
