@@ -322,3 +322,20 @@ def test_encoder_transport_writes_the_same_file(engine, avatar, tmp_path):
         P.reconfigure(engine, host_wait="poll")
     with pytest.raises(InputError, match="pipe_buffer"):
         P.reconfigure(engine, pipe_buffer=-1)
+
+
+def test_motion_stream_holds_the_next_window_for_the_first_block(engine, avatar):
+    # early start: the first block asks for its frames only; the window after it is queued once the hold is lifted
+    a = _speech_with_pause()
+    n = 40
+    e = P.reconfigure(engine, stream_motion=True, hubert_batch=3)
+    src = P.mirror_index(np.arange(n), avatar.n)
+    ms = P.MotionStream(e, avatar, P.FeatureStream(e, avatar, a, n), src, np.ones(n, np.float32))
+    assert ms.windows >= 2
+    ms.hold_ahead = True
+    ms.prefetch()
+    ms.ensure(3)
+    assert ms.w == 1 and ms.features.done < n          # one window, and only the features it needed
+    ms.hold_ahead = False
+    ms.ensure(3)
+    assert ms.w == 2                                      # the look-ahead window follows
