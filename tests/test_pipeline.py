@@ -8,7 +8,7 @@ from lab import data
 from lab.errors import InputError, WeightsError
 from lab.experiments import profiling
 from lab.pipelines import musetalk as mt
-from lab.video import read_video_info
+from lab.video import encoder_rate, read_video_info
 
 FS = (128, 192)  # composite (width, height)
 
@@ -347,11 +347,11 @@ def test_encoder_ceiling_rate_and_bad_option(engine, speech, tmp_path):
     clip = profiling.Clip(a, sr, 18, None, "default avatar")
     frames, pix = profiling.record_frames(engine, clip, 6)
     assert frames.shape == (6, FS[1], FS[0], 3) and pix == "rgb24"
-    fps = profiling.encoder_rate(frames, pix, FS, 30.0, 12, "ultrafast", 18, folder=tmp_path)
+    fps = encoder_rate(frames, pix, FS, 30.0, 12, "ultrafast", 18, folder=tmp_path)
     assert fps > 0 and list(tmp_path.iterdir()) == []  # temp files removed
-    assert profiling.encoder_rate(frames, pix, FS, 30.0, 12, "ultrafast", 18, parallel=2, folder=tmp_path) > 0
+    assert encoder_rate(frames, pix, FS, 30.0, 12, "ultrafast", 18, parallel=2, folder=tmp_path) > 0
     with pytest.raises(BackendUnavailable, match="libx264"):
-        profiling.encoder_rate(frames, pix, FS, 30.0, 4, "ultrafast", 18, args=["-tune", "nonsense"])
+        encoder_rate(frames, pix, FS, 30.0, 4, "ultrafast", 18, args=["-tune", "nonsense"])
 
 
 def test_e2e_steps_and_crops_tables_from_medians(engine, speech, tmp_path):

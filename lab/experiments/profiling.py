@@ -32,7 +32,7 @@ from lab.pipelines import musetalk as mt
 from lab.pipelines.musetalk import Engine
 from lab.progress import tqdm
 from lab.timing import bench, count_flops, matmul_ceiling
-from lab.video import encoder_rate  # noqa: F401  (the ceiling's one implementation, shared with notebook 06)
+from lab.video import encoder_rate
 
 NAME = "01_profiling"
 SOURCE = "Accelerating Real-Time Lip-Sync Pt 2"

@@ -483,7 +483,8 @@ def _gather_fs(engine: Engine, avatar: Avatar, src: np.ndarray) -> torch.Tensor:
 
 def condition(engine: Engine, feats: torch.Tensor, avatar: Avatar) -> torch.Tensor:
     """Per frame: audio features, emotion (neutral), eye open / eye ball (fixed defaults: no
-    MediaPipe landmarks here), the source's canonical keypoints → (T, cond_dim)."""
+    MediaPipe landmarks here), the source's canonical keypoints → (T, cond_dim). The whole clip at
+    once; `run` builds the same rows with `FeatureStream` (tested equal)."""
     fixed = _fixed_condition(avatar, feats.device)
     return torch.cat([feats.float(), fixed.expand(feats.shape[0], -1)], dim=1)
 
@@ -498,9 +499,10 @@ def _fixed_condition(avatar: Avatar, device: torch.device) -> torch.Tensor:
 
 
 class FeatureStream:
-    """The motion model's condition rows, computed as the motion windows reach them: one HuBERT call
-    per `hubert_batch` chunks, grouped from the clip's start as `hubert_features` groups them, so the
-    rows are the same numbers; the first window waits for its own chunks, not the whole clip's. Runs on
+    """The motion model's condition rows, the whole clip's up front (`ensure(n)`) or computed as the motion
+    windows reach them (early start): one HuBERT call per `hubert_batch` chunks, grouped from the clip's
+    start as `hubert_features` groups them, so the rows are the same numbers either way; with early start
+    the first window waits for its own chunks, not the whole clip's. Runs on
     whatever stream the caller is on (the motion stream's side stream) and never makes the host wait:
     the audio and the fixed rows are uploaded once, here."""
 
@@ -751,11 +753,9 @@ class MotionStream:
     smoothing, done per chunk of final frames): frames below `ready` are final. The main stream
     waits on an event, never the host."""
 
-    def __init__(self, engine: Engine, avatar: Avatar, cond: "torch.Tensor | FeatureStream", src: np.ndarray,
-                 alpha: np.ndarray):
+    def __init__(self, engine: Engine, avatar: Avatar, features: FeatureStream, src: np.ndarray, alpha: np.ndarray):
         cfg, dev = engine.cfg, engine.device
-        self.features = cond if isinstance(cond, FeatureStream) else None
-        cond = cond.cond if isinstance(cond, FeatureStream) else cond
+        self.features, cond = features, features.cond
         self.engine, self.avatar, self.cond = engine, avatar, cond
         self.n = n = cond.shape[0]
         self.L, self.ov = engine.dims.seq_frames, _overlap(engine)
@@ -787,8 +787,7 @@ class MotionStream:
     def _window(self) -> None:
         e, w, L, ov, n = self.engine, self.w, self.L, self.ov, self.n
         s = self.starts[w]
-        if self.features is not None:
-            self.features.ensure(s + L)
+        self.features.ensure(s + L)   # no-op when the whole clip's rows came first
         c = self.cond[s:s + L]
         if c.shape[0] < L:
             c = torch.cat([c, c[-1:].expand(L - c.shape[0], -1)])
@@ -1329,15 +1328,13 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
     mstream = None
     if cfg.motion == "lmdm":
         with timer.stage("audio_features"):
-            if streamed and cfg.early_start:   # computed per window by the motion stream, as it reaches them
-                cond: Any = FeatureStream(engine, avatar, a16, n)
-            else:
-                feats = D.hubert_features(engine.hubert, torch.from_numpy(a16), n, batch=cfg.hubert_batch)
-                cond = condition(engine, feats.to(dev), avatar)
+            feats = FeatureStream(engine, avatar, a16, n)
+            if not (streamed and cfg.early_start):   # early start: per window, as the motion stream reaches them
+                feats.ensure(n)
         motion_source = f"LMDM {cfg.motion_mode} ({cfg.sampling_steps} DDIM steps, guidance {cfg.guidance})"
         if streamed:
             # 3'. motion and keypoints chunk by chunk inside the render loop (MotionStream)
-            mstream = MotionStream(engine, avatar, cond, src, alpha)
+            mstream = MotionStream(engine, avatar, feats, src, alpha)
             kp_d, windows = mstream.kp_d, mstream.windows
             motion_source += ", streamed on a side stream"
             if cfg.early_start:
@@ -1348,7 +1345,7 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, out_path: st
                 mstream.prefetch()   # the GPU starts on the first window while the writer opens
         else:
             with timer.stage("motion"):
-                motion, windows = generate_motion(engine, cond, avatar.motion_s[0])
+                motion, windows = generate_motion(engine, feats.cond, avatar.motion_s[0])
     else:
         with timer.stage("motion"):
             motion = rms_motion(engine, avatar, a16, n)
