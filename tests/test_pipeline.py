@@ -277,6 +277,46 @@ def test_transport_knobs_are_checked(bad):
         mt.Config(**bad).check()
 
 
+def test_batch_plan_edges():
+    sizes = [t - s for s, t in mt.batch_plan(775, 64, 16)]
+    assert sizes == [16] + [64] * 11 + [16, 16, 16, 7]
+    assert [t - s for s, t in mt.batch_plan(10, 4)] == [4, 4, 2] == [t - s for s, t in mt.batch_plan(10, 4, 0)]
+    assert [t - s for s, t in mt.batch_plan(5, 8, 2)] == [2, 2, 1]     # shorter than one batch: edges only
+    for n in (1, 17, 64, 80, 81, 200):
+        plan = mt.batch_plan(n, 8, 3)
+        assert plan[0][0] == 0 and plan[-1][1] == n and all(a[1] == b[0] for a, b in zip(plan, plan[1:]))
+        assert all(t - s in (8,) or t - s <= 3 for s, t in plan)
+
+
+@pytest.mark.parametrize("stride", [1, 3])
+def test_edge_batches_render_the_same_frames(engine, speech, stride):
+    """edge_batch: a small first batch and a tail of small batches; the networks see two shapes only,
+    the first call is the small one, and the frames are those of the plain batches (fp32, CPU)."""
+    a, sr = speech
+    out = {}
+    for edge in (0, 2):
+        e = mt.reconfigure(engine, writer="null", mode="async", stride=stride, edge_batch=edge)
+        mt.warmup(e)
+        shapes, gen, dec = [], e.gen_fn, e.dec_fn
+        e.gen_fn = lambda x, au, _g=gen: shapes.append(("unet", len(x))) or _g(x, au)
+        e.dec_fn = lambda z, _d=dec: shapes.append(("dec", len(z))) or _d(z)
+        sink = _Collect()
+        r = mt.run(e, a, sr, None, sink=sink)
+        out[edge] = np.concatenate(sink.frames)
+        assert r.n_frames == 18 == len(out[edge])
+        assert {b for _, b in shapes} == ({4} if edge == 0 else {2, 4})
+        if edge:
+            assert shapes[0] == ("unet", 2) and [b for k, b in shapes if k == "dec"][0] == 2
+    d = np.abs(out[0].astype(int) - out[2].astype(int))
+    assert d.max() <= 1 and d.mean() < 0.01
+
+
+@pytest.mark.parametrize("edge", [-1, 4, 9, 2.0])
+def test_edge_batch_is_checked(edge):
+    with pytest.raises(InputError, match="edge_batch"):
+        mt.Config(batch_size=4, edge_batch=edge).check()
+
+
 def test_subpixel_decoder_renders_the_same_frames(engine, speech):
     """subpixel=True folds SD-VAE's upsample convs: same function, so the same faces (fp32, CPU)."""
     from lab.accel.subpixel import SubpixelUpsampleConv
@@ -370,15 +410,21 @@ def test_e2e_steps_and_crops_tables_from_medians(engine, speech, tmp_path):
     profiling.measure_encoder(run, e, clip)
     assert run.result.metrics["encoder"]["ceiling_runs"] == 2
     rows = profiling.measure_e2e_steps(run, e, clip)
-    assert [r["step"] for r in rows] == [s[0] for s in profiling.E2E_STEPS]
+    n = len(profiling.E2E_STEPS)
+    assert [r["step"] for r in rows] == [s[0] for s in profiling.E2E_STEPS + profiling.e2e_beyond(run)]
     assert all(r["runs"] == 2 and len(r["ceiling_runs_fps"]) == 2 and r["pct_of_ceiling"] > 0 for r in rows)
-    assert rows[-1]["e2e_fps"] == run.result.metrics["run"]["fps"]  # the engine's own path: the profiled run
+    assert rows[n - 1]["e2e_fps"] == run.result.metrics["run"]["fps"]  # the engine's own path: the profiled run
+    # past the defaults: the folded decoder, then the quick profile's [8, 2] pair, each with its neural part
+    assert [(r["subpixel"], r["batch_size"], r["edge_batch"]) for r in rows[n:]] == [(True, 4, 0), (True, 8, 2)]
+    assert all(r["past_defaults"] and r["neural_fps"] > 0 for r in rows[n:]) and not rows[n - 1]["past_defaults"]
     crops = profiling.measure_crops(run, e, clip)
     assert [c["face_crop"] for c in crops] == ["upstream", "geometric"] and crops[1]["crop_path"] == "geometric"
     assert sorted(p.name for p in run.folder.iterdir() if p.suffix == ".mp4") == ["render.mp4"]
 
 
 @pytest.mark.parametrize("bad, name", [(dict(face_crop="square"), "face_crop"), (dict(landmarks="/no/fan.zip"), "landmarks"),
+                                       (dict(e2e_batches=[[64, 64]]), "e2e_batches"), (dict(e2e_batches=[64, 16]), "e2e_batches"),
+                                       (dict(edge_batch=-2), "edge_batch"),
                                        (dict(memory_minutes=[1, 0]), r"memory_minutes\[1\]"), (dict(encoder_frames=0), "encoder_frames")])
 def test_profiling_fidelity_knobs_are_checked(bad, name):
     from lab import params

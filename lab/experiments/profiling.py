@@ -15,6 +15,8 @@ compressed Chrome trace of one short run. The notebook's cells call, in order:
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,10 +61,29 @@ def _landmarks(name: str, v: Any) -> Any:
     return str(v)
 
 
+def _batch_pairs(name: str, v: Any) -> Any:
+    ok = isinstance(v, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+        and p[0] >= 1 and 0 <= p[1] < p[0] for p in v)
+    if not ok:
+        raise InputError(f"parameter {name}={v!r}: expected a list of [batch_size, edge_batch] pairs of ints with "
+                         f"batch_size >= 1 and 0 <= edge_batch < batch_size, e.g. [[64, 0], [64, 16]] ([] for none)")
+    return [list(p) for p in v]
+
+
+def _edge_batch(name: str, v: Any) -> Any:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise InputError(f"parameter {name}={v!r}: expected an int >= 0 (frames in the first and last batches; "
+                         f"0: every batch is batch_size)")
+    return v
+
+
 RULES: dict[str, params.Rule] = {
     "n_frames": params.positive(integer=True),
     "fps": params.positive(),
     "batch_size": params.positive(integer=True),
+    "edge_batch": _edge_batch,
+    "e2e_batches": _batch_pairs,
     "dtype": params.one_of(*mt.DTYPES),
     "decoder": params.one_of("sd-vae", "taesd"),
     "resampler": params.one_of(*lab_audio.BACKENDS),
@@ -94,7 +115,7 @@ def profile(p: dict[str, Any], device: torch.device) -> dict[str, Any]:
     q = bool(p["quick"])
     if q:
         p.update(n_frames=min(p["n_frames"], 16), batch_size=min(p["batch_size"], 4), face_batches=[1, 2],
-                 compile="none")
+                 compile="none", e2e_batches=[[8, 2]] if p["e2e_batches"] else [])
     cpu = device.type == "cpu"
     p.update(size="tiny" if q else "full", frame_size=(128, 192) if q else (1080, 1920), crop=64 if q else 256,
              loop_frames=6 if q else 32, waterfall_rows_frames=8 if q else p["waterfall_frames"],
@@ -182,7 +203,7 @@ def load_clip(run: Run) -> Clip:
 
 def config(run: Run, clip: Clip) -> mt.Config:
     frame_size = (clip.frames.shape[2], clip.frames.shape[1]) if clip.frames is not None else tuple(run.frame_size)
-    return mt.Config(fps=run.fps, batch_size=run.batch_size, dtype=run.dtype, decoder=run.decoder,
+    return mt.Config(fps=run.fps, batch_size=run.batch_size, edge_batch=run.edge_batch, dtype=run.dtype, decoder=run.decoder,
                      resampler=run.resampler, mode=run.mode, size=run.size, frame_size=frame_size, crop=run.crop,
                      loop_frames=run.loop_frames, writer=run.writer, preset=run.preset, compile=run.compile,
                      subpixel=run.subpixel, allow_silence=run.allow_silence, seed=run.seed,
@@ -774,30 +795,79 @@ def _e2e_row(label: str, rep: dict, ceil: list[float]) -> dict:
             "transport": rep.get("transport")}
 
 
+@contextlib.contextmanager
+def _compile_budget(limit: int = 64):
+    """Room for the variants one notebook compiles of the same modules (each batch shape and decoder
+    a compilation of the same forward), and an error instead of dynamo's silent eager fallback when
+    even that is used up: a row timed eager under a compiled label would be a wrong figure."""
+    import torch._dynamo.config as dc
+
+    old = dc.recompile_limit, dc.fail_on_recompile_limit_hit
+    dc.recompile_limit, dc.fail_on_recompile_limit_hit = max(old[0], limit), True
+    try:
+        yield
+    finally:
+        dc.recompile_limit, dc.fail_on_recompile_limit_hit = old
+
+
+def e2e_beyond(run: Run) -> list[tuple[str, dict]]:
+    """Rows past the pipeline's defaults (cumulative, after E2E_STEPS): the folded decoder, then each
+    [batch_size, edge_batch] of `e2e_batches`. The same functions, computed in other shapes: the frames
+    differ from the defaults' by fp16 rounding (another kernel per shape), not by design."""
+    rows = [("+ SD-VAE upsample convs folded (same function)", dict(subpixel=True))]
+    for b, e in run.e2e_batches:
+        label = f"+ batch {b}" + (f", first batch and the tail in batches of {e}" if e else "")
+        rows.append((label, dict(batch_size=b, edge_batch=e)))
+    return rows
+
+
 def _same_path(engine: Engine, cfg: mt.Config) -> bool:
-    keys = ("composite", "host_wait", "pipe_buffer", "zero_copy", "face_crop")
+    keys = ("composite", "host_wait", "pipe_buffer", "zero_copy", "face_crop", "subpixel", "batch_size", "edge_batch")
     return all(getattr(engine.cfg, k) == getattr(cfg, k) for k in keys)
+
+
+def _e2e_step(run: Run, engine: Engine, e: Engine, clip: Clip, label: str, past: bool, main: dict | None,
+              ceilings: dict) -> dict:
+    mt.warmup(e)  # its host buffers made outside the timings, as for the profiled run
+    key = tuple(_transport(e.cfg).items())
+    if key not in ceilings:
+        ceilings[key] = ceiling(run, e.cfg, *_recording(run, engine, clip))
+    rep = main if main is not None and _same_path(engine, e.cfg) else _median_report(e2e_rates(run, e, clip))
+    row = _e2e_row(label, rep, ceilings[key])
+    row.update(batch_size=e.cfg.batch_size, edge_batch=e.cfg.edge_batch, subpixel=e.cfg.subpixel,
+               first_frame_ms=1e3 * rep["first_frame_s"], past_defaults=past)
+    if past:
+        nb = neural_bench(e, iters=run.neural_iters)
+        row.update(neural_fps=nb["fps"], unet_fps=nb["unet_fps"], decoder_fps=nb["decoder_fps"])
+    return row
 
 
 def measure_e2e_steps(run: Run, engine: Engine, clip: Clip) -> list[dict]:
     """Each change of the end-to-end path as a row (cumulative): end-to-end FPS and the encoder
     ceiling with that row's writer settings, both medians of `repeats`, on the same recorded frames
-    (every row pipes the same bytes); the row with the engine's own settings reuses the profiled
-    run and the measured ceiling. Table "e2e_steps"; [] without an ffmpeg writer and a GPU blend."""
+    (the rows up to the defaults pipe the same bytes); the row with the engine's own settings reuses
+    the profiled run and the measured ceiling; then the rows past the defaults (`e2e_beyond`), each
+    with the neural part alone (UNet + decoder at its batch, `neural_bench`). Table "e2e_steps";
+    [] without an ffmpeg writer and a GPU blend."""
     if engine.cfg.writer != "ffmpeg" or mt.pipe_format(engine) != "yuv420p":
         return []
     main, enc = run.result.metrics.get("run"), run.result.metrics.get("encoder")
     ceilings = {tuple(_transport(engine.cfg).items()): enc["ceiling_runs_fps"]} if enc else {}
     rows, changes = [], {}
-    for label, ch in E2E_STEPS:
+    beyond = e2e_beyond(run)
+    for i, (label, ch) in enumerate(E2E_STEPS + beyond):
         changes.update(ch)
         e = mt.reconfigure(engine, **changes)
-        mt.warmup(e)  # its host buffers made outside the timings, as for the profiled run
-        key = tuple(_transport(e.cfg).items())
-        if key not in ceilings:
-            ceilings[key] = ceiling(run, e.cfg, *_recording(run, engine, clip))
-        rep = main if main is not None and _same_path(engine, e.cfg) else _median_report(e2e_rates(run, e, clip))
-        rows.append(_e2e_row(label, rep, ceilings[key]))
+        past = i >= len(E2E_STEPS)
+        try:
+            with _compile_budget():
+                rows.append(_e2e_step(run, engine, e, clip, label, past, main, ceilings))
+        except Exception as err:  # noqa: BLE001 — a variant that cannot compile is a row that says so
+            if e.cfg.compile == "none" or "recompile" not in str(err).lower():
+                raise
+            rows.append({"step": label, "status": "failed", "reason": f"{type(err).__name__}: {str(err)[:300]}",
+                         "batch_size": e.cfg.batch_size, "edge_batch": e.cfg.edge_batch, "subpixel": e.cfg.subpixel,
+                         "past_defaults": past})
     run.table("e2e_steps", rows, show=False)
     _drop_recording(run)
     return rows

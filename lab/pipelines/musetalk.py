@@ -50,6 +50,7 @@ WRITERS = ("ffmpeg", "pyav", "null")
 class Config:
     fps: float = 30.0
     batch_size: int = 16
+    edge_batch: int = 0                     # > 0: the first batch and the clip's tail in batches of this many frames (a second shape)
     dtype: str = "fp16"
     decoder: str = "sd-vae"                 # "sd-vae" | "taesd"
     resampler: str = "torchaudio_gpu"       # any lab.audio backend; falls back to torchaudio_cpu without CUDA
@@ -96,6 +97,9 @@ class Config:
             raise InputError(f"blend must be 'auto', 'cpu' or 'gpu', got {self.blend!r}")
         if int(self.batch_size) < 1 or int(self.queue_depth) < 1:
             raise InputError(f"batch_size and queue_depth must be >= 1, got {self.batch_size}, {self.queue_depth}")
+        if not isinstance(self.edge_batch, int) or not 0 <= self.edge_batch < int(self.batch_size):
+            raise InputError(f"edge_batch must be an int with 0 <= edge_batch < batch_size={self.batch_size} "
+                             f"(0: every batch is batch_size), got {self.edge_batch!r}")
         if self.fps <= 0:
             raise InputError(f"fps must be > 0, got {self.fps}")
         if self.audio_windows not in ("upstream", "centred"):
@@ -450,15 +454,16 @@ class _Latents:
         if not hasattr(self.feats, "prefetch"):
             return
         self.feats.release_before(s)
-        need = self._plan(s, t)[-1]
+        need = self._plan(s, t, call_shape(self.e.cfg, t - s))[-1]
         if need:
             before = getattr(self.feats, "computed", None)
             self.feats.prefetch(need[-1])
             if getattr(self.feats, "computed", None) != before:
                 self._mark_feats()
 
-    def _plan(self, s: int, t: int):
-        """Frames s..t-1, their left/right keyframes, and the keyframes to run now (sorted)."""
+    def _plan(self, s: int, t: int, b: int):
+        """Frames s..t-1, their left/right keyframes, and the keyframes to run now (sorted), filled
+        up to the call's shape b."""
         frames = np.arange(s, t)
         pos = np.searchsorted(self.keys, frames, side="right") - 1
         left = self.keys[np.clip(pos, 0, len(self.keys) - 1)]
@@ -467,19 +472,17 @@ class _Latents:
         right = np.where(is_key, left, right)
         need = sorted({int(k) for k in np.concatenate([left, right[~is_key]])} - set(self.cache))
         if need:
-            # fill the UNet call up to batch_size with the next keyframes: a frame batch holds only
+            # fill the UNet call up to its shape with the next keyframes: a frame batch holds only
             # ~batch/k keyframes, and a small-batch UNet call costs about as much as a full one on a
             # GPU (launch-bound), so without look-ahead stride k would save little
-            b = self.e.cfg.batch_size
             later = self.keys[np.searchsorted(self.keys, need[-1], side="right"):]
             need += [int(k) for k in later[: b + len(self.cache)] if int(k) not in self.cache][: max(0, b - len(need))]
         return frames, left, right, is_key, need
 
-    def _run_unet(self, idx: list[int]) -> None:
-        """UNet calls on exactly batch_size keyframes each (the last chunk padded by repetition), so
-        every call has one shape: no re-autotuning, no recompiles, CUDA graphs replay."""
+    def _run_unet(self, idx: list[int], b: int) -> None:
+        """UNet calls on exactly b keyframes each (the last chunk padded by repetition), so every
+        call has one of the run's shapes: no re-autotuning, no recompiles, CUDA graphs replay."""
         e = self.e
-        b = e.cfg.batch_size
         for c in range(0, len(idx), b):
             chunk = idx[c:c + b]
             pad = chunk + [chunk[-1]] * (b - len(chunk))
@@ -493,12 +496,14 @@ class _Latents:
                 self.cache[k] = z
             self.unet_frames += len(chunk)
 
-    def batch(self, s: int, t: int) -> torch.Tensor:
+    def batch(self, s: int, t: int, b: int | None = None) -> torch.Tensor:
+        """Latents of frames s..t-1, the UNet called at shape b (default batch_size)."""
         from lab.accel.stride import slerp
 
-        frames, left, right, is_key, need = self._plan(s, t)
+        b = b or self.e.cfg.batch_size
+        frames, left, right, is_key, need = self._plan(s, t, b)
         if need:
-            self._run_unet(need)
+            self._run_unet(need, b)
         for k in [k for k in self.cache if k < left.min()]:
             del self.cache[k]  # keep memory bounded on long audio
         z_l = torch.stack([self.cache[int(k)] for k in left])
@@ -524,9 +529,30 @@ def _indices(engine: Engine, a: np.ndarray) -> torch.Tensor:
     return t.to(engine.device)
 
 
-def _decode(engine: Engine, z: torch.Tensor) -> torch.Tensor:
-    """Decoder on exactly batch_size latents (tail padded), result trimmed back."""
-    n, b = z.shape[0], engine.cfg.batch_size
+def batch_plan(n: int, batch: int, edge: int = 0) -> list[tuple[int, int]]:
+    """Frame ranges (s, t) of the GPU batches. edge > 0: the first batch holds `edge` frames (the
+    encoder starts after a small batch, not a large one) and what is left after the last full batch
+    goes in batches of `edge` (the encoder's drain after the GPU's last batch is a small batch too);
+    the batches in between hold `batch`."""
+    if not 0 < edge < batch:
+        return [(s, min(s + batch, n)) for s in range(0, n, batch)]
+    out, s = [], 0
+    while s < n:
+        size = batch if 0 < s and n - s >= batch else edge
+        out.append((s, min(s + size, n)))
+        s = out[-1][1]
+    return out
+
+
+def call_shape(cfg: Config, frames: int) -> int:
+    """The network calls' batch for a batch of `frames` frames: edge_batch for the edge batches, else
+    batch_size (the networks see these two shapes only)."""
+    return cfg.edge_batch if 0 < cfg.edge_batch and frames <= cfg.edge_batch else cfg.batch_size
+
+
+def _decode(engine: Engine, z: torch.Tensor, b: int | None = None) -> torch.Tensor:
+    """Decoder on exactly b latents (default batch_size; tail padded), result trimmed back."""
+    n, b = z.shape[0], b or engine.cfg.batch_size
     if n < b:
         z = torch.cat([z, z[-1:].expand(b - n, *z.shape[1:])])
     if engine.cfg.channels_last and engine.device.type == "cuda":
@@ -607,7 +633,6 @@ def warmup(engine: Engine) -> None:
     from lab.models.whisper import musetalk_audio_features
 
     cfg = engine.cfg
-    b = cfg.batch_size
     g = torch.Generator(device="cpu").manual_seed(cfg.seed)
     noise = (0.1 * torch.randn(max(24000, math.ceil(2 * 24000 / cfg.fps)), generator=g)).numpy()  # ≥ 2 frames
     backend = cfg.resampler if (cfg.resampler != "torchaudio_gpu" or engine.device.type == "cuda") else "torchaudio_cpu"
@@ -615,16 +640,17 @@ def warmup(engine: Engine) -> None:
     with torch.inference_mode():
         a16 = lab_audio.resample(noise, 24000, 16000, backend=backend)
         musetalk_audio_features(engine.whisper, a16, fps=cfg.fps)
-        x = torch.randn(b, 8, cfg.crop // 8, cfg.crop // 8, generator=g).to(engine.device, engine.dtype)
-        if cfg.channels_last and engine.device.type == "cuda":
-            x = x.contiguous(memory_format=torch.channels_last)
-        a = torch.randn(b, 50, engine.generator.unet.config.cross_attention_dim, generator=g).to(engine.device, engine.dtype)
-        reps = 1 if engine.device.type == "cpu" and cfg.compile == "none" else 3  # CUDA graphs record on the 2nd+ call
-        for _ in range(reps):
-            if cfg.compile == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()
-            z = engine.gen_fn(x, a).clone()
-            _decode(engine, z)
+        for b in sorted({cfg.batch_size, call_shape(cfg, 1)}):   # every shape the run calls the networks with
+            x = torch.randn(b, 8, cfg.crop // 8, cfg.crop // 8, generator=g).to(engine.device, engine.dtype)
+            if cfg.channels_last and engine.device.type == "cuda":
+                x = x.contiguous(memory_format=torch.channels_last)
+            a = torch.randn(b, 50, engine.generator.unet.config.cross_attention_dim, generator=g).to(engine.device, engine.dtype)
+            reps = 1 if engine.device.type == "cpu" and cfg.compile == "none" else 3  # CUDA graphs record on the 2nd+ call
+            for _ in range(reps):
+                if cfg.compile == "reduce-overhead":
+                    torch.compiler.cudagraph_mark_step_begin()
+                z = engine.gen_fn(x, a).clone()
+                _decode(engine, z, b)
     sync(engine.device)
     if cfg.compile != "none":
         engine.compile_s = time.perf_counter() - t0
@@ -662,7 +688,7 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
     region = yuv and cfg.composite == "region" and engine.bg_yuv is not None
     # the input itself is muxed (its own rate; a view, not a copy): no 16 kHz clip is ever held
     writer = sink if sink is not None else _open_writer(engine, out_path, (stream.audio[: int(round(T / cfg.fps * sr))], sr))
-    batches = [(s, min(s + cfg.batch_size, T)) for s in range(0, T, cfg.batch_size)]
+    batches = batch_plan(T, cfg.batch_size, cfg.edge_batch)
     first = [None]
     post_busy = [0.0]
     enc = [None, None]  # first write started, last write ended (s after t0): the encoder's span
@@ -671,10 +697,11 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
         lat.prefetch_audio(s, t)  # timed as "resample" and "whisper", once per 30 s of audio
         if cfg.compile == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
+        b = call_shape(cfg, t - s)
         with tm.stage("unet"):
-            z = lat.batch(s, t)
+            z = lat.batch(s, t, b)
         with tm.stage("vae_decode"):
-            img = _decode(engine, z)
+            img = _decode(engine, z, b)
         faces = _faces_uint8(img)
         if gpu_blend:
             from lab.video import blend_torch, composite_yuv420p, rgb_to_yuv420p
