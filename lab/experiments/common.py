@@ -62,13 +62,16 @@ class Run:
 
     def table(self, name: str, rows: Sequence[dict], cols: Sequence[str] | None = None, show: bool = True,
               floatfmt: str = ".4g") -> Any:
-        """Keep `rows` as results table `name` (replacing an earlier one) and return a Markdown view."""
+        """Keep `rows` as results table `name` (replacing an earlier one) and return a Markdown view
+        (show=False: nothing to view, so a headless run needs no IPython)."""
+        self.result.tables[name] = [dict(r) for r in rows]
+        if not show:
+            return None
         from IPython.display import Markdown
 
         from lab.plots import table_markdown
 
-        self.result.tables[name] = [dict(r) for r in rows]
-        return Markdown(table_markdown(rows, cols, floatfmt)) if show else None
+        return Markdown(table_markdown(rows, cols, floatfmt))
 
     def headline(self, **kv: Any) -> dict[str, Any]:
         self.result.headline.update(kv)

@@ -31,7 +31,7 @@ for r in rows:
         continue
     print(f"{r['step']}: e2e {r['e2e_fps']:.1f} / ceiling {r['ceiling_fps']:.1f} = {r['pct_of_ceiling']:.1f} %, first frame "
           f"{r['first_frame_ms']:.0f} ms, neural {r.get('neural_fps')}, runs {r['e2e_runs_fps']}", flush=True)
-ex.finish(run)
+run.save()   # results.json (finish() would also display the headline: IPython)
 for f in ("results.json",):
     shutil.copy(run.folder / f, keep / f)
 print("done", round(time.perf_counter() - t0), "s", flush=True)
