@@ -49,7 +49,27 @@ def test_profile_sizes():
     assert cpu["size"] == "tiny" and cpu["n_frames"] <= 32
     gpu = L.profile(dict(base), torch.device("cuda"))
     assert gpu["size"] == "full" and gpu["n_frames"] == base["n_frames"] and gpu["precision"] == "fp16"
-    assert ("cudagraph", 16) in gpu["candidates"]["ditto"] and gpu["candidates"]["latentsync"] == [("cudagraph", 16)]
+    assert gpu["candidates"]["ditto"] == gpu["candidates"]["latentsync"] == [("cudagraph", 16), ("compile+cudagraph", 16)]
+    assert ("cudagraph", 16) in gpu["candidates"]["musetalk"]
+
+
+def test_gpu_settings_carry_the_notebooks_exact_switches(clip):
+    """On a GPU each family's config has the exact switches its notebook adopted; on a CPU the plain path."""
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    d = F._ditto_cfg(F.Setting("ditto", "compile+cudagraph", batch=16), clip, "tiny", 0, gpu)
+    assert d.compile == "default" and d.cuda_graphs and d.pad_channels and d.fuse_spade and d.fft_mask
+    assert d.tap_occlusion and d.fused_mix and d.motion_compile and d.stream_motion and d.early_start and not d.channels_last
+    g = F._ditto_cfg(F.Setting("ditto", "cudagraph", batch=16), clip, "tiny", 0, gpu)
+    assert g.cuda_graphs and g.compile == "none" and g.pad_channels and not (g.tap_occlusion or g.fused_mix or g.motion_compile)
+    c = F._ditto_cfg(F.Setting("ditto", "eager", batch=4), clip, "tiny", 0, cpu)
+    assert not (c.pad_channels or c.stream_motion or c.cuda_graphs) and c.compile == "none"
+    ls = F._latentsync_cfg(F.Setting("latentsync", "compile+cudagraph", batch=16), "tiny", 0, gpu)
+    assert ls.fast == ls.vae_fast == "compile+cudagraph" and ls.guided_shortcuts and ls.fused_qkv and ls.cache_encodes
+    assert not F._latentsync_cfg(F.Setting("latentsync", "eager", batch=4), "tiny", 0, cpu).guided_shortcuts
+    m = F._musetalk_cfg(F.Setting("musetalk", "compile+cudagraph", batch=16), clip, "tiny", 0)
+    assert m.compile == "reduce-overhead"
+    for s in (d, g, c, ls, m):
+        s.check()
 
 
 def test_setting_checks():
@@ -66,6 +86,7 @@ def test_setting_checks():
 def test_unavailable_backends_say_why(clip):
     opts = {b: (ok, why) for b, ok, why in F.backend_options("ditto", "cpu")}
     assert opts["eager"][0] and not opts["cudagraph"][0] and "CUDA" in opts["cudagraph"][1]
+    assert not opts["compile+cudagraph"][0] and opts["compile+cudagraph"][1]
     assert not opts["tensorrt"][0] and opts["tensorrt"][1]
     prec = {p: (ok, why) for p, ok, why in F.precision_options("ditto", "cpu")}
     assert not prec["fp8"][0] and "FP8" in prec["fp8"][1] and not prec["bf16"][0]

@@ -26,8 +26,9 @@ from lab.errors import BackendUnavailable, InputError
 from lab.timing import watching
 
 FAMILIES = ("musetalk", "ditto", "latentsync")
-BACKENDS = ("eager", "compile", "cudagraph", "onnx", "tensorrt")
-BACKEND_TEXT = {"eager": "eager", "compile": "torch.compile", "cudagraph": "CUDA graphs", "onnx": "ONNX Runtime",
+BACKENDS = ("eager", "compile", "cudagraph", "compile+cudagraph", "onnx", "tensorrt")
+BACKEND_TEXT = {"eager": "eager", "compile": "torch.compile", "cudagraph": "CUDA graphs",
+                "compile+cudagraph": "torch.compile + CUDA graphs", "onnx": "ONNX Runtime",
                 "tensorrt": "TensorRT"}
 PRECISIONS = ("fp16", "bf16", "fp32", "fp8")
 FPS = 25.0   # Ditto's motion model is built for 25 fps; the other two run at the same rate here
@@ -94,6 +95,7 @@ def backend_options(family: str, device: torch.device | str) -> list[tuple[str, 
     ok, why = B.available("compile", dev)
     out.append(("compile", ok, why if not ok else ""))
     out.append(("cudagraph", cuda, "" if cuda else "CUDA graphs need a CUDA device"))
+    out.append(("compile+cudagraph", ok and cuda, why if not ok else "" if cuda else "CUDA graphs need a CUDA device"))
     for b in ("onnx", "tensorrt"):
         ok, why = B.available(b, dev)
         reason = why if not ok else ""
@@ -193,7 +195,9 @@ def _musetalk_cfg(setting: Setting, clip: Clip, size: str, seed: int):
     return mt.Config(fps=FPS, batch_size=setting.batch, dtype=_dtype(setting), decoder=setting.opt("decoder"),
                      mode=setting.opt("mode"), size=size, frame_size=(clip.frames.shape[2], clip.frames.shape[1]),
                      crop=256 if size == "full" else 64, loop_frames=len(clip.frames), writer="null", pipe_format="rgb24",
-                     compile={"eager": "none", "compile": "default", "cudagraph": "reduce-overhead"}[setting.backend],
+                     # MuseTalk's CUDA graphs come with torch.compile (reduce-overhead): the two graph backends are one
+                     compile={"eager": "none", "compile": "default", "cudagraph": "reduce-overhead",
+                              "compile+cudagraph": "reduce-overhead"}[setting.backend],
                      subpixel=bool(setting.opt("subpixel")), stride=setting.opt("stride"),
                      # the crop recipe does not change the networks' work; the geometric one needs no
                      # landmark model and no OpenCV (notebook 01 compares the two)
@@ -201,26 +205,40 @@ def _musetalk_cfg(setting: Setting, clip: Clip, size: str, seed: int):
 
 
 def _ditto_cfg(setting: Setting, clip: Clip, size: str, seed: int, dev: torch.device):
+    """On a GPU with the exact renderer and motion switches notebook 06 adopted (channel padding in NCHW,
+    merged SPADE convs, the FFT mask conv, the motion model streamed beside the renderer with an early
+    start; compiled backends add the tap-form occlusion conv, the fused motion mix and the compiled
+    motion step): the same function as the plain modules, at fp16 rounding."""
     from lab.pipelines import ditto as P
 
     cuda = dev.type == "cuda"
     prec = {"fp16": "fp16", "bf16": "fp16", "fp32": "fp32", "fp8": "fp16"}[setting.precision]
+    compiled = setting.backend in ("compile", "compile+cudagraph")
+    fast = dict(pad_channels=True, channels_last=False, fuse_spade=True, fft_mask=True, stream_motion=True,
+                early_start=True, tap_occlusion=compiled, fused_mix=compiled, motion_compile=compiled) if cuda \
+        else dict(channels_last=False)
     return P.Config(size=size, precision=prec if cuda else "fp32", batch_size=setting.batch, hubert_batch=setting.batch,
-                    cuda_graphs=setting.backend == "cudagraph", compile="default" if setting.backend == "compile" else "none",
-                    fold_spectral_norm=True, channels_last=cuda, source_pool="vram" if cuda else "host",
+                    cuda_graphs=setting.backend in ("cudagraph", "compile+cudagraph"),
+                    compile="default" if compiled else "none",
+                    fold_spectral_norm=True, source_pool="vram" if cuda else "host",
                     putback="gpu" if cuda else "cpu", writer="null", stride=int(setting.opt("stride")),
                     stride_space=setting.opt("stride_space"), silence=setting.opt("silence"), motion=setting.opt("motion"),
                     sampling_steps=50 if size == "full" else 2, frame_size=(clip.frames.shape[2], clip.frames.shape[1]),
-                    seed=seed)
+                    seed=seed, **fast)
 
 
-def _latentsync_cfg(setting: Setting, size: str, seed: int):
+def _latentsync_cfg(setting: Setting, size: str, seed: int, dev: torch.device | None = None):
+    """On a GPU with notebook 07's exact levers (channels-last, the guided batch's shortcuts, fused QKV,
+    the source's encodes cached; the decoder on the same runner as the UNet)."""
     from lab.pipelines import latentsync as P
 
     if setting.batch > P.MAX_BLOCK:
         raise InputError(f"batch={setting.batch}: LatentSync's block holds at most {P.MAX_BLOCK} frames")
-    return P.Config(mode=setting.opt("mode"), block=setting.batch, size=size, dtype=_dtype(setting),
-                    fast={"eager": "eager", "compile": "compile", "cudagraph": "cudagraph"}[setting.backend], seed=seed)
+    fast = setting.backend   # eager | compile | cudagraph | compile+cudagraph: the pipeline's own runners
+    levers = dict(channels_last=True, guided_shortcuts=True, fused_qkv=True, cache_encodes=True, vae_fast=fast) \
+        if dev is not None and dev.type == "cuda" else {}
+    return P.Config(mode=setting.opt("mode"), block=setting.batch, size=size, dtype=_dtype(setting), fast=fast,
+                    seed=seed, **levers)
 
 
 def build(setting: Setting, clip: Clip, device: torch.device | str, size: str = "full", seed: int = 0,
@@ -264,10 +282,12 @@ def build(setting: Setting, clip: Clip, device: torch.device | str, size: str = 
     else:
         from lab.pipelines import latentsync as P
 
-        cfg = _latentsync_cfg(setting, size, seed)
+        cfg = _latentsync_cfg(setting, size, seed, dev)
         if same and base.engine.cfg.dtype == cfg.dtype:
             engine = replace(base.engine, cfg=cfg, unet_fn=None, runner=None)
             P.set_fast(engine, cfg.fast)
+            if cfg.vae_fast != base.engine.cfg.vae_fast:
+                P.set_vae_fast(engine, cfg.vae_fast)
             job = base.state if base.engine.cfg.block == cfg.block else P.prepare(engine, clip.frames, clip.audio, clip.sr)
         else:
             engine = P.build(cfg, dev)

@@ -59,9 +59,9 @@ RULES: dict[str, params.Rule] = {
 
 def profile(p: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """quick (and any CPU run): tiny models, a 128×192 canvas, 8 frames, batch 4, eager, one render —
-    smoke-test numbers. A GPU: full-size models on a 1280×720 canvas at batch 16; MuseTalk eager (its CUDA
-    graphs come with torch.compile: minutes of build), Ditto eager and CUDA graphs, LatentSync its CUDA graph
-    (the fastest exact runner of notebook 07; `lab calibrate` times eager beside it)."""
+    smoke-test numbers. A GPU: full-size models on a 1280×720 canvas at batch 16; MuseTalk eager and
+    compiled with its CUDA graphs (reduce-overhead), Ditto and LatentSync on CUDA graphs and on
+    torch.compile + CUDA graphs, each with the exact switches its notebook adopted (`families`)."""
     q, gpu = bool(p["quick"]), device.type == "cuda"
     if q or not gpu:
         p.update(size="tiny", frame_size=(128, 192), loop_frames=4, n_frames=min(p["n_frames"], 8 if q else 32),
@@ -70,8 +70,9 @@ def profile(p: dict[str, Any], device: torch.device) -> dict[str, Any]:
                  candidates={f: [("eager", 4)] for f in F.FAMILIES}, panel_batch=4, precision="fp32")
     else:
         p.update(size="full", frame_size=(1280, 720), loop_frames=16,
-                 candidates={"musetalk": [("eager", 16)], "ditto": [("eager", 16), ("cudagraph", 16)],
-                             "latentsync": [("cudagraph", 16)]}, panel_batch=16, precision="fp16")
+                 candidates={"musetalk": [("eager", 16), ("cudagraph", 16)],
+                             "ditto": [("cudagraph", 16), ("compile+cudagraph", 16)],
+                             "latentsync": [("cudagraph", 16), ("compile+cudagraph", 16)]}, panel_batch=16, precision="fp16")
     p["quality_frames"] = min(p["quality_frames"], p["n_frames"])
     return p
 
