@@ -447,3 +447,34 @@ def test_waterfall_rows_are_the_median_of_repeats(engine, speech):
         assert r["runs"] == 3 and len(r["fps_runs"]) == 3
         assert r["fps"] == pytest.approx(sorted(r["fps_runs"])[1], abs=0.01)  # the middle run, not the best
     assert rows[0]["speedup"] == 1.0
+
+
+def test_e2e_step_that_runs_out_of_recompiles_is_a_failed_row(engine, speech, tmp_path, monkeypatch):
+    """A compiled variant that dynamo gives up on (its recompile budget spent) becomes a row saying so,
+    never a figure timed eager under a compiled label; other errors still raise."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    a, sr = speech
+    threads = torch.get_num_threads()
+    run = profiling.start({"device": "cpu", "quick": True, "out_dir": str(tmp_path / "run"), "repeats": 1})
+    torch.set_num_threads(threads)
+    clip = profiling.Clip(a, sr, 12, None, "default avatar")
+    e = mt.reconfigure(engine, blend="gpu", pipe_format="yuv420p", mode="async")
+    real = profiling._e2e_step
+
+    def step(run_, engine_, e_, *args):
+        if e_.cfg.batch_size == 8:
+            try:
+                raise FailOnRecompileLimitHit("Hard failure due to fail_on_recompile_limit_hit")
+            except FailOnRecompileLimitHit as inner:
+                raise RuntimeError("while warming up") from inner
+        return real(run_, engine_, e_, *args)
+
+    monkeypatch.setattr(profiling, "_e2e_step", step)
+    rows = profiling.measure_e2e_steps(run, e, clip)
+    assert rows[-1]["status"] == "failed" and "recompile budget" in rows[-1]["reason"]
+    assert "while warming up" in rows[-1]["reason"] and "e2e_fps" not in rows[-1]
+    assert all("e2e_fps" in r for r in rows[:-1])
+    monkeypatch.setattr(profiling, "_e2e_step", lambda *args: (_ for _ in ()).throw(RuntimeError("other")))
+    with pytest.raises(RuntimeError, match="other"):
+        profiling.measure_e2e_steps(run, e, clip)
