@@ -84,6 +84,7 @@ RULES: dict[str, params.Rule] = {
     "preset": params.one_of(*X264_PRESETS),
     "compile": params.one_of("none", "default", "reduce-overhead"),
     "subpixel": params.flag,
+    "fused_norm": params.flag,
     "run_waterfall": params.flag,
     "waterfall_frames": params.positive(integer=True),
     "face_batches": params.list_of(params.positive(integer=True)),
@@ -198,7 +199,7 @@ def config(run: Run, clip: Clip) -> mt.Config:
     return mt.Config(fps=run.fps, batch_size=run.batch_size, edge_batch=run.edge_batch, dtype=run.dtype, decoder=run.decoder,
                      resampler=run.resampler, mode=run.mode, size=run.size, frame_size=frame_size, crop=run.crop,
                      loop_frames=run.loop_frames, writer=run.writer, preset=run.preset, compile=run.compile,
-                     subpixel=run.subpixel, allow_silence=run.allow_silence, seed=run.seed,
+                     subpixel=run.subpixel, fused_norm=run.fused_norm, allow_silence=run.allow_silence, seed=run.seed,
                      face_crop=run.face_crop, landmarks=run.landmarks,
                      weights={"whisper": run.weights_whisper, "unet": run.weights_unet, "vae": run.weights_vae})
 
@@ -347,6 +348,7 @@ WATERFALL = [
     ("+ RGB→YUV420 on the GPU (half the pipe, no swscale)", dict(pipe_format="auto")),
     ("+ torch.compile + CUDA graphs (UNet, decoder)", dict(compile="reduce-overhead")),
     ("+ fold SD-VAE upsample convs (same function, 16 % fewer FLOPs)", dict(subpixel=True)),
+    ("+ SD-VAE GroupNorm + SiLU as channels-last Triton passes (same function)", dict(fused_norm=True)),
     ("SD-VAE → TAESD (quality trade)", dict(decoder="taesd")),
 ]
 
@@ -813,10 +815,12 @@ def _recompile_limit_hit(err: BaseException) -> bool:
 
 
 def e2e_beyond(run: Run) -> list[tuple[str, dict]]:
-    """Rows past the pipeline's defaults (cumulative, after E2E_STEPS): the folded decoder, then each
+    """Rows past the pipeline's defaults (cumulative, after E2E_STEPS): the folded decoder, its GroupNorms
+    on the Triton passes, then each
     [batch_size, edge_batch] of `e2e_batches`. The same functions, computed in other shapes: the frames
     differ from the defaults' by fp16 rounding (another kernel per shape), not by design."""
-    rows = [("+ SD-VAE upsample convs folded (same function)", dict(subpixel=True))]
+    rows = [("+ SD-VAE upsample convs folded (same function)", dict(subpixel=True)),
+            ("+ SD-VAE GroupNorm + SiLU as channels-last Triton passes (same function)", dict(fused_norm=True))]
     for b, e in run.e2e_batches:
         label = f"+ batch {b}" + (f", first batch and the tail in batches of {e}" if e else "")
         rows.append((label, dict(batch_size=b, edge_batch=e)))
@@ -824,7 +828,8 @@ def e2e_beyond(run: Run) -> list[tuple[str, dict]]:
 
 
 def _same_path(engine: Engine, cfg: mt.Config) -> bool:
-    keys = ("composite", "host_wait", "pipe_buffer", "zero_copy", "face_crop", "subpixel", "batch_size", "edge_batch")
+    keys = ("composite", "host_wait", "pipe_buffer", "zero_copy", "face_crop", "subpixel", "fused_norm", "batch_size",
+            "edge_batch")
     return all(getattr(engine.cfg, k) == getattr(cfg, k) for k in keys)
 
 
@@ -837,7 +842,7 @@ def _e2e_step(run: Run, engine: Engine, e: Engine, clip: Clip, label: str, past:
     rep = main if main is not None and _same_path(engine, e.cfg) else _median_report(e2e_rates(run, e, clip))
     row = _e2e_row(label, rep, ceilings[key])
     row.update(batch_size=e.cfg.batch_size, edge_batch=e.cfg.edge_batch, subpixel=e.cfg.subpixel,
-               first_frame_ms=1e3 * rep["first_frame_s"], past_defaults=past)
+               fused_norm=e.cfg.fused_norm, first_frame_ms=1e3 * rep["first_frame_s"], past_defaults=past)
     if past:
         nb = neural_bench(e, iters=run.neural_iters)
         row.update(neural_fps=nb["fps"], unet_fps=nb["unet_fps"], decoder_fps=nb["decoder_fps"])
@@ -870,7 +875,7 @@ def measure_e2e_steps(run: Run, engine: Engine, clip: Clip) -> list[dict]:
             rows.append({"step": label, "status": "failed",
                          "reason": f"dynamo's recompile budget spent (not timed eager): {type(err).__name__}: {str(err)[:300]}",
                          "batch_size": e.cfg.batch_size, "edge_batch": e.cfg.edge_batch, "subpixel": e.cfg.subpixel,
-                         "past_defaults": past})
+                         "fused_norm": e.cfg.fused_norm, "past_defaults": past})
     run.table("e2e_steps", rows, show=False)
     _drop_recording(run)
     return rows

@@ -68,6 +68,7 @@ class Config:
     queue_depth: int = 3
     channels_last: bool = True
     subpixel: bool = False                  # SD-VAE: fold upsample convs into stride-2 transposed convs (exact; lab.accel.subpixel)
+    fused_norm: bool = False                # SD-VAE decoder: GroupNorm + SiLU as channels-last Triton passes (same function; lab.accel.group_norm)
     stride: int | str = 1                   # 1 = every frame; k = keyframe every k; "adaptive" (lab.accel.stride)
     max_gap: int = 3                        # adaptive stride: largest keyframe interval
     allow_silence: bool = False
@@ -168,6 +169,11 @@ def _folded(cfg: Config) -> bool:
     return bool(cfg.subpixel) and cfg.decoder == "sd-vae"
 
 
+def _fused(cfg: Config) -> bool:
+    """Whether this config's decoder runs its GroupNorm + SiLU on the Triton passes (SD-VAE's ResnetBlock2Ds)."""
+    return bool(cfg.fused_norm) and cfg.decoder == "sd-vae"
+
+
 def build_engine(cfg: Config, device: torch.device | str = "cpu") -> Engine:
     """Load Whisper, the UNet and the decoder (weights per cfg.weights: "random", HF id or path)."""
     from lab.models.musetalk import load_musetalk_unet
@@ -189,6 +195,10 @@ def build_engine(cfg: Config, device: torch.device | str = "cpu") -> Engine:
         from lab.accel.subpixel import rewrite_upsamplers
 
         rewrite_upsamplers(vae.model)
+    if _fused(cfg):
+        from lab.accel.group_norm import fuse_group_norms
+
+        fuse_group_norms(vae.model.decoder)
     gen, dec = unet.module(), vae.decoder_module()
     if cfg.channels_last and dev.type == "cuda":
         gen = gen.to(memory_format=torch.channels_last)
@@ -907,7 +917,7 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
         dt = torch.float32
     v = engine.variants
     v.setdefault(("core", engine.dtype), (engine.whisper, engine.generator))
-    v.setdefault(("vae", engine.cfg.decoder, _folded(engine.cfg), engine.dtype), (engine.vae, engine.decoder))
+    v.setdefault(("vae", engine.cfg.decoder, _folded(engine.cfg), _fused(engine.cfg), engine.dtype), (engine.vae, engine.decoder))
     if engine.masked_latents is not None:
         v.setdefault(("latents", engine.cfg.decoder, engine.dtype, _recipe(engine.cfg)),
                      (engine.masked_latents, engine.ref_latents, engine.avatar))
@@ -916,7 +926,7 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
         w0, g0 = v[("core", engine.dtype)]
         g = copy.deepcopy(g0).to(dt)
         v[("core", dt)] = (copy.deepcopy(w0).to(dt), g.to(memory_format=torch.channels_last) if cl else g)
-    key = ("vae", cfg.decoder, _folded(cfg), dt)
+    key = ("vae", cfg.decoder, _folded(cfg), _fused(cfg), dt)
     if key not in v:
         # prefer a copy of the same decoder with the same folding; an unfolded copy is folded here
         same_kind = sorted(((k[2] != key[2], val) for k, val in v.items() if k[0] == "vae" and k[1] == cfg.decoder),
@@ -934,6 +944,12 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
         elif same_kind and same_kind[0][0]:
             raise InputError("subpixel=False after a subpixel=True build: the folded decoder cannot be "
                              "unfolded exactly; build the engine with subpixel=False and switch it on")
+        from lab.accel.group_norm import fuse_group_norms, unfuse_group_norms
+
+        if key[3]:
+            fuse_group_norms(vae.model.decoder)  # a no-op on a copy that is fused already
+        else:
+            unfuse_group_norms(vae.model.decoder)
         dec = vae.decoder_module()
         v[key] = (vae, dec.to(memory_format=torch.channels_last) if cl else dec)
     whisper, gen = v[("core", dt)]
