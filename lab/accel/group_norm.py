@@ -22,7 +22,7 @@ On a tensor that is not channels-last on a CUDA device, or without Triton, the m
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,61 +39,70 @@ except ImportError:  # pragma: no cover - Triton ships with torch on Linux
 # tile sizes: pixels per program so one tile holds about TILE_ELEMS values (registers, not shared memory)
 TILE_ELEMS = 8192
 NUM_WARPS = 8
+SPLIT_PROGRAMS = 512   # programs of the statistics pass (a few waves of the H200's 132 SMs)
 
 
 if triton is not None:
     @triton.jit
-    def _partial_kernel(x_ptr, mean_ptr, m2_ptr, HW, P, C: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
-        # per (sample n, pixel block p): each group's mean and centred sum of squares over the block's pixels
+    def _partial_kernel(x_ptr, bias_ptr, mean_ptr, m2_ptr, HW, S2, ROWS: tl.constexpr, C: tl.constexpr,
+                        BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+        # per (sample n, split s): each channel's mean and centred sum of squares over the split's ROWS pixels,
+        # merged chunk by chunk (Chan et al.), so a channel's statistics never cancel in fp32
         n = tl.program_id(0)
-        p = tl.program_id(1)
-        rows = p * BLOCK + tl.arange(0, BLOCK)
+        s = tl.program_id(1)
         cols = tl.arange(0, C)
-        m = rows < HW
-        x = tl.load(x_ptr + (n * HW + rows[:, None]).to(tl.int64) * C + cols[None, :], mask=m[:, None], other=0.0)
-        x = x.to(tl.float32)
-        cnt = tl.minimum(HW - p * BLOCK, BLOCK).to(tl.float32) * (C // G)
-        s = tl.sum(tl.reshape(tl.sum(x, axis=0), (G, C // G)), axis=1)                    # (G,)
-        mean = s / cnt
-        mean_c = tl.reshape(tl.broadcast_to(mean[:, None], (G, C // G)), (C,))
-        d = tl.where(m[:, None], x - mean_c[None, :], 0.0)
-        m2 = tl.sum(tl.reshape(tl.sum(d * d, axis=0), (G, C // G)), axis=1)
-        g = tl.arange(0, G)
-        tl.store(mean_ptr + (n * P + p) * G + g, mean)
-        tl.store(m2_ptr + (n * P + p) * G + g, m2)
+        r0 = s * ROWS
+        mean = tl.zeros((C,), tl.float32)
+        m2 = tl.zeros((C,), tl.float32)
+        cnt = 0.0
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols).to(tl.float32)
+        for k in range(0, ROWS, BLOCK):
+            rows = r0 + k + tl.arange(0, BLOCK)
+            m = (rows < HW) & (rows < r0 + ROWS)
+            x = tl.load(x_ptr + (n * HW + rows[:, None]).to(tl.int64) * C + cols[None, :], mask=m[:, None], other=0.0)
+            x = x.to(tl.float32)
+            if HAS_BIAS:
+                x = x + bias[None, :]
+            nb = tl.sum(m.to(tl.float32), axis=0)
+            bmean = tl.sum(tl.where(m[:, None], x, 0.0), axis=0) / tl.maximum(nb, 1.0)
+            d = tl.where(m[:, None], x - bmean[None, :], 0.0)
+            bm2 = tl.sum(d * d, axis=0)
+            tot = tl.maximum(cnt + nb, 1.0)
+            delta = bmean - mean
+            mean = mean + delta * (nb / tot)
+            m2 = m2 + bm2 + delta * delta * (cnt * nb / tot)
+            cnt = cnt + nb
+        tl.store(mean_ptr + (n * S2 + s) * C + cols, mean)
+        tl.store(m2_ptr + (n * S2 + s) * C + cols, m2)
 
     @triton.jit
-    def _combine_kernel(mean_ptr, m2_ptr, stats_ptr, HW, eps, P: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr,
-                        PB: tl.constexpr, CG: tl.constexpr):
-        # per sample: merge the P blocks' (count, mean, M2) into each group's mean and 1/std
+    def _combine_kernel(mean_ptr, m2_ptr, stats_ptr, HW, eps, ROWS: tl.constexpr, S: tl.constexpr,
+                        C: tl.constexpr, G: tl.constexpr):
+        # per sample: the splits' per-channel (count, mean, M2) merged over the splits, then over each group's
+        # channels, into each group's mean and 1/std
         n = tl.program_id(0)
+        sp = tl.arange(0, S)
+        cols = tl.arange(0, C)
+        mp = tl.load(mean_ptr + (n * S + sp[:, None]) * C + cols[None, :])
+        qp = tl.load(m2_ptr + (n * S + sp[:, None]) * C + cols[None, :])
+        cp = tl.maximum(tl.minimum(HW - sp * ROWS, ROWS), 0).to(tl.float32)           # pixels per split
+        total = tl.sum(cp, axis=0)
+        cmean = tl.sum(cp[:, None] * mp, axis=0) / total                                  # (C,)
+        dm = mp - cmean[None, :]
+        cm2 = tl.sum(qp + cp[:, None] * dm * dm, axis=0)                                  # (C,)
+        gmean = tl.sum(tl.reshape(cmean, (G, C // G)), axis=1) / (C // G)                 # equal counts per channel
+        gm_c = tl.reshape(tl.broadcast_to(gmean[:, None], (G, C // G)), (C,))
+        dd = cmean - gm_c
+        gm2 = tl.sum(tl.reshape(cm2 + total * dd * dd, (G, C // G)), axis=1)
+        var = gm2 / (total * (C // G))
         g = tl.arange(0, G)
-        acc_n = tl.zeros((G,), tl.float32)
-        acc_mean = tl.zeros((G,), tl.float32)
-        acc_m2 = tl.zeros((G,), tl.float32)
-        for p0 in tl.range(0, P, PB):
-            p = p0 + tl.arange(0, PB)
-            pm = p < P
-            mp = tl.load(mean_ptr + (n * P + p[:, None]) * G + g[None, :], mask=pm[:, None], other=0.0)
-            qp = tl.load(m2_ptr + (n * P + p[:, None]) * G + g[None, :], mask=pm[:, None], other=0.0)
-            cp = tl.where(pm, tl.minimum(HW - p * BLOCK, BLOCK).to(tl.float32) * CG, 0.0)     # (PB,)
-            # this chunk of blocks merged on its own first, then into the running total
-            cn = tl.sum(cp, axis=0)
-            cmean = tl.sum(cp[:, None] * mp, axis=0) / cn
-            dm = mp - cmean[None, :]
-            cm2 = tl.sum(qp + cp[:, None] * dm * dm, axis=0)
-            tot = acc_n + cn
-            delta = cmean - acc_mean
-            acc_mean = acc_mean + delta * (cn / tot)
-            acc_m2 = acc_m2 + cm2 + delta * delta * (acc_n * cn / tot)
-            acc_n = tot
-        var = acc_m2 / acc_n
-        tl.store(stats_ptr + (n * G + g) * 2, acc_mean)
+        tl.store(stats_ptr + (n * G + g) * 2, gmean)
         tl.store(stats_ptr + (n * G + g) * 2 + 1, 1.0 / tl.sqrt(var + eps))
 
     @triton.jit
-    def _apply_kernel(x_ptr, y_ptr, stats_ptr, w_ptr, b_ptr, HW, C: tl.constexpr, G: tl.constexpr,
-                      BLOCK: tl.constexpr, SILU: tl.constexpr):
+    def _apply_kernel(x_ptr, y_ptr, stats_ptr, w_ptr, b_ptr, bias_ptr, HW, C: tl.constexpr, G: tl.constexpr,
+                      BLOCK: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr):
         n = tl.program_id(0)
         p = tl.program_id(1)
         rows = p * BLOCK + tl.arange(0, BLOCK)
@@ -106,6 +115,8 @@ if triton is not None:
         rstd_c = tl.reshape(tl.broadcast_to(rstd[:, None], (G, C // G)), (C,))
         scale = rstd_c * tl.load(w_ptr + cols).to(tl.float32)
         shift = tl.load(b_ptr + cols).to(tl.float32) - mean_c * scale
+        if HAS_BIAS:  # the producer's bias, added before the norm: x + β' normalized = x·scale + (β'·scale + shift)
+            shift = shift + tl.load(bias_ptr + cols).to(tl.float32) * scale
         off = (n * HW + rows[:, None]).to(tl.int64) * C + cols[None, :]
         x = tl.load(x_ptr + off, mask=m[:, None], other=0.0).to(tl.float32)
         y = x * scale[None, :] + shift[None, :]
@@ -131,42 +142,59 @@ def _block(c: int) -> int:
     return max(16, min(1024, TILE_ELEMS // c))
 
 
+def _splits(n: int, hw: int, block: int) -> int:
+    """Pixel splits per sample for the statistics pass: about SPLIT_PROGRAMS programs in all, a power of two
+    (the combine pass loads every split at once), each split at least one tile."""
+    s = max(1, min(SPLIT_PROGRAMS // max(n, 1), triton.cdiv(hw, block)))
+    return 1 << (s.bit_length() - 1)
+
+
 def group_norm_nhwc_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float,
-                           silu: bool) -> torch.Tensor:
-    """The three passes on a channels-last (N, C, H, W) tensor; the output is channels-last too."""
+                           silu: bool, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The three passes on a channels-last (N, C, H, W) tensor; the output is channels-last too. pre_bias:
+    a per-channel bias added to x before the norm (the producing conv's, which then runs without it)."""
     n, c, h, w = x.shape
     hw = h * w
     block = _block(c)
-    p = triton.cdiv(hw, block)
-    mean = torch.empty(n, p, groups, device=x.device, dtype=torch.float32)
-    m2 = torch.empty_like(mean)
+    s = _splits(n, hw, block)
+    rows = triton.cdiv(triton.cdiv(hw, s), block) * block
+    s = triton.cdiv(hw, rows)
+    s2 = triton.next_power_of_2(s)
+    alloc = torch.empty if s2 == s else torch.zeros   # splits past the pixels (s..s2-1) must read as empty
+    mean = alloc(n, s2, c, device=x.device, dtype=torch.float32)
+    m2 = alloc(n, s2, c, device=x.device, dtype=torch.float32)
     stats = torch.empty(n, groups, 2, device=x.device, dtype=torch.float32)
     y = torch.empty_like(x, memory_format=torch.channels_last)
-    _partial_kernel[(n, p)](x, mean, m2, hw, p, C=c, G=groups, BLOCK=block, num_warps=NUM_WARPS)
-    _combine_kernel[(n,)](mean, m2, stats, hw, float(eps), P=p, BLOCK=block, G=groups, PB=64, CG=c // groups,
-                          num_warps=4)
-    _apply_kernel[(n, p)](x, y, stats, weight, bias, hw, C=c, G=groups, BLOCK=block, SILU=bool(silu),
-                          num_warps=NUM_WARPS)
+    has_bias = pre_bias is not None
+    pb = pre_bias if has_bias else weight
+    _partial_kernel[(n, s)](x, pb, mean, m2, hw, s2, ROWS=rows, C=c, BLOCK=block, HAS_BIAS=has_bias, num_warps=NUM_WARPS)
+    _combine_kernel[(n,)](mean, m2, stats, hw, float(eps), ROWS=rows, S=s2, C=c, G=groups, num_warps=8)
+    _apply_kernel[(n, triton.cdiv(hw, block))](x, y, stats, weight, bias, pb, hw, C=c, G=groups, BLOCK=block,
+                                               SILU=bool(silu), HAS_BIAS=has_bias, num_warps=NUM_WARPS)
     return y
 
 
 @torch.library.custom_op("lab::group_norm_nhwc", mutates_args=())
 def group_norm_nhwc(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float,
-                    silu: bool) -> torch.Tensor:
-    """silu?(group_norm(x)) on a channels-last CUDA tensor by the Triton passes (opaque to torch.compile)."""
-    return group_norm_nhwc_triton(x, weight, bias, groups, eps, silu)
+                    silu: bool, pre_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """silu?(group_norm(x + pre_bias)) on a channels-last CUDA tensor by the Triton passes (opaque to
+    torch.compile)."""
+    return group_norm_nhwc_triton(x, weight, bias, groups, eps, silu, pre_bias)
 
 
 @group_norm_nhwc.register_fake
-def _(x, weight, bias, groups, eps, silu):
+def _(x, weight, bias, groups, eps, silu, pre_bias=None):
     return torch.empty_like(x, memory_format=torch.channels_last)
 
 
 class FusedGroupNorm(nn.Module):
     """An nn.GroupNorm (with affine weights), optionally followed by SiLU, on the Triton passes where
-    they apply (CUDA, channels-last), else on torch's kernels. Same function either way."""
+    they apply (CUDA, channels-last), else on torch's kernels. Same function either way.
 
-    def __init__(self, norm: nn.GroupNorm, silu: bool = False):
+    pre_bias: the producing conv's bias, taken over from it (the conv then runs without one): the
+    statistics pass adds it as it reads, so the conv's output is not rewritten just to add a bias."""
+
+    def __init__(self, norm: nn.GroupNorm, silu: bool = False, pre_bias: nn.Parameter | None = None):
         super().__init__()
         if not isinstance(norm, nn.GroupNorm):
             raise InputError(f"FusedGroupNorm takes an nn.GroupNorm, got {type(norm).__name__}")
@@ -174,14 +202,17 @@ class FusedGroupNorm(nn.Module):
             raise InputError("FusedGroupNorm needs an affine GroupNorm (weight and bias)")
         self.num_groups, self.num_channels, self.eps = norm.num_groups, norm.num_channels, norm.eps
         self.weight, self.bias = norm.weight, norm.bias
+        self.pre_bias = pre_bias
         self.silu = bool(silu)
 
     def extra_repr(self) -> str:
-        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, silu={self.silu}"
+        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, silu={self.silu}, pre_bias={self.pre_bias is not None}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and supported(x, self.num_groups):
-            return group_norm_nhwc(x, self.weight, self.bias, self.num_groups, self.eps, self.silu)
+            return group_norm_nhwc(x, self.weight, self.bias, self.num_groups, self.eps, self.silu, self.pre_bias)
+        if self.pre_bias is not None:
+            x = x + self.pre_bias.view(1, -1, *([1] * (x.dim() - 2)))
         y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
         return F.silu(y) if self.silu else y
 
@@ -205,7 +236,10 @@ def fuse_group_norms(module: nn.Module) -> list[dict[str, Any]]:
             if not ok:
                 rows.append({"module": name, "fused": False, "reason": "not GroupNorm → SiLU without a time embedding"})
                 continue
-            mod.norm1, mod.norm2 = FusedGroupNorm(mod.norm1, silu=True), FusedGroupNorm(mod.norm2, silu=True)
+            # conv1 feeds norm2 directly (no time embedding is added in between): norm2 takes its bias over
+            pre = mod.conv1.bias
+            mod.norm1, mod.norm2 = FusedGroupNorm(mod.norm1, silu=True), FusedGroupNorm(mod.norm2, silu=True, pre_bias=pre)
+            mod.conv1.bias = None
             mod.nonlinearity = nn.Identity()
             rows.append({"module": name, "fused": True, "reason": ""})
         elif isinstance(getattr(mod, "conv_norm_out", None), nn.GroupNorm) and isinstance(getattr(mod, "conv_act", None), nn.SiLU):
@@ -228,6 +262,8 @@ def unfuse_group_norms(module: nn.Module) -> int:
     n = 0
     for mod in module.modules():
         if isinstance(mod, ResnetBlock2D) and isinstance(mod.norm1, FusedGroupNorm):
+            if mod.norm2.pre_bias is not None:
+                mod.conv1.bias = mod.norm2.pre_bias
             mod.norm1, mod.norm2, mod.nonlinearity = _plain(mod.norm1), _plain(mod.norm2), nn.SiLU()
             n += 1
         elif isinstance(getattr(mod, "conv_norm_out", None), FusedGroupNorm):

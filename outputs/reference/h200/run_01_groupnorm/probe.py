@@ -45,18 +45,21 @@ def bench(fn, xs, iters=30, warm=5, graphs=False):
 
 # ---- A: GroupNorm + SiLU alone
 rows = []
-for c, hw in [(128, 256), (256, 256), (256, 128), (512, 128), (512, 64), (512, 32)]:
+for c, hw, with_bias in [(128, 256, False), (128, 256, True), (256, 256, False), (256, 128, False), (512, 128, False),
+                         (512, 64, False), (512, 32, False)]:
     xs = [torch.randn(16, c, hw, hw, device=dev, dtype=torch.float16).mul_(2).add_(0.5).contiguous(memory_format=torch.channels_last)
           for _ in range(3)]
     w = torch.randn(c, device=dev, dtype=torch.float16)
     b = torch.randn(c, device=dev, dtype=torch.float16)
-    eager = lambda x: F.silu(F.group_norm(x, 32, w, b, 1e-6))
+    pre = torch.randn(c, device=dev, dtype=torch.float16) if with_bias else None
+    eager = (lambda x: F.silu(F.group_norm(x + pre.view(1, -1, 1, 1), 32, w, b, 1e-6))) if with_bias else \
+        (lambda x: F.silu(F.group_norm(x, 32, w, b, 1e-6)))
     ind = torch.compile(eager, dynamic=False)
-    tri = lambda x: gn.group_norm_nhwc_triton(x, w, b, 32, 1e-6, True)
-    ref = F.silu(F.group_norm(xs[0].float(), 32, w.float(), b.float(), 1e-6))
+    tri = lambda x: gn.group_norm_nhwc_triton(x, w, b, 32, 1e-6, True, pre)
+    ref = F.silu(F.group_norm(xs[0].float() + (pre.float().view(1, -1, 1, 1) if with_bias else 0), 32, w.float(), b.float(), 1e-6))
     err = {k: float((f(xs[0]).float() - ref).norm() / ref.norm()) for k, f in (("eager", eager), ("inductor", ind), ("triton", tri))}
     nbytes = 2 * xs[0].numel() * 2  # read once + write once
-    r = {"C": c, "HW": hw, "MB": xs[0].numel() * 2 / 1e6}
+    r = {"C": c, "HW": hw, "pre_bias": with_bias, "MB": xs[0].numel() * 2 / 1e6}
     for k, f in (("eager", eager), ("inductor", ind), ("triton", tri)):
         ms = bench(f, xs)
         r[f"{k}_ms"], r[f"{k}_GBps_min_bytes"], r[f"{k}_relerr"] = ms, nbytes / ms / 1e6, err[k]
