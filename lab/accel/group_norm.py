@@ -12,7 +12,7 @@ pixel rows (all C channels, contiguous) instead:
     apply    one program per (sample, block of pixels): (x − mean) · rstd · γ + β, then SiLU if asked
 
 Three reads and one write of the tensor, as a fused GroupNorm needs without touching the producer. The
-statistics are centred per block before merging, so a large mean does not cancel the variance in fp32.
+statistics are shifted per split before merging, so a large mean does not cancel the variance in fp32.
 
     gn = FusedGroupNorm(norm, silu=True)   # norm: nn.GroupNorm; == silu(norm(x))
     fuse_group_norms(decoder)              # in place: every ResnetBlock2D's norms + SiLU, conv_norm_out + conv_act
@@ -46,33 +46,30 @@ if triton is not None:
     @triton.jit
     def _partial_kernel(x_ptr, bias_ptr, mean_ptr, m2_ptr, HW, S2, ROWS: tl.constexpr, C: tl.constexpr,
                         BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
-        # per (sample n, split s): each channel's mean and centred sum of squares over the split's ROWS pixels,
-        # merged chunk by chunk (Chan et al.), so a channel's statistics never cancel in fp32
+        # per (sample n, split s): each channel's mean and centred sum of squares over the split's ROWS pixels.
+        # Sums of x − k and (x − k)² are accumulated elementwise in registers and reduced once at the end (a
+        # reduction per tile would serialize the loads); k, the split's first pixel, sits near each channel's
+        # mean, so the shifted sums do not cancel in fp32. A producer's bias cancels in x − k: it only moves the mean.
         n = tl.program_id(0)
         s = tl.program_id(1)
         cols = tl.arange(0, C)
         r0 = s * ROWS
-        mean = tl.zeros((C,), tl.float32)
-        m2 = tl.zeros((C,), tl.float32)
-        cnt = 0.0
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + cols).to(tl.float32)
-        for k in range(0, ROWS, BLOCK):
-            rows = r0 + k + tl.arange(0, BLOCK)
-            m = (rows < HW) & (rows < r0 + ROWS)
+        k = tl.load(x_ptr + (n * HW + r0).to(tl.int64) * C + cols).to(tl.float32)
+        acc1 = tl.zeros((BLOCK, C), tl.float32)
+        acc2 = tl.zeros((BLOCK, C), tl.float32)
+        for i in range(0, ROWS, BLOCK):
+            rows = r0 + i + tl.arange(0, BLOCK)
+            m = rows < HW
             x = tl.load(x_ptr + (n * HW + rows[:, None]).to(tl.int64) * C + cols[None, :], mask=m[:, None], other=0.0)
-            x = x.to(tl.float32)
-            if HAS_BIAS:
-                x = x + bias[None, :]
-            nb = tl.sum(m.to(tl.float32), axis=0)
-            bmean = tl.sum(tl.where(m[:, None], x, 0.0), axis=0) / tl.maximum(nb, 1.0)
-            d = tl.where(m[:, None], x - bmean[None, :], 0.0)
-            bm2 = tl.sum(d * d, axis=0)
-            tot = tl.maximum(cnt + nb, 1.0)
-            delta = bmean - mean
-            mean = mean + delta * (nb / tot)
-            m2 = m2 + bm2 + delta * delta * (cnt * nb / tot)
-            cnt = cnt + nb
+            d = tl.where(m[:, None], x.to(tl.float32) - k[None, :], 0.0)
+            acc1 += d
+            acc2 += d * d
+        cnt = tl.minimum(HW - r0, ROWS).to(tl.float32)
+        s1 = tl.sum(acc1, axis=0)
+        mean = k + s1 / cnt
+        if HAS_BIAS:
+            mean = mean + tl.load(bias_ptr + cols).to(tl.float32)
+        m2 = tl.maximum(tl.sum(acc2, axis=0) - s1 * s1 / cnt, 0.0)
         tl.store(mean_ptr + (n * S2 + s) * C + cols, mean)
         tl.store(m2_ptr + (n * S2 + s) * C + cols, m2)
 

@@ -8,9 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+from lab.accel import group_norm as gn
 from lab.experiments import profiling as ex
 
 out, keep = Path(sys.argv[1]), Path(sys.argv[2])
+if len(sys.argv) > 3:  # the tile the probe picked (the module's defaults otherwise)
+    best = json.loads(Path(sys.argv[3]).read_text())
+    gn.TILE_ELEMS, gn.SPLIT_PROGRAMS = best["tile"], best["programs"]
+    print("tile", best, flush=True)
 keep.mkdir(parents=True, exist_ok=True)
 ex.E2E_STEPS = ex.E2E_STEPS[-1:]   # the defaults' row: the profiled run and its ceiling
 t0 = time.perf_counter()
