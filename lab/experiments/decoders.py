@@ -60,21 +60,24 @@ VARIANTS: dict[str, str] = {
     "compile_subpixel_phases": "compile_cudagraphs on the subpixel-folded decoder (four 2x2 phase convs as one conv)",
     "compile_subpixel_frozen": "compile_subpixel + Inductor freezing (weights as constants) + 1x1 convs as matmuls "
                                "(fusable epilogues: the shortcut conv and the residual add in one kernel)",
+    "compile_subpixel_groupnorm": "compile_subpixel with GroupNorm + SiLU as channels-last Triton passes "
+                                  "(lab.accel.group_norm: statistics over whole pixel rows, conv1's bias taken in)",
     "compile_subpixel_autotune": "compile_subpixel with mode='max-autotune' (Triton conv/GEMM templates vs cuDNN "
                                  "per shape, + CUDA graphs; minutes of compile)",
 }
 COMPILED = ("compile", "compile_cudagraphs", "compile_autotune", "compile_subpixel", "compile_subpixel_phases",
-            "compile_subpixel_frozen", "compile_subpixel_autotune")
+            "compile_subpixel_frozen", "compile_subpixel_groupnorm", "compile_subpixel_autotune")
 _COMPILE_MODE = {"compile": "default", "compile_cudagraphs": "reduce-overhead",
                  "compile_autotune": "max-autotune-no-cudagraphs", "compile_subpixel": "reduce-overhead",
                  "compile_subpixel_phases": "reduce-overhead", "compile_subpixel_frozen": "reduce-overhead",
-                 "compile_subpixel_autotune": "max-autotune"}
+                 "compile_subpixel_groupnorm": "reduce-overhead", "compile_subpixel_autotune": "max-autotune"}
 _SUBPIXEL = {"subpixel": "transpose", "compile_subpixel": "transpose", "compile_subpixel_phases": "phases",
-             "compile_subpixel_frozen": "transpose", "compile_subpixel_autotune": "transpose"}
+             "compile_subpixel_frozen": "transpose", "compile_subpixel_groupnorm": "transpose",
+             "compile_subpixel_autotune": "transpose"}
 # Inductor options per variant (patched only while that variant compiles)
 _INDUCTOR = {"compile_subpixel_frozen": {"freezing": True, "conv_1x1_as_mm": True}}
 _GRAPHED = ("cuda_graph", "compile_cudagraphs", "compile_subpixel", "compile_subpixel_phases",
-            "compile_subpixel_frozen", "compile_subpixel_autotune")
+            "compile_subpixel_frozen", "compile_subpixel_groupnorm", "compile_subpixel_autotune")
 
 # UNet-space latents (SD-VAE latents × 0.18215) have roughly unit standard deviation: that is how
 # Stable Diffusion chose the factor. Benchmark latents therefore use N(0, 1), never zeros.
@@ -285,6 +288,10 @@ def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor) -> 
         model = (model if model is not None else copy.deepcopy(vae.model)).to(dtype=DTYPES[dtype])
     if variant != "eager":
         model = model.to(memory_format=torch.channels_last)
+    if variant == "compile_subpixel_groupnorm":
+        from lab.accel.group_norm import fuse_group_norms
+
+        fuse_group_norms(model.decoder)
     dec = VAE(vae.kind, model, vae.scaling_factor, vae.weights).decoder_module().eval()
     if variant in ("eager", "channels_last", "cudnn_benchmark", "subpixel"):
         return dec
