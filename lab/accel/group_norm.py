@@ -1,18 +1,21 @@
 """GroupNorm (+ SiLU) over channels-last activations as three Triton passes: the same function.
 
 Why: in a compiled SD-VAE decoder the convolutions run near the tensor cores' rate, but the kernels around
-them (GroupNorm statistics, normalize + SiLU, residual adds) take ~40 % of its GPU time. With channels-last
-activations a group's values are not contiguous: 4–16 channels of every pixel, a whole pixel row apart, so a
-reduction that walks one group at a time reads memory in short strided runs. Here every pass reads whole
-pixel rows (all C channels, contiguous) instead:
+them (GroupNorm statistics, normalize + SiLU, residual adds) took 8.5 of 21.4 ms per batch of 16 on an H200.
+With channels-last activations a group's values are not contiguous: 4–16 channels of every pixel, a whole
+pixel row apart. Here every pass reads whole pixel rows (all C channels, contiguous) instead:
 
-    partial  one program per (sample, block of pixels): each group's mean and centred sum of squares
-             over the block (fp32), from one contiguous (pixels × C) tile
-    combine  one program per sample: the blocks' partials merged (Chan et al.'s parallel variance)
-    apply    one program per (sample, block of pixels): (x − mean) · rstd · γ + β, then SiLU if asked
+    partial  one program per (sample, split of pixels): per channel, sums of x − k and (x − k)² accumulated
+             elementwise over the split's tiles and reduced once (k: the split's first pixel)
+    combine  one program per sample: the splits merged per channel, then the channels per group
+             (Chan et al.'s parallel variance) into each group's mean and 1/std
+    apply    one program per (sample, tile of pixels): (x − mean) · rstd · γ + β, then SiLU if asked
 
-Three reads and one write of the tensor, as a fused GroupNorm needs without touching the producer. The
-statistics are shifted per split before merging, so a large mean does not cancel the variance in fp32.
+Two reads and one write of the tensor. Shifting by k keeps the sums from cancelling in fp32 when the
+mean is large against the spread. A producing conv's bias can be handed over (`pre_bias`): it cancels in
+x − k and only moves the mean, so the conv's output is never rewritten just to add it. On an H200 the
+passes ran GroupNorm + SiLU 1.1–1.5× faster than inductor's kernels at the decoder's 128² and 256² shapes
+(as fast at 64², slower at 32²), and the compiled folded decoder at 819 instead of 735 FPS (batch 16).
 
     gn = FusedGroupNorm(norm, silu=True)   # norm: nn.GroupNorm; == silu(norm(x))
     fuse_group_norms(decoder)              # in place: every ResnetBlock2D's norms + SiLU, conv_norm_out + conv_act
@@ -140,8 +143,8 @@ def _block(c: int) -> int:
 
 
 def _splits(n: int, hw: int, block: int) -> int:
-    """Pixel splits per sample for the statistics pass: about SPLIT_PROGRAMS programs in all, a power of two
-    (the combine pass loads every split at once), each split at least one tile."""
+    """Pixel splits per sample for the statistics pass: about SPLIT_PROGRAMS programs in all, each split at
+    least one tile (the combine pass loads every split of a sample at once)."""
     s = max(1, min(SPLIT_PROGRAMS // max(n, 1), triton.cdiv(hw, block)))
     return 1 << (s.bit_length() - 1)
 
