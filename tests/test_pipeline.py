@@ -415,8 +415,10 @@ def test_e2e_steps_and_crops_tables_from_medians(engine, speech, tmp_path):
     assert [r["step"] for r in rows] == [s[0] for s in profiling.E2E_STEPS + profiling.e2e_beyond(run)]
     assert all(r["runs"] == 2 and len(r["ceiling_runs_fps"]) == 2 and r["pct_of_ceiling"] > 0 for r in rows)
     assert rows[n - 1]["e2e_fps"] == run.result.metrics["run"]["fps"]  # the engine's own path: the profiled run
-    # past the defaults: the folded decoder, then the quick profile's [8, 2] pair, each with its neural part
-    assert [(r["subpixel"], r["batch_size"], r["edge_batch"]) for r in rows[n:]] == [(True, 4, 0), (True, 8, 2)]
+    # past the defaults: the folded decoder, its GroupNorm passes, then the quick profile's [8, 2] pair, each with its
+    # neural part
+    assert [(r["subpixel"], r["fused_norm"], r["batch_size"], r["edge_batch"]) for r in rows[n:]] == \
+        [(True, False, 4, 0), (True, True, 4, 0), (True, True, 8, 2)]
     assert all(r["past_defaults"] and r["neural_fps"] > 0 for r in rows[n:]) and not rows[n - 1]["past_defaults"]
     crops = profiling.measure_crops(run, e, clip)
     assert [c["face_crop"] for c in crops] == ["upstream", "geometric"] and crops[1]["crop_path"] == "geometric"
