@@ -66,6 +66,7 @@ def test_supported_shapes():
     assert not gn.supported(x.contiguous(), 8)                                           # NCHW
     assert not gn.supported(torch.randn(2, 24, 4, 4).contiguous(memory_format=torch.channels_last), 8)  # C not 2^k
     assert not gn.supported(torch.randn(2, 32, 4), 8)
+    assert not gn.supported(torch.randn(1, 1024, 2, 2).contiguous(memory_format=torch.channels_last), 32)  # > MAX_CHANNELS
 
 
 def test_bad_input_is_named():

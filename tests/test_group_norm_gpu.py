@@ -24,16 +24,22 @@ def test_passes_equal_group_norm_at_decoder_shapes(c, hw):
     assert _rel(gn.group_norm_nhwc_triton(x, w, b, 32, 1e-6, True, pre), ref) < 1e-3   # fp16 output rounding
 
 
-def test_decoder_compiled_with_the_passes_matches_without():
+def test_decoder_compiled_with_the_passes_matches_without(monkeypatch):
     from lab.models.vae import load_vae
 
     vae = load_vae("sd-vae", "random", size="full", device="cuda", dtype=torch.float16, seed=0)
     base = vae.decoder_module().to(memory_format=torch.channels_last)
     v2 = copy.deepcopy(vae)
-    gn.fuse_group_norms(v2.model.decoder)
-    fused = torch.compile(v2.decoder_module().to(memory_format=torch.channels_last), mode="reduce-overhead", dynamic=False)
+    assert sum(r["fused"] for r in gn.fuse_group_norms(v2.model.decoder)) == 15   # 14 ResNet blocks + conv_norm_out
+    eager = v2.decoder_module().to(memory_format=torch.channels_last)
+    fused = torch.compile(eager, mode="reduce-overhead", dynamic=False)
     z = (torch.randn(16, 4, 32, 32, device="cuda") * 4).half().contiguous(memory_format=torch.channels_last)
+    calls = []
+    triton_passes = gn.group_norm_nhwc_triton
+    monkeypatch.setattr(gn, "group_norm_nhwc_triton", lambda *a: calls.append(a[0].shape) or triton_passes(*a))
     with torch.inference_mode():
+        eager(z)
+        assert len(calls) == 29   # every norm ran on the Triton passes, none fell back to torch's
         a = base(z)
         for _ in range(3):
             torch.compiler.cudagraph_mark_step_begin()

@@ -43,6 +43,9 @@ except ImportError:  # pragma: no cover - Triton ships with torch on Linux
 TILE_ELEMS = 4096      # swept on an H200 (4096 / 8192 × 256 / 512 / 1024 programs): 4096 and 512 were fastest
 NUM_WARPS = 8
 SPLIT_PROGRAMS = 512   # programs of the statistics pass (a few waves of the H200's 132 SMs)
+# the merge holds a sample's splits × channels in registers at once: at most 32 × 512 (the decoder's case at batch 16)
+MAX_SPLITS = 32
+MAX_CHANNELS = 512
 
 
 if triton is not None:
@@ -130,11 +133,12 @@ def _pow2(v: int) -> bool:
 
 
 def supported(x: torch.Tensor, groups: int) -> bool:
-    """Whether the Triton passes take x: 4-D channels-last, C and the groups powers of two (tile shapes)."""
+    """Whether the Triton passes take x: 4-D channels-last, C ≤ MAX_CHANNELS and the groups powers of two
+    (tile shapes)."""
     if triton is None or x.dim() != 4:
         return False
     c = x.shape[1]
-    return (_pow2(c) and _pow2(groups) and c % groups == 0 and c <= 1024
+    return (_pow2(c) and _pow2(groups) and c % groups == 0 and c <= MAX_CHANNELS
             and x.is_contiguous(memory_format=torch.channels_last) and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
 
 
@@ -143,9 +147,10 @@ def _block(c: int) -> int:
 
 
 def _splits(n: int, hw: int, block: int) -> int:
-    """Pixel splits per sample for the statistics pass: about SPLIT_PROGRAMS programs in all, each split at
-    least one tile (the combine pass loads every split of a sample at once)."""
-    s = max(1, min(SPLIT_PROGRAMS // max(n, 1), triton.cdiv(hw, block)))
+    """Pixel splits per sample for the statistics pass: about SPLIT_PROGRAMS programs in all, at most MAX_SPLITS
+    per sample (the merge loads them at once), each at least one tile; a power of two, so the merge's tile
+    needs no padding where the pixels divide evenly."""
+    s = max(1, min(SPLIT_PROGRAMS // max(n, 1), MAX_SPLITS, triton.cdiv(hw, block)))
     return 1 << (s.bit_length() - 1)
 
 

@@ -816,8 +816,7 @@ def _recompile_limit_hit(err: BaseException) -> bool:
 
 def e2e_beyond(run: Run) -> list[tuple[str, dict]]:
     """Rows past the pipeline's defaults (cumulative, after E2E_STEPS): the folded decoder, its GroupNorms
-    on the Triton passes, then each
-    [batch_size, edge_batch] of `e2e_batches`. The same functions, computed in other shapes: the frames
+    on the Triton passes, then each [batch_size, edge_batch] of `e2e_batches`. The same functions, computed in other shapes: the frames
     differ from the defaults' by fp16 rounding (another kernel per shape), not by design."""
     rows = [("+ SD-VAE upsample convs folded (same function)", dict(subpixel=True)),
             ("+ SD-VAE GroupNorm + SiLU as channels-last Triton passes (same function)", dict(fused_norm=True))]

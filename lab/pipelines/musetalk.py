@@ -928,11 +928,12 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
         v[("core", dt)] = (copy.deepcopy(w0).to(dt), g.to(memory_format=torch.channels_last) if cl else g)
     key = ("vae", cfg.decoder, _folded(cfg), _fused(cfg), dt)
     if key not in v:
-        # prefer a copy of the same decoder with the same folding; an unfolded copy is folded here
-        same_kind = sorted(((k[2] != key[2], val) for k, val in v.items() if k[0] == "vae" and k[1] == cfg.decoder),
-                           key=lambda t: t[0])
+        # prefer a copy of the same decoder with the same folding (an unfolded copy is folded here), then
+        # with the same norms (a copy's norms are fused or restored below)
+        same_kind = sorted(((k[2] != key[2], k[3] != key[3], val) for k, val in v.items()
+                            if k[0] == "vae" and k[1] == cfg.decoder), key=lambda t: t[:2])
         if same_kind:
-            vae = copy.deepcopy(same_kind[0][1][0])
+            vae = copy.deepcopy(same_kind[0][2][0])
             vae.model.to(dt)
         else:
             w = cfg.weights.get(cfg.decoder, cfg.weights.get("vae", "random"))
