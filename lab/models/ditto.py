@@ -754,27 +754,32 @@ def window_constants(net: MotionDecoder, encoded: tuple[torch.Tensor, torch.Tens
 
 
 def sampler_forward(net: MotionDecoder, x: torch.Tensor, cond_frame: torch.Tensor, films: torch.Tensor,
-                    keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+                    keys: torch.Tensor, values: torch.Tensor, linear=F.linear) -> torch.Tensor:
     """One step's x0 prediction from `window_constants` at that step (films (B, layers, 3, 2, dim), keys /
-    values (layers, B, N + 2, dim)); x (B, N, 265), cond_frame (B, 265)."""
+    values (layers, B, N + 2, dim)); x (B, N, 265), cond_frame (B, 265). `linear` computes every GEMM of the
+    step (F.linear's signature): a caller may hand in another kernel for the same product."""
     b, n, _ = x.shape
     heads = net.d.lm_heads
-    h = net.input_projection(torch.cat([x, cond_frame[:, None].expand(b, n, -1)], dim=-1))
+
+    def lin(y: torch.Tensor, m: nn.Linear) -> torch.Tensor:
+        return linear(y, m.weight, m.bias)
+
+    h = lin(torch.cat([x, cond_frame[:, None].expand(b, n, -1)], dim=-1), net.input_projection)
     for i, layer in enumerate(net.seqTransDecoder.stack):
         f = films[:, i, :, :, None]                       # (B, 3, 2, 1, dim): scale, shift per sub-block
         e = h.shape[-1]
         w, bias = layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias
         y = layer.norm1(h)
-        q, k = F.linear(layer.rotary.rotate(y), w[:2 * e], bias[:2 * e]).chunk(2, dim=-1)
-        a = layer.self_attn.out_proj(heads_attention(q, k, F.linear(y, w[2 * e:], bias[2 * e:]), heads))
+        q, k = linear(layer.rotary.rotate(y), w[:2 * e], bias[:2 * e]).chunk(2, dim=-1)
+        a = lin(heads_attention(q, k, linear(y, w[2 * e:], bias[2 * e:]), heads), layer.self_attn.out_proj)
         h = h + ((f[:, 0, 0] + 1) * a + f[:, 0, 1])
         w, bias = layer.multihead_attn.in_proj_weight, layer.multihead_attn.in_proj_bias
-        q = F.linear(layer.rotary.rotate(layer.norm2(h)), w[:e], bias[:e])
-        a = layer.multihead_attn.out_proj(heads_attention(q, keys[i], values[i], heads))
+        q = linear(layer.rotary.rotate(layer.norm2(h)), w[:e], bias[:e])
+        a = lin(heads_attention(q, keys[i], values[i], heads), layer.multihead_attn.out_proj)
         h = h + ((f[:, 1, 0] + 1) * a + f[:, 1, 1])
-        y = layer.linear2(F.gelu(layer.linear1(layer.norm3(h))))
+        y = lin(F.gelu(lin(layer.norm3(h), layer.linear1)), layer.linear2)
         h = h + ((f[:, 2, 0] + 1) * y + f[:, 2, 1])
-    return net.final_layer(h)
+    return lin(h, net.final_layer)
 
 
 # ----------------------------------------------------------------------------- diffusion schedule + DDIM

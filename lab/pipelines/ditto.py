@@ -55,6 +55,7 @@ from lab import audio as lab_audio
 from lab.accel import putback as pb
 from lab.accel import silence as sil
 from lab.accel import stride as st
+from lab.accel import tf32x3
 from lab.errors import InputError
 from lab.models import ditto as D
 from lab.timing import StageTimer, sync
@@ -68,7 +69,7 @@ COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
 STRIDE_SPACES = ("output", "feature", "motion")
 MOTIONS = ("lmdm", "rms")
 MOTION_MODES = {"offline": 10, "online": 70}   # window overlap in frames
-MOTION_PRECISIONS = ("fp32", "bf16")
+MOTION_PRECISIONS = ("fp32", "tf32x3", "bf16")
 HOST_WAITS = ("spin", "sleep")
 CROP_SCALE = 2.3          # source crop side / face box side (upstream's final crop)
 CROP_VY = -0.125          # crop centre moved up by this fraction of the side
@@ -109,7 +110,8 @@ class Config:
     motion_mode: str = "offline"
     stream_motion: bool = False       # LMDM windows generated as the render loop reaches them, on a side CUDA stream
     motion_compile: bool = False      # the LMDM's guided DDIM step torch.compile'd (inductor, fixed shapes)
-    motion_precision: str = "fp32"    # the LMDM's forwards: "fp32" (upstream's PyTorch runtime) | "bf16" (autocast; approximate)
+    motion_precision: str = "fp32"    # the LMDM's forwards: "fp32" (upstream's PyTorch runtime) | "tf32x3" (fp32 GEMMs as
+                                      # split-TF32 tensor-core products, fp32 rounding; lab.accel.tf32x3) | "bf16" (autocast; approximate)
     sampling_steps: int = 50
     guidance: float = 2.0
     eta: float = 1.0
@@ -591,24 +593,26 @@ def _compiled_step(engine: Engine):
     LayerNorms, FiLMs, rotary, GELU and the update into a few kernels around the GEMMs and attention: the
     eager step is ~490 small launches, which is what it costs on a big GPU."""
     cfg = engine.cfg
-    key = ("lmdm_step", cfg.guidance, cfg.batch_cfg, cfg.motion_precision)
+    key = ("lmdm_step", cfg.guidance, cfg.batch_cfg, cfg.motion_precision, cfg.motion_compile)
     if key in engine.variants:
         return engine.variants[key]
     net, g, amp = engine.nets["lmdm"], cfg.guidance, _motion_autocast(engine)
+    lin = tf32x3.linear if cfg.motion_precision == "tf32x3" else F.linear
 
     def step(x, cf, films, keys, values, noise, coef):
         with amp():
             if cfg.batch_cfg:
-                out = D.sampler_forward(net, x.expand(2, -1, -1), cf.expand(2, -1), films, keys, values).float()
+                out = D.sampler_forward(net, x.expand(2, -1, -1), cf.expand(2, -1), films, keys, values, lin).float()
                 unc, con = out[:1], out[1:]
             else:
-                unc = D.sampler_forward(net, x, cf, films[:1], keys[:, :1], values[:, :1]).float()
-                con = D.sampler_forward(net, x, cf, films[1:], keys[:, 1:], values[:, 1:]).float()
+                unc = D.sampler_forward(net, x, cf, films[:1], keys[:, :1], values[:, :1], lin).float()
+                con = D.sampler_forward(net, x, cf, films[1:], keys[:, 1:], values[:, 1:], lin).float()
         x0 = unc + (con - unc) * g
         sa, s1a, san, c, sigma = coef.unbind(0)
         return x0 * san + c * ((x - sa * x0) / s1a) + sigma * noise
 
-    fn = torch.compile(step, dynamic=False, fullgraph=True, backend=MOTION_COMPILE_BACKEND)
+    # without motion_compile (motion_precision "tf32x3" alone) the same step runs eagerly
+    fn = torch.compile(step, dynamic=False, fullgraph=True, backend=MOTION_COMPILE_BACKEND) if cfg.motion_compile else step
     engine.variants[key] = fn
     return fn
 
@@ -648,7 +652,7 @@ def _window_fn(engine: Engine):
     steps = D.Schedule.make(cfg.sampling_steps).times
     times = torch.tensor([[t, t] for t in steps[:-1]], device=dev)
     drop = torch.tensor([True, False], device=dev)
-    if cfg.motion_compile:
+    if cfg.motion_compile or cfg.motion_precision == "tf32x3":   # the sampler arrangement (its GEMMs pluggable)
         coefs = _ddim_coefs(engine)
         with torch.no_grad():   # before any capture: a constant, not a tensor of a graph's pool
             films_w = D.film_weights(engine.nets["lmdm"])

@@ -1,0 +1,112 @@
+"""fp32 linear layers on the tensor cores by split TF32 ("3xTF32"): fp32 numbers, tensor-core speed.
+
+Why: Ditto's motion model (an 8-layer, width-512 DiT over 80 frames, 50 guided DDIM steps per window) runs
+in fp32, as upstream runs it. Its GEMMs are 160 rows deep; in fp32 cuBLAS runs them on the SIMT units, and a
+compiled, graph-captured window still takes ~70–105 ms on an H200. TF32 alone (one tensor-core product) keeps
+10 mantissa bits of each input: ~1e-3 relative error, a different function. Split TF32 writes each fp32 input
+as a TF32 head plus a TF32 tail (a = a_hi + a_lo, both exactly representable) and sums three products,
+
+    a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi        (a_lo·b_lo, ~2⁻²² relative, dropped)
+
+accumulated in fp32: ~21 of fp32's 24 mantissa bits per product, so the result differs from an fp32 GEMM by
+about what two fp32 GEMMs of different tiling differ by. Triton's `tl.dot(..., input_precision="tf32x3")`
+does the split in registers.
+
+    y = linear(x, weight, bias)        # == F.linear(x, weight, bias) in fp32, to fp32 rounding
+
+On a CPU, for tensors that are not fp32 on a CUDA device, or without Triton, `linear` is `F.linear`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from lab.errors import InputError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - Triton ships with torch on Linux
+    triton = None
+
+PRECISION = "tf32x3"   # Triton's input_precision; "ieee" gives the SIMT fp32 product (tests), "tf32" one pass
+
+if triton is not None:
+    # small-M tiles first: the motion model's GEMMs are 160 rows (2 × 80 frames); autotuned per (M, N, K) on
+    # the first call, which the pipeline makes before any CUDA-graph capture
+    _CONFIGS = [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+                for bm, bn, bk, w, s in ((32, 32, 32, 2, 3), (32, 64, 32, 4, 3), (64, 32, 32, 4, 3),
+                                         (64, 64, 32, 4, 3), (32, 64, 64, 4, 3), (16, 64, 64, 4, 3),
+                                         (64, 64, 64, 8, 3), (128, 64, 32, 8, 3))]
+
+    @triton.jit
+    def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, sxm, sxk, swn, swk, sym, syn, K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):   # K a constant: one build per layer width, and the loop unrolls
+            kk = k0 + rk
+            a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk,
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk,
+                        mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    _tuned = triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "HAS_BIAS", "PREC"])(_linear_kernel)
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  precision: str = PRECISION, tuned: bool = True) -> torch.Tensor:
+    """x (…, K) @ weight (N, K)ᵀ + bias (N,) by the Triton kernel, fp32 in and out. `tuned=False` uses one
+    fixed tile (the CPU interpreter, where autotuning would time Python)."""
+    if x.shape[-1] != weight.shape[1] or weight.dim() != 2 or (bias is not None and bias.shape != weight.shape[:1]):
+        raise InputError(f"linear: x (…, {x.shape[-1]}), weight {tuple(weight.shape)} and bias "
+                         f"{None if bias is None else tuple(bias.shape)} do not fit (weight (N, K), bias (N,))")
+    x2 = x.reshape(-1, x.shape[-1])
+    m, k = x2.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=torch.float32)
+    if m == 0:
+        return y.reshape(*x.shape[:-1], n)
+    has_bias = bias is not None
+    args = (x2, weight, bias if has_bias else weight, y, m, n, x2.stride(0), x2.stride(1),
+            weight.stride(0), weight.stride(1), y.stride(0), y.stride(1))
+    if tuned:
+        grid = lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))  # noqa: E731
+        _tuned[grid](*args, K=k, HAS_BIAS=has_bias, PREC=precision)
+    else:
+        _linear_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 32))](*args, K=k, HAS_BIAS=has_bias, PREC=precision,
+                                                                   BM=32, BN=32, BK=32, num_warps=4)
+    return y.reshape(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("lab::linear_tf32x3", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear in fp32 by split TF32 on a CUDA device (opaque to torch.compile)."""
+    return linear_triton(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` takes the tensor-core path: fp32 CUDA tensors and Triton."""
+    return (triton is not None and x.is_cuda and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.dim() == 2)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear, fp32 GEMMs by split TF32 where they apply (see the module docstring); else F.linear."""
+    if not applies(x, weight):
+        return F.linear(x, weight, bias)
+    return _linear_op(x, weight, bias)

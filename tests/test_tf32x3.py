@@ -1,0 +1,78 @@
+"""Split-TF32 linear (lab.accel.tf32x3): the Triton kernel under Triton's CPU interpreter against a float64
+product (ragged M, N and K, with and without a bias, a strided input), its fallbacks, bad shapes, and the Ditto
+motion model's switch (the sampler arrangement with its GEMMs handed over gives the fp32 window)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lab.accel import tf32x3
+from lab.errors import InputError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CHECK = """
+import torch
+from lab.accel import tf32x3
+torch.manual_seed(0)
+worst = 0.0
+for m, n, k, bias, strided in [(37, 45, 70, True, False), (160, 33, 32, False, True), (5, 64, 530, True, True)]:
+    x = torch.randn(m, 2 * k)[:, ::2] if strided else torch.randn(2, m, k)
+    w, b = torch.randn(n, k), (torch.randn(n) if bias else None)
+    y = tf32x3.linear_triton(x, w, b, tuned=False)
+    assert y.shape == (*x.shape[:-1], n) and y.dtype == torch.float32
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    worst = max(worst, float((y.double() - ref).abs().max() / ref.abs().max()))
+print(worst)
+"""
+
+
+def test_kernel_equals_the_product_under_the_interpreter(triton_interpreter):
+    # the interpreter multiplies in fp32 (no tensor cores): this checks tiles, masks, strides and the bias
+    assert float(triton_interpreter(CHECK).split()[-1]) < 1e-6
+
+
+def test_linear_falls_back_to_f_linear_off_the_gpu():
+    x, w, b = torch.randn(3, 7, 16), torch.randn(5, 16), torch.randn(5)
+    assert not tf32x3.applies(x, w)
+    assert torch.equal(tf32x3.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(tf32x3.linear(x.double(), w.double()), F.linear(x.double(), w.double()))
+
+
+def test_bad_shapes_name_the_operands():
+    with pytest.raises(InputError, match="weight \\(5, 16\\)"):
+        tf32x3.linear_triton(torch.randn(3, 15), torch.randn(5, 16))
+    with pytest.raises(InputError, match="bias"):
+        tf32x3.linear_triton(torch.randn(3, 16), torch.randn(5, 16), torch.randn(4))
+
+
+def test_motion_window_with_the_switch_is_the_fp32_window():
+    # on a CPU the kernel falls back to F.linear, so this pins the arrangement the GPU path takes: the sampler
+    # form of the LMDM with every GEMM passed through `linear` gives the eager fp32 window to fp32 rounding
+    from lab.models import ditto as D
+    from lab.pipelines import ditto as P
+
+    engine = P.build(P.Config(size="tiny", sampling_steps=3), "cpu")
+    torch.manual_seed(3)
+    L = engine.dims.seq_frames
+    cond = torch.randn(L, engine.dims.cond_dim)
+    cf = torch.randn(D.MOTION_DIM)
+    noises = torch.randn(3, 1, L, D.MOTION_DIM)
+    x = torch.randn(1, L, D.MOTION_DIM)
+    sched = D.Schedule.make(3)
+    ref = P.sample_window(engine, cf, cond, sched, noises, None, x=x)
+    calls = []
+    real = tf32x3.linear
+
+    def counting(*a):
+        calls.append(a[1].shape)
+        return real(*a)
+
+    tf32x3_engine = P.reconfigure(engine, motion_precision="tf32x3")
+    try:
+        tf32x3.linear = counting   # the pipeline looks the function up when it builds the step
+        got = P.sample_window(tf32x3_engine, cf, cond, sched, noises, None, x=x)
+    finally:
+        tf32x3.linear = real
+    layers = engine.dims.lm_layers
+    assert len(calls) == 3 * (2 + 7 * layers)   # per step: input and final projections, 7 GEMMs per layer
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
