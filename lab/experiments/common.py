@@ -84,10 +84,18 @@ class Run:
         return self.result.save(self.folder)
 
     def show_headline(self) -> Any:
-        from IPython.display import Markdown
-
         lines = ["| headline | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in self.result.headline.items()]
-        return Markdown("\n".join(lines))
+        return markdown("\n".join(lines))
+
+
+def markdown(text: str) -> Any:
+    """IPython's Markdown view of `text` in a notebook; the text itself where IPython is absent (a headless run
+    on a machine without Jupyter)."""
+    try:
+        from IPython.display import Markdown
+    except ImportError:
+        return text
+    return Markdown(text)
 
 
 def _fmt(v: Any) -> str:

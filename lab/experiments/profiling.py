@@ -27,7 +27,7 @@ import torch
 from lab import audio as lab_audio
 from lab import data, params
 from lab.errors import BackendUnavailable, InputError
-from lab.experiments.common import Run, row
+from lab.experiments.common import Run, markdown, row
 from lab.experiments.common import start as _start
 from lab.pipelines import musetalk as mt
 from lab.pipelines.musetalk import Engine
@@ -147,8 +147,6 @@ def describe(run: Run) -> str:
 
 def show(run: Run, name: str, floatfmt: str | None = None) -> Any:
     """A kept table (run.result.tables) or a metrics record, as Markdown."""
-    from IPython.display import Markdown
-
     from lab.plots import table_markdown
 
     rows = run.result.tables.get(name)
@@ -156,8 +154,8 @@ def show(run: Run, name: str, floatfmt: str | None = None) -> Any:
         m = run.result.metrics.get(name)
         rows = [m] if isinstance(m, dict) else m
     if rows is None:
-        return Markdown(f"*{name}: not measured in this run*")
-    return Markdown(table_markdown(rows, floatfmt=floatfmt or FLOATFMT.get(name, ".4g")))
+        return markdown(f"*{name}: not measured in this run*")
+    return markdown(table_markdown(rows, floatfmt=floatfmt or FLOATFMT.get(name, ".4g")))
 
 
 FLOATFMT = {"resamplers": ".3g"}
@@ -569,8 +567,6 @@ def trace(run: Run, engine: Engine, clip: Clip) -> str:
 def compare(run: Run) -> Any:
     """The write-up's figures beside ours, from what this run kept (re-running replaces the rows).
     A verdict only for a full-size GPU run; speed does not depend on weight values."""
-    from IPython.display import Markdown
-
     from lab.plots import table_markdown
 
     res, m = run.result, run.machine
@@ -616,7 +612,7 @@ def compare(run: Run) -> Any:
         res.compare(**base, claim="batched SFD (batch 8 vs 1) speed-up", their_value=2.6,
                     our_value=round(sweep[8] / sweep[1], 2), unit="×", verdict="differs" if full_run else nc,
                     reason="detector forward only (theirs includes landmarks); random weights")
-    return Markdown(table_markdown([c.__dict__ for c in res.comparisons]))
+    return markdown(table_markdown([c.__dict__ for c in res.comparisons]))
 
 
 def finish(run: Run) -> Any:
