@@ -344,3 +344,17 @@ def test_motion_stream_holds_the_next_window_for_the_first_block(engine, avatar)
     ms.hold_ahead = False
     ms.ensure(3)
     assert ms.w == 2                                      # the look-ahead window follows
+
+
+def test_notebook_clip_length_scales_the_clip_and_its_pauses(tmp_path):
+    # notebook 06's clip_s: the speech as long as asked, the pauses at the same fractions; a bad value is refused
+    from lab.experiments import ditto as X
+
+    with pytest.raises(InputError, match="clip_s"):
+        X.setup("cpu", True, 0, str(tmp_path / "bad"), clip_s=0)
+    base = X.profile(True, torch.device("cpu"))
+    ctx = X.setup("cpu", True, 0, str(tmp_path / "long"), clip_s=2 * base.clip_s)
+    assert len(ctx.audio) == int(2 * base.clip_s * 16000)
+    assert ctx.prof.pauses == tuple((2 * a, 2 * b) for a, b in base.pauses)
+    a, b = ctx.prof.pauses[0]
+    assert not ctx.audio[int(a * 16000) + 1:int(b * 16000) - 1].any()

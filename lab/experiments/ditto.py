@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,8 @@ def _source_rule(name: str, v: Any) -> Any:
 
 
 # the notebook's own parameters beyond device / quick / seed / out_dir (checked before anything runs)
-RULES: dict[str, params.Rule] = {"weights": params.weights(D.COMPONENTS), "source": _source_rule}
+RULES: dict[str, params.Rule] = {"weights": params.weights(D.COMPONENTS), "source": _source_rule,
+                                  "clip_s": params.positive(optional=True)}
 SRC_PILLARS = "write-up 004 (Ditto five pillars)"
 SRC_STRIDES = "write-up 003 (cadence strides, Ditto half)"
 WRITEUP_HW = "RTX 5090 laptop (sm_120), PyTorch 2.13, CUDA 12.8"
@@ -212,14 +213,19 @@ def speech_with_pauses(seconds: float, pauses: tuple[tuple[float, float], ...]) 
 
 
 def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str | None = None,
-          weights: dict[str, str] | str = "random", source: str | None = None) -> Context:
-    """Profile, engine (random weights unless `weights` names released files), avatar, clip, Result."""
+          weights: dict[str, str] | str = "random", source: str | None = None, clip_s: float | None = None) -> Context:
+    """Profile, engine (random weights unless `weights` names released files), avatar, clip, Result.
+    `clip_s`: seconds of speech instead of the profile's, its two pauses at the same fractions of the clip (a
+    longer clip weighs the start-up, the first motion window and block, less against the steady rate)."""
     t_start = time.perf_counter()
 
-    params.check({"device": device, "quick": quick, "seed": seed, "out_dir": out_dir, "weights": weights, "source": source},
-                 {**params.notebook_defaults(notebook_path(NAME)), "interactive": None}, RULES, NAME)
+    params.check({"device": device, "quick": quick, "seed": seed, "out_dir": out_dir, "weights": weights, "source": source,
+                  "clip_s": clip_s}, {**params.notebook_defaults(notebook_path(NAME)), "interactive": None}, RULES, NAME)
     dev = env.pick_device(device)
     prof = profile(quick, dev)
+    if clip_s is not None:
+        f = clip_s / prof.clip_s
+        prof = replace(prof, clip_s=float(clip_s), pauses=tuple((a * f, b * f) for a, b in prof.pauses))
     if dev.type == "cpu":
         torch.set_num_threads(1)  # tiny kernels on a shared CPU: one thread is fastest and steadiest
     if dev.type == "cuda":
@@ -1196,10 +1202,10 @@ DEFAULT_STEPS = tuple(s for s, _ in STEPS if s != "final")   # "final": only ask
 
 def run_all(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str | None = None,
             weights: Any = "random", steps: tuple[str, ...] = DEFAULT_STEPS,
-            deadline_s: float | None = None, renderer: str | None = None) -> Context:
+            deadline_s: float | None = None, renderer: str | None = None, clip_s: float | None = None) -> Context:
     """The notebook's steps in order, headless (what the GPU reference run executes). `deadline_s`: a step
     whose full-size estimate (ESTIMATE_S) no longer fits is skipped, and the Result says so."""
-    ctx = setup(device, quick, seed, out_dir, weights)
+    ctx = setup(device, quick, seed, out_dir, weights, clip_s=clip_s)
     if renderer is not None:
         if renderer not in VARIANTS:
             from lab.errors import InputError
@@ -1227,8 +1233,10 @@ if __name__ == "__main__":
     ap.add_argument("--deadline", type=float, default=None)
     ap.add_argument("--steps", default=",".join(DEFAULT_STEPS))
     ap.add_argument("--renderer", default=None, help="renderer variant for the end-to-end rows (skips choosing by the table)")
+    ap.add_argument("--clip-s", type=float, default=None, help="seconds of speech (default: the profile's, 12 s on a GPU)")
     a = ap.parse_args()
-    c = run_all(a.device, a.quick, 0, a.out, steps=tuple(a.steps.split(",")), deadline_s=a.deadline, renderer=a.renderer)
+    c = run_all(a.device, a.quick, 0, a.out, steps=tuple(a.steps.split(",")), deadline_s=a.deadline, renderer=a.renderer,
+                clip_s=a.clip_s)
     import json
 
     print(json.dumps(c.res.headline, indent=1, default=str))

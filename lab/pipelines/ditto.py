@@ -620,8 +620,9 @@ def _compiled_step(engine: Engine):
 def _denoise_compiled(engine: Engine, x: torch.Tensor, cf: torch.Tensor, c: torch.Tensor, noises: torch.Tensor,
                       times: torch.Tensor, coefs: list[torch.Tensor], drop: torch.Tensor,
                       films_w: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """`_denoise` with the compiled step: the same model calls and update; what the steps share (condition
-    encoding, FiLMs, cross-attention keys / values) once per window."""
+    """`_denoise` in the sampler arrangement, with the compiled step (`motion_compile`) or the same step run eagerly
+    (`motion_precision="tf32x3"` alone): the same model calls and update; what the steps share (condition encoding,
+    FiLMs, cross-attention keys / values) once per window."""
     net, step = engine.nets["lmdm"], _compiled_step(engine)
     # always in inference mode, on fresh tensors: the compiled step's guards then see one kind of tensor
     # at every step, in a CUDA-graph capture and outside one: one compilation
