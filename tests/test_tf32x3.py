@@ -1,6 +1,7 @@
-"""Split-TF32 linear (lab.accel.tf32x3): the Triton kernel under Triton's CPU interpreter against a float64
-product (ragged M, N and K, with and without a bias, a strided input), its fallbacks, bad shapes, and the Ditto
-motion model's switch (the sampler arrangement with its GEMMs handed over gives the fp32 window)."""
+"""Split-TF32 linear and short attention (lab.accel.tf32x3): the Triton kernels under Triton's CPU interpreter
+against float64 (ragged M, N and K, with and without a bias, strided inputs; queries and keys of different lengths),
+their fallbacks, bad shapes, and the Ditto motion model's switches (the sampler arrangement with its GEMMs and
+attention handed over gives the fp32 window)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,39 @@ for m, n, k, bias, strided in [(37, 45, 70, True, False), (160, 33, 32, False, T
     worst = max(worst, float((y.double() - ref).abs().max() / ref.abs().max()))
 print(worst)
 """
+
+
+ATTENTION_CHECK = """
+import torch, torch.nn.functional as F
+from lab.accel import tf32x3
+torch.manual_seed(0)
+worst = 0.0
+for n, lq, lk, heads, d in [(2, 80, 82, 4, 16), (1, 20, 7, 2, 24), (3, 33, 33, 1, 64)]:
+    q = torch.randn(n, lq, heads * d)
+    kv = torch.randn(n, lk, 2 * heads * d)
+    k, v = kv[..., :heads * d], kv[..., heads * d:]     # views with a row stride, as a fused projection gives
+    y = tf32x3.attention_triton(q, k, v, heads)
+    sp = lambda t: t.double().unflatten(-1, (heads, -1)).transpose(1, 2)
+    ref = F.scaled_dot_product_attention(sp(q), sp(k), sp(v)).transpose(1, 2).flatten(-2)
+    assert y.shape == q.shape
+    worst = max(worst, float((y.double() - ref).abs().max() / ref.abs().max()))
+print(worst)
+"""
+
+
+def test_attention_kernel_equals_attention_under_the_interpreter(triton_interpreter):
+    assert float(triton_interpreter(ATTENTION_CHECK).split()[-1]) < 2e-6
+
+
+def test_attention_falls_back_to_sdpa_and_refuses_bad_shapes():
+    from lab.models.ditto import heads_attention
+
+    q, k, v = torch.randn(2, 9, 32), torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    assert torch.equal(tf32x3.attention(q, k, v, 4), heads_attention(q, k, v, 4))
+    with pytest.raises(InputError, match="Lk ≤ 128"):
+        tf32x3.attention_triton(q, torch.randn(2, 129, 32), torch.randn(2, 129, 32), 4)
+    with pytest.raises(InputError, match="divisible by the heads"):
+        tf32x3.attention_triton(q, k, torch.randn(2, 6, 32), 3)
 
 
 def test_kernel_equals_the_product_under_the_interpreter(triton_interpreter):
@@ -76,3 +110,15 @@ def test_motion_window_with_the_switch_is_the_fp32_window():
     layers = engine.dims.lm_layers
     assert len(calls) == 3 * (2 + 7 * layers)   # per step: input and final projections, 7 GEMMs per layer
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    att_calls = []
+    real_att = tf32x3.attention
+    try:
+        tf32x3.attention = lambda *a: att_calls.append(a[1].shape) or real_att(*a)
+        both = P.sample_window(P.reconfigure(engine, motion_precision="tf32x3", motion_attention="triton"),
+                               cf, cond, sched, noises, None, x=x)
+    finally:
+        tf32x3.attention = real_att
+    assert len(att_calls) == 3 * 2 * layers   # self- and cross-attention per layer and step
+    assert torch.allclose(both, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    with pytest.raises(InputError, match="motion_attention"):
+        P.reconfigure(engine, motion_attention="flash")

@@ -1,6 +1,6 @@
-"""Split-TF32 linear on the GPU host (pytest -m gpu): the kernel at the motion model's GEMM shapes against a float64
-product (as close as cuBLAS's fp32 GEMM), and a full-size motion window with the switch, compiled and captured in a
-CUDA graph, against the eager fp32 window."""
+"""Split-TF32 linear and attention on the GPU host (pytest -m gpu): the kernels at the motion model's shapes against
+float64 (as close as cuBLAS's fp32 GEMM and SDPA's fp32 attention), and a full-size motion window with the switches,
+compiled and captured in a CUDA graph, against the eager fp32 window."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,19 @@ def test_kernel_is_as_close_to_float64_as_the_fp32_gemm(k, n):
     assert _err(one_pass, ref) > 20 * _err(got, ref)   # the split is what keeps the fp32 digits
 
 
+@pytest.mark.parametrize("lk", [80, 82])
+def test_attention_kernel_at_the_motion_models_shapes(lk):
+    # the self- (80 keys) and cross-attention (80 condition + 2 time tokens) of the motion model: B = 2, 8 heads of 64
+    from lab.models.ditto import heads_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 80, 512, device="cuda"), torch.randn(2, lk, 512, device="cuda"), torch.randn(2, lk, 512, device="cuda")
+    sp = lambda t: t.double().unflatten(-1, (8, -1)).transpose(1, 2)  # noqa: E731
+    ref = F.scaled_dot_product_attention(sp(q), sp(k), sp(v)).transpose(1, 2).flatten(-2)
+    got = tf32x3.attention(q, k, v, 8)
+    assert _err(got, ref) < 2 * _err(heads_attention(q, k, v, 8), ref) + 1e-6
+
+
 def test_motion_window_with_split_tf32_matches_the_eager_fp32_window():
     from lab.models import ditto as D
     from lab.pipelines import ditto as P
@@ -39,9 +52,10 @@ def test_motion_window_with_split_tf32_matches_the_eager_fp32_window():
     cf = torch.randn(D.MOTION_DIM, generator=g).cuda()
     sched = D.Schedule.make(S)
     ref = P.sample_window(engine, cf, cond, sched, noises, None, x=x)
-    fast = P.reconfigure(engine, motion_compile=True, cuda_graphs=True, motion_precision="tf32x3")
-    a = P.sample_window(fast, cf, cond, sched, noises, None, x=x)
-    b = P.sample_window(fast, cf, cond, sched, noises, None, x=x)   # a graph replay
-    assert torch.equal(a, b)
-    # measured on an H200: 9.5e-6 (the compiled fp32 window: 8.1e-6) on outputs of magnitude ~5
-    assert (a - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+    for extra in ({}, {"motion_attention": "triton"}):
+        fast = P.reconfigure(engine, motion_compile=True, cuda_graphs=True, motion_precision="tf32x3", **extra)
+        a = P.sample_window(fast, cf, cond, sched, noises, None, x=x)
+        b = P.sample_window(fast, cf, cond, sched, noises, None, x=x)   # a graph replay
+        assert torch.equal(a, b)
+        # measured on an H200 with the GEMMs alone: 9.5e-6 (the compiled fp32 window: 8.1e-6) on outputs up to ~5
+        assert (a - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())

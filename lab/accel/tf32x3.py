@@ -18,6 +18,7 @@ On a CPU, for tensors that are not fp32 on a CUDA device, or without Triton, `li
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -62,6 +63,28 @@ if triton is not None:
 
     _tuned = triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "HAS_BIAS", "PREC"])(_linear_kernel)
 
+    @triton.jit
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, LQ, LK, scale, sq_n, sq_l, sk_n, sk_l, sv_n, sv_l, so_n, so_l,
+                          H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                          PREC: tl.constexpr):
+        # one program per (block of queries, sequence · head): every key of the sequence in one tile
+        n, h = tl.program_id(1) // H, tl.program_id(1) % H
+        rq = tl.program_id(0) * BQ + tl.arange(0, BQ)
+        rk = tl.arange(0, BK)
+        cols = tl.arange(0, BD)
+        col = h * D + cols[None, :]
+        q = tl.load(q_ptr + n * sq_n + rq[:, None] * sq_l + col, mask=(rq[:, None] < LQ) & (cols[None, :] < D), other=0.0)
+        kmask = (rk[:, None] < LK) & (cols[None, :] < D)
+        k = tl.load(k_ptr + n * sk_n + rk[:, None] * sk_l + col, mask=kmask, other=0.0)
+        v = tl.load(v_ptr + n * sv_n + rk[:, None] * sv_l + col, mask=kmask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        s = tl.where(rk[None, :] < LK, s, float("-inf"))             # padded keys get no weight
+        p = tl.exp(s - tl.max(s, axis=1)[:, None])
+        p = p / tl.sum(p, axis=1)[:, None]
+        o = tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        tl.store(o_ptr + n * so_n + rq[:, None] * so_l + col, o.to(o_ptr.dtype.element_ty),
+                 mask=(rq[:, None] < LQ) & (cols[None, :] < D))
+
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   precision: str = PRECISION, tuned: bool = True) -> torch.Tensor:
@@ -97,6 +120,51 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 @_linear_op.register_fake
 def _(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+MAX_KEYS = 128   # the attention kernel holds a query block's scores for every key in registers
+
+
+def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, precision: str = PRECISION,
+                     block_q: int = 16) -> torch.Tensor:
+    """softmax(q·kᵀ/√d)·v per head for q (N, Lq, H·d) and k, v (N, Lk, H·d), Lk ≤ MAX_KEYS → (N, Lq, H·d): scores
+    and softmax in fp32, both products split TF32 for fp32 inputs (other dtypes: their own tensor-core products)."""
+    n, lq, c = q.shape
+    lk = k.shape[1]
+    if (k.shape != v.shape or k.shape[0] != n or k.shape[2] != c or c % heads or lk > MAX_KEYS or lk < 1
+            or q.dtype != k.dtype or k.dtype != v.dtype):
+        raise InputError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} ({q.dtype}, {k.dtype}, "
+                         f"{v.dtype}), {heads} heads: expected q (N, Lq, H·d), k and v (N, Lk, H·d) of one dtype, "
+                         f"1 ≤ Lk ≤ {MAX_KEYS}, the width divisible by the heads")
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    d = c // heads
+    out = torch.empty(n, lq, c, device=q.device, dtype=q.dtype)
+    bk, bd = max(16, triton.next_power_of_2(lk)), max(16, triton.next_power_of_2(d))
+    _attention_kernel[(triton.cdiv(lq, block_q), n * heads)](
+        q, k, v, out, lq, lk, 1.0 / math.sqrt(d), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        H=heads, D=d, BQ=block_q, BK=bk, BD=bd, PREC=precision, num_warps=4)
+    return out
+
+
+@torch.library.custom_op("lab::attention_tf32x3", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Short-sequence attention by split TF32 on a CUDA device (opaque to torch.compile)."""
+    return attention_triton(q, k, v, heads)
+
+
+@_attention_op.register_fake
+def _(q, k, v, heads):
+    return q.new_empty(q.shape)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Multi-head attention of (B, N, E) projections (no dropout, default scale): the Triton kernel for fp32 CUDA
+    tensors with at most MAX_KEYS keys, else SDPA (the same function)."""
+    if triton is not None and q.is_cuda and q.dtype == torch.float32 and k.shape[1] <= MAX_KEYS:
+        return _attention_op(q, k, v, heads)
+    split = lambda t: t.unflatten(-1, (heads, -1)).transpose(-3, -2)  # noqa: E731
+    return F.scaled_dot_product_attention(split(q), split(k), split(v)).transpose(-3, -2).flatten(-2)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

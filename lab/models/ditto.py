@@ -754,10 +754,12 @@ def window_constants(net: MotionDecoder, encoded: tuple[torch.Tensor, torch.Tens
 
 
 def sampler_forward(net: MotionDecoder, x: torch.Tensor, cond_frame: torch.Tensor, films: torch.Tensor,
-                    keys: torch.Tensor, values: torch.Tensor, linear=F.linear) -> torch.Tensor:
+                    keys: torch.Tensor, values: torch.Tensor, linear=F.linear, attention=None) -> torch.Tensor:
     """One step's x0 prediction from `window_constants` at that step (films (B, layers, 3, 2, dim), keys /
     values (layers, B, N + 2, dim)); x (B, N, 265), cond_frame (B, 265). `linear` computes every GEMM of the
-    step (F.linear's signature): a caller may hand in another kernel for the same product."""
+    step (F.linear's signature) and `attention` every attention (`heads_attention`'s): a caller may hand in
+    other kernels for the same products."""
+    attention = heads_attention if attention is None else attention
     b, n, _ = x.shape
     heads = net.d.lm_heads
 
@@ -771,11 +773,11 @@ def sampler_forward(net: MotionDecoder, x: torch.Tensor, cond_frame: torch.Tenso
         w, bias = layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias
         y = layer.norm1(h)
         q, k = linear(layer.rotary.rotate(y), w[:2 * e], bias[:2 * e]).chunk(2, dim=-1)
-        a = lin(heads_attention(q, k, linear(y, w[2 * e:], bias[2 * e:]), heads), layer.self_attn.out_proj)
+        a = lin(attention(q, k, linear(y, w[2 * e:], bias[2 * e:]), heads), layer.self_attn.out_proj)
         h = h + ((f[:, 0, 0] + 1) * a + f[:, 0, 1])
         w, bias = layer.multihead_attn.in_proj_weight, layer.multihead_attn.in_proj_bias
         q = linear(layer.rotary.rotate(layer.norm2(h)), w[:e], bias[:e])
-        a = lin(heads_attention(q, keys[i], values[i], heads), layer.multihead_attn.out_proj)
+        a = lin(attention(q, keys[i], values[i], heads), layer.multihead_attn.out_proj)
         h = h + ((f[:, 1, 0] + 1) * a + f[:, 1, 1])
         y = lin(F.gelu(lin(layer.norm3(h), layer.linear1)), layer.linear2)
         h = h + ((f[:, 2, 0] + 1) * y + f[:, 2, 1])

@@ -70,6 +70,7 @@ STRIDE_SPACES = ("output", "feature", "motion")
 MOTIONS = ("lmdm", "rms")
 MOTION_MODES = {"offline": 10, "online": 70}   # window overlap in frames
 MOTION_PRECISIONS = ("fp32", "tf32x3", "bf16")
+MOTION_ATTENTIONS = ("sdpa", "triton")
 HOST_WAITS = ("spin", "sleep")
 CROP_SCALE = 2.3          # source crop side / face box side (upstream's final crop)
 CROP_VY = -0.125          # crop centre moved up by this fraction of the side
@@ -112,6 +113,8 @@ class Config:
     motion_compile: bool = False      # the LMDM's guided DDIM step torch.compile'd (inductor, fixed shapes)
     motion_precision: str = "fp32"    # the LMDM's forwards: "fp32" (upstream's PyTorch runtime) | "tf32x3" (fp32 GEMMs as
                                       # split-TF32 tensor-core products, fp32 rounding; lab.accel.tf32x3) | "bf16" (autocast; approximate)
+    motion_attention: str = "sdpa"    # the LMDM sampler's attention: "sdpa" | "triton" (fp32: one Triton kernel per call, every
+                                      # key in one tile, products in split TF32; lab.accel.tf32x3.attention; the same function)
     sampling_steps: int = 50
     guidance: float = 2.0
     eta: float = 1.0
@@ -133,6 +136,7 @@ class Config:
                                      ("compile", self.compile, COMPILE), ("stride_space", self.stride_space, STRIDE_SPACES),
                                      ("motion", self.motion, MOTIONS), ("motion_mode", self.motion_mode, tuple(MOTION_MODES)),
                                      ("motion_precision", self.motion_precision, MOTION_PRECISIONS),
+                                     ("motion_attention", self.motion_attention, MOTION_ATTENTIONS),
                                      ("host_wait", self.host_wait, HOST_WAITS)):
             if value not in allowed:
                 raise InputError(f"Config.{name} must be one of {allowed}, got {value!r}")
@@ -593,25 +597,26 @@ def _compiled_step(engine: Engine):
     LayerNorms, FiLMs, rotary, GELU and the update into a few kernels around the GEMMs and attention: the
     eager step is ~490 small launches, which is what it costs on a big GPU."""
     cfg = engine.cfg
-    key = ("lmdm_step", cfg.guidance, cfg.batch_cfg, cfg.motion_precision, cfg.motion_compile)
+    key = ("lmdm_step", cfg.guidance, cfg.batch_cfg, cfg.motion_precision, cfg.motion_compile, cfg.motion_attention)
     if key in engine.variants:
         return engine.variants[key]
     net, g, amp = engine.nets["lmdm"], cfg.guidance, _motion_autocast(engine)
     lin = tf32x3.linear if cfg.motion_precision == "tf32x3" else F.linear
+    att = tf32x3.attention if cfg.motion_attention == "triton" else D.heads_attention
 
     def step(x, cf, films, keys, values, noise, coef):
         with amp():
             if cfg.batch_cfg:
-                out = D.sampler_forward(net, x.expand(2, -1, -1), cf.expand(2, -1), films, keys, values, lin).float()
+                out = D.sampler_forward(net, x.expand(2, -1, -1), cf.expand(2, -1), films, keys, values, lin, att).float()
                 unc, con = out[:1], out[1:]
             else:
-                unc = D.sampler_forward(net, x, cf, films[:1], keys[:, :1], values[:, :1], lin).float()
-                con = D.sampler_forward(net, x, cf, films[1:], keys[:, 1:], values[:, 1:], lin).float()
+                unc = D.sampler_forward(net, x, cf, films[:1], keys[:, :1], values[:, :1], lin, att).float()
+                con = D.sampler_forward(net, x, cf, films[1:], keys[:, 1:], values[:, 1:], lin, att).float()
         x0 = unc + (con - unc) * g
         sa, s1a, san, c, sigma = coef.unbind(0)
         return x0 * san + c * ((x - sa * x0) / s1a) + sigma * noise
 
-    # without motion_compile (motion_precision "tf32x3" alone) the same step runs eagerly
+    # without motion_compile (split-TF32 GEMMs or the Triton attention alone) the same step runs eagerly
     fn = torch.compile(step, dynamic=False, fullgraph=True, backend=MOTION_COMPILE_BACKEND) if cfg.motion_compile else step
     engine.variants[key] = fn
     return fn
@@ -621,7 +626,7 @@ def _denoise_compiled(engine: Engine, x: torch.Tensor, cf: torch.Tensor, c: torc
                       times: torch.Tensor, coefs: list[torch.Tensor], drop: torch.Tensor,
                       films_w: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """`_denoise` in the sampler arrangement, with the compiled step (`motion_compile`) or the same step run eagerly
-    (`motion_precision="tf32x3"` alone): the same model calls and update; what the steps share (condition encoding,
+    (split-TF32 GEMMs or the Triton attention alone): the same model calls and update; what the steps share (condition encoding,
     FiLMs, cross-attention keys / values) once per window."""
     net, step = engine.nets["lmdm"], _compiled_step(engine)
     # always in inference mode, on fresh tensors: the compiled step's guards then see one kind of tensor
@@ -647,13 +652,13 @@ def _window_fn(engine: Engine):
     `motion_compile` each step inside it is the compiled, fused step."""
     cfg, dev = engine.cfg, engine.device
     key = ("lmdm_window", cfg.cuda_graphs, cfg.sampling_steps, cfg.guidance, cfg.eta, cfg.batch_cfg,
-           cfg.motion_compile, cfg.motion_precision)
+           cfg.motion_compile, cfg.motion_precision, cfg.motion_attention)
     if key in engine.variants:
         return engine.variants[key]
     steps = D.Schedule.make(cfg.sampling_steps).times
     times = torch.tensor([[t, t] for t in steps[:-1]], device=dev)
     drop = torch.tensor([True, False], device=dev)
-    if cfg.motion_compile or cfg.motion_precision == "tf32x3":   # the sampler arrangement (its GEMMs pluggable)
+    if cfg.motion_compile or cfg.motion_precision == "tf32x3" or cfg.motion_attention == "triton":   # the sampler arrangement
         coefs = _ddim_coefs(engine)
         with torch.no_grad():   # before any capture: a constant, not a tensor of a graph's pool
             films_w = D.film_weights(engine.nets["lmdm"])
