@@ -39,7 +39,7 @@ def test_attention_kernel_at_the_motion_models_shapes(lk):
     assert _err(got, ref) < 2 * _err(heads_attention(q, k, v, 8), ref) + 1e-6
 
 
-def test_motion_window_with_split_tf32_matches_the_eager_fp32_window():
+def test_motion_window_with_split_tf32_matches_the_eager_fp32_window(monkeypatch):
     from lab.models import ditto as D
     from lab.pipelines import ditto as P
 
@@ -52,9 +52,15 @@ def test_motion_window_with_split_tf32_matches_the_eager_fp32_window():
     cf = torch.randn(D.MOTION_DIM, generator=g).cuda()
     sched = D.Schedule.make(S)
     ref = P.sample_window(engine, cf, cond, sched, noises, None, x=x)
+    ran = {"linear": 0, "attention": 0}
+    for name in ran:   # the custom ops call these at run time (warm-up and capture): the kernels really ran
+        real = getattr(tf32x3, f"{name}_triton")
+        monkeypatch.setattr(tf32x3, f"{name}_triton",
+                            lambda *a, _real=real, _name=name, **k: ran.__setitem__(_name, ran[_name] + 1) or _real(*a, **k))
     for extra in ({}, {"motion_attention": "triton"}):
         fast = P.reconfigure(engine, motion_compile=True, cuda_graphs=True, motion_precision="tf32x3", **extra)
         a = P.sample_window(fast, cf, cond, sched, noises, None, x=x)
+        assert ran["linear"] > 0 and (ran["attention"] > 0) == bool(extra)
         b = P.sample_window(fast, cf, cond, sched, noises, None, x=x)   # a graph replay
         assert torch.equal(a, b)
         # measured on an H200 with the GEMMs alone: 9.5e-6 (the compiled fp32 window: 8.1e-6) on outputs up to ~5

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.errors import InputError
+from lab.models.ditto import heads_attention
 
 try:
     import triton
@@ -163,8 +164,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> 
     tensors with at most MAX_KEYS keys, else SDPA (the same function)."""
     if triton is not None and q.is_cuda and q.dtype == torch.float32 and k.shape[1] <= MAX_KEYS:
         return _attention_op(q, k, v, heads)
-    split = lambda t: t.unflatten(-1, (heads, -1)).transpose(-3, -2)  # noqa: E731
-    return F.scaled_dot_product_attention(split(q), split(k), split(v)).transpose(-3, -2).flatten(-2)
+    return heads_attention(q, k, v, heads)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

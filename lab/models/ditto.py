@@ -754,12 +754,11 @@ def window_constants(net: MotionDecoder, encoded: tuple[torch.Tensor, torch.Tens
 
 
 def sampler_forward(net: MotionDecoder, x: torch.Tensor, cond_frame: torch.Tensor, films: torch.Tensor,
-                    keys: torch.Tensor, values: torch.Tensor, linear=F.linear, attention=None) -> torch.Tensor:
+                    keys: torch.Tensor, values: torch.Tensor, linear=F.linear, attention=heads_attention) -> torch.Tensor:
     """One step's x0 prediction from `window_constants` at that step (films (B, layers, 3, 2, dim), keys /
     values (layers, B, N + 2, dim)); x (B, N, 265), cond_frame (B, 265). `linear` computes every GEMM of the
     step (F.linear's signature) and `attention` every attention (`heads_attention`'s): a caller may hand in
     other kernels for the same products."""
-    attention = heads_attention if attention is None else attention
     b, n, _ = x.shape
     heads = net.d.lm_heads
 
