@@ -551,6 +551,19 @@ def motion_costs(ctx: Context) -> list[dict]:
 # the motion model's fp32 GEMMs on the tensor cores as three TF32 products (lab.accel.tf32x3): fp32 rounding, so an
 # exact row (its difference from the fp32 window is reported in the motion table)
 MOTION_TF32X3 = "+ motion GEMMs on the tensor cores (split TF32, fp32 rounding)"
+# the sampler's attention as one Triton kernel per call (split TF32 as well): a row only where the motion table
+# measured it faster than the split-TF32 window without it (kept off until measured)
+MOTION_ATTENTION = "+ motion attention as one Triton kernel per call (split TF32)"
+_ATT_ROW = "compiled + CUDA graph, split-TF32 GEMMs + Triton attention"
+_GEMM_ROW = "compiled + CUDA graph, split-TF32 GEMMs"
+
+
+def motion_attention_helps(ctx: Context) -> bool:
+    """Whether this run's motion table measured the Triton attention window faster than the split-TF32 one
+    (both ok). False where the table has not run or either row failed."""
+    rows = {r["variant"]: r for r in ctx.res.tables.get("motion", [])}
+    a, g = rows.get(_ATT_ROW, {}), rows.get(_GEMM_ROW, {})
+    return a.get("status") == "ok" and g.get("status") == "ok" and a["ms_per_window"] < g["ms_per_window"]
 
 # the host side of the encoder, as notebook 01 measured it for MuseTalk (the encoded file is the same)
 TRANSPORT = dict(pipe_buffer=1 << 20, zero_copy=True, host_wait="sleep")
@@ -584,9 +597,12 @@ def waterfall_steps(ctx: Context) -> list[tuple[str, dict]]:
         steps.append((f"+ renderer '{best}'", dict(cur)))
     for name, ch in (("+ encoder transport (1 MiB pipe, zero-copy writes, host threads asleep)", TRANSPORT),
                      ("+ early start (audio features per motion window, first block one batch)", dict(early_start=True)),
-                     (MOTION_TF32X3, dict(motion_precision="tf32x3"))):
+                     (MOTION_TF32X3, dict(motion_precision="tf32x3")),
+                     (MOTION_ATTENTION, dict(motion_attention="triton"))):
         if ch.get("motion_precision") and (not gpu or "motion_compile_failed" in ctx.res.metrics):
             continue   # on a CPU the GEMMs fall back to F.linear: the row would repeat the one before
+        if ch.get("motion_attention") and not (gpu and cur.get("motion_precision") == "tf32x3" and motion_attention_helps(ctx)):
+            continue
         cur = cur | ch
         steps.append((name, dict(cur)))
     return steps
