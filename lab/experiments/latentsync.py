@@ -46,7 +46,7 @@ ANCHOR_H200 = {"eager_ms_per_step": 175.5, "compile_ms_per_step": 119.9, "vae_s_
 # for run_all's deadline: seconds at full size on an H200 (run_07_levers: UNet compile 85 s, VAE step 20 s with its 13 s compile, modes 37 s)
 ESTIMATE_S = {"attention": 40, "compile": 120, "vae_compile": 30, "modes": 45, "loop": 15, "memory": 100, "fp8": 150}  # full size on an H200, for run_all's deadline
 # exact switches of the model, in the order the waterfall adds them (each alone, then together)
-LEVERS = ("null_audio", "shared_prefix", "guided_shortcuts", "fused_qkv", "attention_kernels")
+LEVERS = ("null_audio", "shared_prefix", "guided_shortcuts", "fused_qkv", "fused_norms", "attention_kernels")
 TARGETS = {"exact_s_per_s": 2.5, "exact_cosine": 0.9999, "dpm8_s_per_s": 1.0, "memory_growth": 0.10}
 
 
@@ -202,12 +202,14 @@ LEVER_NOTES = {"null_audio": "null half of each audio cross-attention = to_out b
                "shared_prefix": "conv_in, first ResNet and self-attention once for both halves",
                "guided_shortcuts": "null_audio and shared_prefix together",
                "fused_qkv": "self-attention q, k, v as one GEMM",
+               "fused_norms": "ResNet GroupNorm over the block's frames (+ time embedding) + SiLU as three Triton passes",
                "attention_kernels": "per attention shape the fastest kernel of the attention table"}
 
 
 def step_waterfall(ctx: Context) -> list[dict]:
     """Each switch alone on top of eager, then together: one guided UNet call at the block shape, on
     inputs in the loop's layout (equal halves, null audio first: what the guided shortcuts rely on)."""
+    from lab.accel import block_norm
     from lab.accel.backends import accelerate
     from lab.models.latentsync import fuse_qkv, set_attention_kernels
     from lab.timing import bench, count_flops, matmul_ceiling
@@ -261,16 +263,17 @@ def step_waterfall(ctx: Context) -> list[dict]:
         add("eager, channels_last", model)
     levers = [x for x in LEVERS if x in prof.fast]
     for lever in [x for x in levers if x != "attention_kernels"]:
-        if lever == "fused_qkv":
-            fuse_qkv(model)
+        if lever in ("fused_qkv", "fused_norms"):
+            fuse_qkv(model) if lever == "fused_qkv" else block_norm.fuse_block_norms(model)
             fn = sampling.GuidedShortcuts(model) if "guided_shortcuts" in levers else model
         else:
             fn = sampling.GuidedShortcuts(model, null_audio=lever != "shared_prefix", shared_prefix=lever != "null_audio")
         sc = isinstance(fn, sampling.GuidedShortcuts)
-        add(" + ".join(["eager", *on, lever if lever != "fused_qkv" or not sc else "guided_shortcuts + fused_qkv"]), fn,
-            note=LEVER_NOTES[lever], n_flops=count_flops(fn, *ex) if sc else flops)
-    if "fused_qkv" in levers:
-        on.append("fused_qkv")
+        label = lever
+        if lever in ("fused_qkv", "fused_norms") and sc:
+            label = " + ".join(["guided_shortcuts", *[x for x in ("fused_qkv",) if x in levers and lever != x], lever])
+        add(" + ".join(["eager", *on, label]), fn, note=LEVER_NOTES[lever], n_flops=count_flops(fn, *ex) if sc else flops)
+    on += [x for x in ("fused_qkv", "fused_norms") if x in levers]
     target = model
     if "guided_shortcuts" in levers:
         target = sampling.GuidedShortcuts(model)
@@ -788,6 +791,9 @@ def _run(ctx: Context, mode: str, fast: str, keep: bool = True, job: Any = None,
     eng.cfg.guided_shortcuts = fast != "eager" and "guided_shortcuts" in levers
     eng.cfg.cache_encodes = fast != "eager"
     eng.vae_decode = ctx.vae_runner if fast != "eager" else None
+    from lab.accel import block_norm
+
+    block_norm.set_triton(eng.unet.model, fast != "eager")   # the eager reference: BlockGroupNorm's own code
     if fast == "eager":
         P.set_attention_kernels(eng, None)
         P.set_fast(eng, "eager")
@@ -905,8 +911,11 @@ def looped_source(ctx: Context, runner: str, ref) -> list[dict]:
 # ----------------------------------------------------------------------------- 5. block-loop costs
 
 def block_loop_costs(ctx: Context) -> list[dict]:
-    """What the per-block flush costs, and the guided batch as two calls instead of one (same mode, fast runner)."""
+    """What the per-block flush costs, and the guided batch as two calls instead of one (same mode, fast runner).
+    One untimed run first: on an H200 the first pipeline run after the waterfall took 5.3 s where the flushed
+    run after it took 4.2 (cuDNN's first calls at the VAE's shapes), which read as a flush that saves time."""
     mode = ctx.prof.memory_mode if ctx.prof.full_gpu else "ddim4"
+    _run(ctx, mode, "fast", keep=False)
     base, _ = _run(ctx, mode, "fast", keep=False)
     flush, _ = _run(ctx, mode, "fast", keep=False, flush_every_block=True)
     rows = [{"variant": f"{mode}, no flush", "wall_s": base.wall_s, "change_pct": 0.0},

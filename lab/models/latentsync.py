@@ -100,7 +100,11 @@ class BlockGroupNorm(nn.GroupNorm):
     Statistics in fp32 whatever the input dtype (what the CUDA kernel accumulates in).
     """
 
-    def forward(self, x: torch.Tensor, frames: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor, frames: int, shift: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        """shift: (B, C), one row per batch item, added to its frames before the norm (the ResNet's time
+        embedding)."""
+        if shift is not None:
+            x = x + shift.repeat_interleave(frames, dim=0)[:, :, None, None]
         bf, c, h, w = x.shape
         g = self.num_groups
         if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
@@ -123,13 +127,14 @@ class ResnetBlock3D(nn.Module):
         self.norm2 = BlockGroupNorm(cfg.norm_groups, cout, eps=cfg.norm_eps)
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
         self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
+        # after each norm; a fused norm that applies it itself replaces it with nn.Identity (lab.accel.block_norm)
+        self.nonlinearity = nn.SiLU()
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, frames: int) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x, frames)))
-        # temb is (B, T): one embedding per batch item, broadcast over its frames
-        t = self.time_emb_proj(F.silu(temb)).repeat_interleave(frames, dim=0)
-        h = h + t[:, :, None, None]
-        h = self.conv2(F.silu(self.norm2(h, frames)))
+        h = self.conv1(self.nonlinearity(self.norm1(x, frames)))
+        # temb is (B, T): one embedding per batch item, added to each of its frames inside norm2
+        t = self.time_emb_proj(F.silu(temb))
+        h = self.conv2(self.nonlinearity(self.norm2(h, frames, t)))
         return (x if self.conv_shortcut is None else self.conv_shortcut(x)) + h
 
 
@@ -449,6 +454,7 @@ class UNet3D(nn.Module):
             self.up_blocks.append(UNetBlock(io, cout, cfg, cross=i > 0, down=False, resample=i < last))
             prev = cout
         self.conv_norm_out = BlockGroupNorm(cfg.norm_groups, ch[0], eps=cfg.norm_eps)
+        self.conv_act = nn.SiLU()
         self.conv_out = nn.Conv2d(ch[0], cfg.out_channels, 3, padding=1)
 
     # -- input checks live here, at the model's edge, so a wrong call never reaches a deep reshape
@@ -487,7 +493,7 @@ class UNet3D(nn.Module):
                                                       self.cfg.freq_shift).to(sample.dtype))
 
     def _out(self, x: torch.Tensor, b: int, f: int) -> torch.Tensor:
-        x = self.conv_out(F.silu(self.conv_norm_out(x, f)))
+        x = self.conv_out(self.conv_act(self.conv_norm_out(x, f)))
         return x.reshape(b, f, -1, *x.shape[-2:]).transpose(1, 2)
 
     def forward(self, sample: torch.Tensor, t: torch.Tensor | float, audio: torch.Tensor,

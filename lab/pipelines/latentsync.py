@@ -73,6 +73,7 @@ class Config:
     channels_last: bool = False
     guided_shortcuts: bool = False      # exact: null-audio cross-attention = bias, shared prefix (sampling.GuidedShortcuts)
     fused_qkv: bool = False             # exact: self-attention q, k, v as one GEMM
+    fused_norms: bool = False           # exact: the ResNet norms over the block's frames + SiLU as Triton passes (lab.accel.block_norm)
     cache_encodes: bool = False         # exact: VAE moments kept per source frame when the video loops
     vae_fast: str = "eager"             # VAE decode: "eager" | "cudagraph" | "compile" | "compile+cudagraph"
     last_block: str = "short"           # "short" (upstream) | "pad"
@@ -148,6 +149,10 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
         from lab.models.latentsync import fuse_qkv
 
         fuse_qkv(unet.model)
+    if cfg.fused_norms:
+        from lab.accel.block_norm import fuse_block_norms
+
+        fuse_block_norms(unet.model)
     from lab.accel import short_attention
 
     if short_attention.available(dev)[0]:
