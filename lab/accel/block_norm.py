@@ -139,6 +139,11 @@ def block_group_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
                             silu: bool, frames: int, shift: torch.Tensor | None = None) -> torch.Tensor:
     """The three passes on a channels-last (B·F, C, H, W) tensor, statistics per batch item over its F frames;
     the output is channels-last too. shift: (B, C) or (1, C), added to every frame of its batch item first."""
+    # under torch.compile the input's strides are inductor's choice, not the traced tensor's: a ResNet input that
+    # was channels-last when traced arrived channels-first (a cat inductor laid out itself). The passes read rows,
+    # so such an input is made channels-last, and the output takes the input's strides (what the fake impl says)
+    given = x
+    x = x.contiguous(memory_format=torch.channels_last)
     bf, c, h, w = x.shape
     n, rows = bf // frames, frames * h * w
     strips = triton.cdiv(c, STRIP)
@@ -146,7 +151,7 @@ def block_group_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     mean = torch.empty(n, s, c, device=x.device, dtype=torch.float32)
     m2 = torch.empty_like(mean)
     stats = torch.empty(n, groups, 2, device=x.device, dtype=torch.float32)
-    y = torch.empty_like(x)   # channels-last like x (empty_like keeps a dense tensor's strides)
+    y = torch.empty_like(x, memory_format=torch.channels_last)
     has = shift is not None
     sh = shift.contiguous() if has else weight
     shift_n = c if has and sh.shape[0] > 1 else 0
@@ -158,7 +163,7 @@ def block_group_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     _apply_kernel[(n, triton.cdiv(rows, ROW_TILE), strips)](x, y, stats, weight, bias, sh, rows, shift_n, C=c, G=groups,
                                                              CG=cg, CB=STRIP, BLOCK=ROW_TILE, SILU=bool(silu),
                                                              HAS_SHIFT=has, num_warps=4)
-    return y
+    return y if given is x else torch.empty_like(given).copy_(y)
 
 
 @torch.library.custom_op("lab::block_group_norm", mutates_args=())
