@@ -687,7 +687,7 @@ def describe(run: Run) -> str:
 
 
 def _md(text: str) -> Any:
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     return Markdown(text)
 

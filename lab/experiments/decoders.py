@@ -925,7 +925,7 @@ def _show(*objs: Any) -> None:
 
 
 def _md(title: str, rows: Sequence[dict], cols: Sequence[str] | None = None, note: str = "") -> Any:
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     from lab.plots import table_markdown
 
@@ -972,7 +972,7 @@ def exact_variants(run: Run) -> list[dict[str, Any]]:
 def show_variants(run: Run, rows: Sequence[dict]) -> None:
     """What each variant does, the variants table, and per decoder a waterfall of its variants that
     ran (figures variants_sd-vae, variants_taesd)."""
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     from lab.plots import waterfall
 
@@ -991,7 +991,7 @@ def show_variants(run: Run, rows: Sequence[dict]) -> None:
 def speed_headline(run: Run, rows: Sequence[dict]) -> Any:
     """`headline` at the headline batch and dtype, plus the SD-VAE FPS target on a full-size GPU run;
     kept in the Result's headline."""
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     from lab.plots import table_markdown
 
@@ -1034,7 +1034,7 @@ def round_trips(run: Run) -> RoundTrips:
 
 def show_round_trips(run: Run, rt: RoundTrips) -> Any:
     """Both fidelity tables (LPIPS column when it can run), and the figure round_trip."""
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     from lab.plots import labelled_image_grid, table_markdown
 
@@ -1124,7 +1124,7 @@ def show_flicker(run: Run, rows: Sequence[dict]) -> Any:
 def compare(run: Run, speed_rows: Sequence[dict], seam: Inpainting, rt: RoundTrips) -> Any:
     """The write-up's figures and claims beside ours (`compare_speed`, `compare_quality`), replacing
     this run's earlier comparison rows; returns them as a table."""
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     from lab.plots import table_markdown
 
@@ -1137,7 +1137,7 @@ def compare(run: Run, speed_rows: Sequence[dict], seam: Inpainting, rt: RoundTri
 
 def finish(run: Run) -> Any:
     """Summary metrics from the kept tables, then results.json; returns the headline table."""
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     t = run.result.tables
     run.result.metrics.update(latent_std=LATENT_STD,

@@ -1058,7 +1058,7 @@ def comparisons(ctx: Context) -> list[dict]:
 # ----------------------------------------------------------------------------- headline / save / run_all
 
 def table(rows: list[dict], cols: list[str] | None = None, title: str = "") -> Any:
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     return Markdown((f"**{title}**\n\n" if title else "") + plots.table_markdown(rows, cols, floatfmt=".4g"))
 
@@ -1098,7 +1098,7 @@ def renderer_section(ctx: Context) -> Any:
 
 def stage_section(ctx: Context) -> Any:
     """Section 2: the stage profile, then one LMDM window eager / CUDA graph / compiled / both."""
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     md = table(stage_profile(ctx), COLUMNS["stages"], f"stage profile{ctx.suffix}").data
     md += "\n\n" + table(motion_costs(ctx), COLUMNS["motion"], f"one LMDM window{ctx.suffix}").data
@@ -1111,7 +1111,7 @@ def waterfall_section(ctx: Context) -> Any:
     stages = ctx.res.tables.get("e2e_stages", [])
     md = table(rows, COLUMNS["waterfall"], f"end to end{ctx.suffix}").data
     md += "\n\n" + table(stages, COLUMNS["e2e_stages"], "stages of the last row (ms per output frame)").data
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     return Markdown(md)
 

@@ -44,7 +44,7 @@ def describe(run: Run) -> str:
 
 
 def _md(rows: list[dict], floatfmt: str = ".4g") -> Any:
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     return Markdown(table_markdown(rows, floatfmt=floatfmt))
 

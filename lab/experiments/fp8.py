@@ -727,7 +727,7 @@ def _quant(run: Run) -> dict[str, Any]:
 
 
 def _md(text: str) -> Any:
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     return Markdown(text)
 

@@ -1098,7 +1098,7 @@ def speed_drift_figure(ctx: Context):
 
 def table(rows: list[dict], cols: list[str] | None = None, title: str = "") -> Any:
     """Rows as a Markdown table for display (the status column only when something did not run)."""
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     cols = cols or list(dict.fromkeys(k for r in rows for k in r))
     cols = [c for c in cols if any(c in r for r in rows)]

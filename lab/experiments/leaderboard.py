@@ -269,7 +269,7 @@ def panel(run: Run, interactive: bool | None = None) -> studio.Panel:
 
 def panel_run(run: Run, p: studio.Panel) -> Any:
     """Press "run" with the panel's current controls; the HUD above updates live and stays as a snapshot."""
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     out = p.start()
     if out is None:

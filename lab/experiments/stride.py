@@ -1114,7 +1114,7 @@ def _show(*objs: Any) -> None:
 
 
 def _md(text: str) -> Any:
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     return Markdown(text)
 
@@ -1372,7 +1372,7 @@ def zero_degradation(run: Run, proxy: Proxy) -> Any:
 def finish(run: Run, sp: Speed, proxy: Proxy) -> Any:
     """Headline (speed-ups over the first plan, end-to-end FPS per plan, proxy PSNR per plan, the
     UNet-only target), plan metrics and definitions, then results.json; returns the headline table."""
-    from IPython.display import Markdown
+    from lab.experiments.common import markdown as Markdown
 
     neural, s1 = sp.neural, sp.neural[0]
     hl: dict[str, Any] = {}
