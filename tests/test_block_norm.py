@@ -104,3 +104,33 @@ def test_pipeline_switch_builds_the_fused_unet():
     eng = P.build(P.Config(size="tiny", dtype="fp32", fused_norms=True), "cpu")
     assert bn.fused(eng.unet.model)
     assert not bn.fused(P.build(P.Config(size="tiny", dtype="fp32"), "cpu").unet.model)
+
+
+UNET = """
+import copy, torch
+from lab.accel import block_norm as bn, sampling
+from lab.models.latentsync import build_unet
+torch.manual_seed(0)
+model = build_unet("tiny").eval()
+ex = sampling.guided_example(model, 4, (16, 16), "cpu", torch.float32, seed=0)
+with torch.inference_mode():
+    ref = model(*ex)
+fused = copy.deepcopy(model).to(memory_format=torch.channels_last)
+n = bn.fuse_block_norms(fused)
+calls = []
+real = bn.block_group_norm_triton
+bn.block_group_norm_triton = lambda *a, **k: calls.append(a[-1] is not None) or real(*a, **k)
+with torch.inference_mode():
+    worst = max(float((f(*ex) - ref).abs().max()) for f in (fused, sampling.GuidedShortcuts(fused)))
+print(n, len(calls), sum(calls), worst / float(ref.abs().max()))
+"""
+
+
+def test_fused_unet_through_the_passes_under_the_interpreter(triton_interpreter):
+    # the tiny UNet (channels-last) with its frame-pooled norms on the passes, norm2's with the time embedding,
+    # plain and with the guided shortcuts: the plain model's output. The norms after a motion module read its
+    # channels-first sum and stay on BlockGroupNorm's code, so not every norm takes the passes
+    n, calls, shifted, err = triton_interpreter(UNET).split()[-4:]
+    assert 0 < int(calls) <= 2 * int(n) and int(calls) % 2 == 0   # the same norms in both calls
+    assert 0 < int(shifted) < int(calls)                           # norm2 with its shift, norm1 without
+    assert float(err) < 1e-5

@@ -133,13 +133,13 @@ def test_waterfall_adds_the_attention_row_only_where_the_motion_table_measured_i
         res = SimpleNamespace(tables={"motion": rows}, metrics={}, params={"renderer": "upstream"})
         return SimpleNamespace(res=res, dev=torch.device(dev), prof=SimpleNamespace(batch=8))
 
-    gemm = {"variant": X._GEMM_ROW, "status": "ok", "ms_per_window": 57.0}
-    faster = {"variant": X._ATT_ROW, "status": "ok", "ms_per_window": 50.0}
+    gemm = {"variant": X.GEMM_ROW, "status": "ok", "ms_per_window": 57.0}
+    faster = {"variant": X.ATTENTION_ROW, "status": "ok", "ms_per_window": 50.0}
     last = lambda c: X.waterfall_steps(c)[-1][0]   # noqa: E731
     assert X.motion_attention_helps(ctx([gemm, faster]))
     assert last(ctx([gemm, faster])) == X.MOTION_ATTENTION
     assert X.waterfall_steps(ctx([gemm, faster]))[-1][1]["motion_attention"] == "triton"
-    for rows in ([gemm, faster | {"ms_per_window": 60.0}], [gemm, {"variant": X._ATT_ROW, "status": "failed"}], [gemm], []):
+    for rows in ([gemm, faster | {"ms_per_window": 60.0}], [gemm, {"variant": X.ATTENTION_ROW, "status": "failed"}], [gemm], []):
         assert not X.motion_attention_helps(ctx(rows))
         assert last(ctx(rows)) == X.MOTION_TF32X3
     assert last(ctx([gemm, faster], "cpu")) != X.MOTION_ATTENTION   # no split-TF32 row off the GPU, so no attention row

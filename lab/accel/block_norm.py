@@ -18,11 +18,12 @@ norm2; the passes take it as `shift` and add it as they read, so the sum is neve
     fuse_block_norms(unet)     # in place: every ResnetBlock3D's norms (+ SiLU) and conv_norm_out (+ SiLU)
     unfuse_block_norms(unet)   # back to BlockGroupNorm + nn.SiLU (the same parameters)
 
-Off a CUDA device, on a tensor that is not channels-last, or without Triton, the module computes exactly what
-BlockGroupNorm + SiLU compute (torch's kernels, the same order of operations).
+Off a CUDA device (unless under Triton's interpreter), on a tensor that is not channels-last, or without Triton,
+the module computes exactly what BlockGroupNorm + SiLU compute (torch's kernels, the same order of operations).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -42,6 +43,8 @@ STRIP = 64             # channels per program: divides every LatentSync width (3
 ROW_TILE = 64          # rows per tile (ROW_TILE × STRIP values in registers per program)
 PARTIAL_PROGRAMS = 2048  # about this many programs in the statistics pass (several waves of an H200's 132 SMs)
 MAX_SPLITS = 64        # the merge holds a group's splits × channels in registers at once
+# under Triton's CPU interpreter the passes also take CPU tensors (tests run the fused UNet through them)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -195,7 +198,7 @@ class FusedBlockGroupNorm(nn.Module):
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, silu={self.silu}"
 
     def forward(self, x: torch.Tensor, frames: int, shift: torch.Tensor | None = None) -> torch.Tensor:
-        if self.triton and x.is_cuda and supported(x, self.num_groups, frames):
+        if self.triton and (x.is_cuda or INTERPRETED) and supported(x, self.num_groups, frames):
             return block_group_norm(x, self.weight, self.bias, self.num_groups, self.eps, self.silu, frames, shift)
         y = BlockGroupNorm.forward(self, x, frames, shift)   # type: ignore[arg-type]  # the same attributes
         return F.silu(y) if self.silu else y
@@ -250,4 +253,4 @@ def fused(model: nn.Module) -> bool:
 
 
 __all__ = ["FusedBlockGroupNorm", "fuse_block_norms", "unfuse_block_norms", "set_triton", "fused",
-                      "block_group_norm", "block_group_norm_triton", "supported"]
+           "block_group_norm", "block_group_norm_triton", "supported"]

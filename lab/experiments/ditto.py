@@ -471,11 +471,13 @@ def lmdm_costs(ctx: Context) -> list[dict]:
     return rows
 
 
+# the motion table's split-TF32 rows, by name: the waterfall's attention row follows their comparison
+GEMM_ROW = "compiled + CUDA graph, split-TF32 GEMMs"
+ATTENTION_ROW = "compiled + CUDA graph, split-TF32 GEMMs + Triton attention"
 MOTION_VARIANTS = (("eager", {}), ("CUDA graph", dict(cuda_graphs=True)), ("compiled", dict(motion_compile=True)),
                    ("compiled + CUDA graph", dict(cuda_graphs=True, motion_compile=True)),
-                   ("compiled + CUDA graph, split-TF32 GEMMs", dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3")),
-                   ("compiled + CUDA graph, split-TF32 GEMMs + Triton attention",
-                    dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3", motion_attention="triton")),
+                   (GEMM_ROW, dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3")),
+                   (ATTENTION_ROW, dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3", motion_attention="triton")),
                    ("compiled + CUDA graph, bf16 autocast", dict(cuda_graphs=True, motion_compile=True, motion_precision="bf16")))
 
 
@@ -554,15 +556,13 @@ MOTION_TF32X3 = "+ motion GEMMs on the tensor cores (split TF32, fp32 rounding)"
 # the sampler's attention as one Triton kernel per call (split TF32 as well): a row only where the motion table
 # measured it faster than the split-TF32 window without it (kept off until measured)
 MOTION_ATTENTION = "+ motion attention as one Triton kernel per call (split TF32)"
-_ATT_ROW = "compiled + CUDA graph, split-TF32 GEMMs + Triton attention"
-_GEMM_ROW = "compiled + CUDA graph, split-TF32 GEMMs"
 
 
 def motion_attention_helps(ctx: Context) -> bool:
     """Whether this run's motion table measured the Triton attention window faster than the split-TF32 one
     (both ok). False where the table has not run or either row failed."""
     rows = {r["variant"]: r for r in ctx.res.tables.get("motion", [])}
-    a, g = rows.get(_ATT_ROW, {}), rows.get(_GEMM_ROW, {})
+    a, g = rows.get(ATTENTION_ROW, {}), rows.get(GEMM_ROW, {})
     return a.get("status") == "ok" and g.get("status") == "ok" and a["ms_per_window"] < g["ms_per_window"]
 
 # the host side of the encoder, as notebook 01 measured it for MuseTalk (the encoded file is the same)

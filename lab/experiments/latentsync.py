@@ -262,18 +262,18 @@ def step_waterfall(ctx: Context) -> list[dict]:
         on.append("channels_last")
         add("eager, channels_last", model)
     levers = [x for x in LEVERS if x in prof.fast]
+    rewrites: list[str] = []   # the model rewrites so far: each row keeps the ones before it
     for lever in [x for x in levers if x != "attention_kernels"]:
         if lever in ("fused_qkv", "fused_norms"):
             fuse_qkv(model) if lever == "fused_qkv" else block_norm.fuse_block_norms(model)
+            rewrites.append(lever)
             fn = sampling.GuidedShortcuts(model) if "guided_shortcuts" in levers else model
         else:
             fn = sampling.GuidedShortcuts(model, null_audio=lever != "shared_prefix", shared_prefix=lever != "null_audio")
         sc = isinstance(fn, sampling.GuidedShortcuts)
-        label = lever
-        if lever in ("fused_qkv", "fused_norms") and sc:
-            label = " + ".join(["guided_shortcuts", *[x for x in ("fused_qkv",) if x in levers and lever != x], lever])
+        label = " + ".join((["guided_shortcuts"] if sc else []) + rewrites) if lever in rewrites else lever
         add(" + ".join(["eager", *on, label]), fn, note=LEVER_NOTES[lever], n_flops=count_flops(fn, *ex) if sc else flops)
-    on += [x for x in ("fused_qkv", "fused_norms") if x in levers]
+    on += rewrites
     target = model
     if "guided_shortcuts" in levers:
         target = sampling.GuidedShortcuts(model)
@@ -683,8 +683,8 @@ def fp8_linear(ctx: Context) -> list[dict]:
 
 def _fp8_compiled(ctx: Context, q: torch.nn.Module, ex: tuple, ref: torch.Tensor) -> list[dict]:
     """The FP8 copy on the fastest exact runner's stack (its layout, guided shortcuts and attention kernels),
-    compiled and captured in a CUDA graph, against that runner on the same inputs: in eager the activation
-    scales cost more than FP8 saves; compiled, their reductions and casts fuse into the passes around them.
+    compiled and captured in a CUDA graph, against that runner on the same inputs (in eager the dynamic
+    activation scales cost more than FP8 saves; compiled, inductor can fuse their reductions and casts).
     The fused-QKV lever is not applied (q, k, v stay three FP8 GEMMs). GPU only; reported, never fatal."""
     from lab.models.latentsync import set_attention_kernels
     from lab.timing import bench
