@@ -49,3 +49,34 @@ def test_early_start_and_transport_keep_the_frames_on_the_gpu(tmp_path):
         assert got.transport["zero_copy"] is True, got.transport      # registered pages: spliced, not copied
         assert (tmp_path / f"got{i}.mp4").read_bytes() == (tmp_path / "ref.mp4").read_bytes()
     assert read_video_info(tmp_path / "got1.mp4").n_frames == ref.n_frames == 210
+
+
+def test_hubert_graph_gives_the_eager_features():
+    # with CUDA graphs, a full group of hubert_batch chunks is one captured graph: the same kernels, the same numbers
+    from lab.models import ditto as D
+
+    engine = P.build(P.Config(size="full", batch_size=16, cuda_graphs=True, hubert_batch=16), "cuda")
+    g = torch.Generator().manual_seed(0)
+    chunks = 0.1 * torch.randn(16, D.HUBERT_CHUNK, generator=g).cuda()
+    eager = D.hubert_chunk_features(engine.hubert, chunks)
+    run = P._hubert_fn(engine)
+    assert run is not None and P._hubert_fn(P.reconfigure(engine, cuda_graphs=False)) is None
+    for _ in range(2):
+        assert torch.equal(run(chunks), eager)
+
+
+def test_first_batch_at_stride_3_keeps_the_frames():
+    from lab.experiments.ditto import speech_with_pauses
+
+    # early start's first batch of 4 keyframes in a graph of its own: the faces of the 16-frame first batch
+    cfg = P.Config(size="full", batch_size=16, source_pool="vram", cuda_graphs=True, hubert_batch=16, precision="fp16",
+                   fold_spectral_norm=True, silence="bypass", putback="gpu", async_writer=True, writer="null",
+                   stream_motion=True, early_start=True, stride=3)
+    torch.backends.cudnn.benchmark = True
+    engine = P.build(cfg, "cuda")
+    avatar = P.prepare(engine)
+    audio = speech_with_pauses(8.4, ((3.6, 4.8),))
+    ref = P.run(engine, avatar, audio, 16000, keep_faces=True)
+    got = P.run(P.reconfigure(engine, first_batch=4), avatar, audio, 16000, keep_faces=True)
+    assert got.counts == ref.counts
+    assert metrics.psnr(got.faces, ref.faces) > 50

@@ -358,7 +358,13 @@ class TemporalTransformer3DModel(nn.Module):
         y = self.proj_in(y)
         for blk in self.transformer_blocks:
             y = blk(y)
-        y = self.proj_out(y).reshape(b, h * w, frames, c).permute(0, 2, 3, 1).reshape(bf, c, h, w)
+        y = self.proj_out(y)
+        if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+            # back in x's channels-last layout: otherwise the sum comes out NCHW and every ResNet after a motion
+            # module reads it across layouts (in the compiled step, 18 of the 45 frame-pooled norms did)
+            y = y.reshape(b, h, w, frames, c).permute(0, 3, 1, 2, 4).reshape(bf, h, w, c).permute(0, 3, 1, 2)
+        else:
+            y = y.reshape(b, h * w, frames, c).permute(0, 2, 3, 1).reshape(bf, c, h, w)
         return y + x
 
 
