@@ -283,40 +283,6 @@ def test_output_stride_faces_do_not_depend_on_the_block_size(engine, avatar):
         assert got.counts["rendered"] == ref.counts["rendered"] == ref.keyframes, block   # each keyframe once
 
 
-def test_first_batch_renders_the_first_frames_in_a_smaller_batch(engine, avatar):
-    # early start with first_batch: the first block is one batch of that many renders (keyframes with a stride), the
-    # rest in full batches; every frame rendered once, the same faces as the configured batch throughout
-    a = _speech_with_pause()
-    for changes in (dict(silence="bypass"), dict(stride=3), dict(stride=2, silence="bypass")):
-        e = P.reconfigure(engine, stream_motion=True, early_start=True, **changes)
-        ref = P.run(e, avatar, a, SR, keep_faces=True)
-        seen: list[int] = []
-        real = P.stage_fn
-
-        def spy(eng, kind, batch, _real=real):
-            seen.append(batch)
-            return _real(eng, kind, batch)
-
-        P.stage_fn = spy
-        try:
-            got = P.run(P.reconfigure(e, first_batch=2), avatar, a, SR, keep_faces=True)
-        finally:
-            P.stage_fn = real
-        assert got.counts == ref.counts, changes
-        torch.testing.assert_close(got.faces, ref.faces, atol=1e-5, rtol=0)
-        assert 2 in seen and 4 in seen, changes
-        blocks = {r["stage"]: r["calls"] for r in got.stages}["render"]
-        first = 2 if "stride" not in changes else (2 - 1) * changes["stride"]
-        # a first block of `first` frames, then 16-frame blocks over the rest (40 frames)
-        assert blocks == 1 + -(-(got.n_frames - first) // 16), changes
-
-
-def test_first_batch_must_fit_the_batch():
-    for bad in (-1, 5, 2.0, True):
-        with pytest.raises(InputError, match="first_batch"):
-            P.Config(size="tiny", batch_size=4, first_batch=bad).check()
-
-
 def test_early_start_features_per_window_are_the_same_numbers(engine, avatar):
     # features computed per motion window (HuBERT groups of 3 chunks = 15 frames, not aligned with the windows)
     # and a first block of one batch: the same faces as the whole-clip features, dense and at stride 3

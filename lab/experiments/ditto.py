@@ -11,7 +11,7 @@ Steps (each returns table rows; the notebook shows them, `run_all` runs them hea
 4. `waterfall`       the pipeline end to end, pillars switched on in the write-up's order, then beyond;
                      FPS, ms/frame, GPU memory, host RSS, PSNR / SSIM vs the dense exact baseline
 5. `stride_table`    strides 1 / 2 / 3 with SLERP of rendered faces, of warped features, of motion
-6. `encoder_ceiling` libx264 alone on the frames this run produced: the bound for end-to-end FPS
+6. `encoder_ceiling` libx264 alone on the frames this run produced, dense and at stride 3: the bound for end-to-end FPS
 7. `memory_flat`     host RSS over a long run (streaming blocks: flat)
 8. `comparisons`     the write-ups' figures beside ours, with verdicts
 """
@@ -837,16 +837,14 @@ def _final_strides(ctx: Context, changes: dict, dense: P.RunReport, strides: tup
 
 # ----------------------------------------------------------------------------- 6. encoder ceiling, 7. memory
 
-def encoder_ceiling(ctx: Context) -> dict:
-    """libx264 alone on this run's composited frames, through the pipeline's own writer with the final
-    configuration's settings (preset, CRF, yuv420p input, pipe size, zero-copy writes; batches of the
-    renderer's batch; ffmpeg's start-up not counted), nothing else running: the median of `repeats`."""
+def _encoder_rate(ctx: Context, changes: dict) -> dict:
+    """libx264 alone on the first ≤ 300 composited frames of a run at `changes`, through the pipeline's own writer
+    with those settings: the median of `repeats`."""
     import statistics
 
     from lab.video import encoder_rate, rgb_to_yuv420p
 
-    final = final_changes(ctx)
-    e = P.reconfigure(ctx.engine, **(final | dict(writer="null", putback="gpu")))
+    e = P.reconfigure(ctx.engine, **(changes | dict(writer="null", putback="gpu")))
     n = min(ctx.audio.size // D.SAMPLES_PER_FRAME, 300)
     rep = P.run(e, ctx.avatar, ctx.audio, 16000, keep_frames=tuple(range(n)))
     frames = np.stack([rep.frames[i] for i in range(n)])
@@ -857,9 +855,21 @@ def encoder_ceiling(ctx: Context) -> dict:
     rates = [encoder_rate(yuv, "yuv420p", (w, h), cfg.fps, n, cfg.preset, cfg.crf, batch=cfg.batch_size,
                           pipe_buffer=cfg.pipe_buffer, zero_copy=cfg.zero_copy)
              for _ in range(max(1, ctx.prof.repeats))]
-    out = {"encoder_fps": statistics.median(rates), "runs_fps": rates, "frames": n, "preset": cfg.preset,
-           "crf": cfg.crf, "size": f"{w}x{h}", "pipe_buffer": cfg.pipe_buffer, "zero_copy": cfg.zero_copy,
-           "batch": cfg.batch_size}
+    return {"encoder_fps": statistics.median(rates), "runs_fps": rates, "frames": n, "preset": cfg.preset,
+            "crf": cfg.crf, "size": f"{w}x{h}", "pipe_buffer": cfg.pipe_buffer, "zero_copy": cfg.zero_copy,
+            "batch": cfg.batch_size}
+
+
+def encoder_ceiling(ctx: Context) -> dict:
+    """libx264 alone on this run's composited frames, through the pipeline's own writer with the final
+    configuration's settings (preset, CRF, yuv420p input, pipe size, zero-copy writes; batches of the
+    renderer's batch; ffmpeg's start-up not counted), nothing else running: the median of `repeats`.
+    Measured on the dense frames and again on output stride 3's frames: libx264's speed follows the content
+    (the SLERPed in-between frames change less from frame to frame and cost fewer bits), so each row is held
+    against the ceiling of the frames it encodes."""
+    final = final_changes(ctx)
+    out = _encoder_rate(ctx, final)
+    out["stride3"] = _encoder_rate(ctx, final | dict(stride=3, stride_space="output"))
     ctx.res.metrics["encoder_ceiling"] = out
     ctx.partial()
     return out
@@ -1131,7 +1141,8 @@ def stride_section(ctx: Context) -> Any:
 def host_section(ctx: Context) -> Any:
     """Section 6: the encoder ceiling and host memory, short vs long clip."""
     enc, mem = encoder_ceiling(ctx), memory_flat(ctx)
-    rows = [{"measure": "encoder ceiling", **enc}] + [
+    rows = [{"measure": "encoder ceiling, dense frames", **{k: v for k, v in enc.items() if k != "stride3"}},
+            {"measure": "encoder ceiling, stride 3's frames", **enc["stride3"]}] + [
         {"measure": f"host memory, {label} clip", **mem[label]} for label in ("short", "long")]
     return table(rows, None, f"encoder and memory (RSS growth {100 * mem['rss_growth']:+.2f} %, "
                              f"stride {mem['stride']}){ctx.suffix}")
@@ -1184,14 +1195,19 @@ def headline(ctx: Context) -> dict:
         h["encoder ceiling FPS"] = round(enc["encoder_fps"], 1)
         h["e2e final / encoder ceiling"] = round(wf[-1]["fps"] / enc["encoder_fps"], 3)
         st3 = next((r for r in ctx.res.tables.get("strides", [])[::-1] if r["stride"] == 3 and r["space"] == "output"), None)
+        # stride 3 against the encoder on its own frames (a Result from before that was measured keeps the dense one)
+        enc3 = enc.get("stride3", enc)["encoder_fps"]
         if st3:
             h["stride 3 FPS"] = round(st3["fps"], 1)
-            h["stride 3 / encoder ceiling"] = round(st3["fps"] / enc["encoder_fps"], 3)
+            if "stride3" in enc:
+                h["encoder ceiling on stride 3's frames FPS"] = round(enc3, 1)
+                h["stride 3 / dense frames' encoder ceiling"] = round(st3["fps"] / enc["encoder_fps"], 3)
+            h["stride 3 / encoder ceiling"] = round(st3["fps"] / enc3, 3)
         if full:
             h["target e2e dense ≥ 150 FPS"] = "met" if wf[-1]["fps"] >= TARGETS["e2e_fps"] else "not met"
             h["target e2e dense ≥ 90 % of the encoder"] = "met" if wf[-1]["fps"] >= TARGETS["encoder_share"] * enc["encoder_fps"] else "not met"
             if st3:
-                h["target stride 3 ≥ 90 % of the encoder"] = "met" if st3["fps"] >= TARGETS["encoder_share"] * enc["encoder_fps"] else "not met"
+                h["target stride 3 ≥ 90 % of the encoder"] = "met" if st3["fps"] >= TARGETS["encoder_share"] * enc3 else "not met"
     mem = ctx.res.metrics.get("memory")
     if mem:
         h["host RSS growth long vs short clip"] = round(mem["rss_growth"], 3)
