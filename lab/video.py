@@ -879,11 +879,25 @@ def host_buffer(shape: tuple, dtype: torch.dtype, pin: bool, register: bool) -> 
     if not pin:
         return torch.empty(shape, dtype=dtype), "pageable"
     if register:
+        import weakref
+
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        t = torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)  # the tensor keeps the mapping alive
-        if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0)) == 0:
-            return t, "registered"  # stays registered for the life of the process (the engine keeps it)
+        m = mmap.mmap(-1, n)
+        t = torch.frombuffer(m, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+        rt = torch.cuda.cudart()
+        if int(rt.cudaHostRegister(t.data_ptr(), n, 0)) == 0:
+            # unlocked before its pages are unmapped: pages freed while still registered make a later mapping at
+            # that address fail to register (cudaErrorAlreadyMapped)
+            weakref.finalize(t, _unregister, t.data_ptr(), m).atexit = False
+            return t, "registered"
+        rt.cudaGetLastError()  # the failed call's error would otherwise surface at torch's next kernel launch
     return torch.empty(shape, dtype=dtype, pin_memory=True), "pinned"
+
+
+def _unregister(ptr: int, mapping: mmap.mmap) -> None:
+    # `mapping` rides along so the pages stay mapped until they are unlocked; they are unmapped after the tensor goes
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+    torch.cuda.cudart().cudaGetLastError()
 
 
 # ---------------------------------------------------------------- reading back

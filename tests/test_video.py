@@ -422,3 +422,25 @@ def test_zero_copy_falls_back_to_copying_when_the_kernel_refuses_the_pages(tmp_p
         w.write(yuv[3:])
         assert not w.zero_copy and "vmsplice" in w.zero_copy_note
     assert (tmp_path / "fb.mp4").read_bytes() == (tmp_path / "ref.mp4").read_bytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_registered_host_buffers_come_and_go_cleanly():
+    import gc
+
+    from lab.video import host_buffer
+
+    # buffers dropped while registered used to leave their pages locked: a later buffer mapped at the same address
+    # failed to register, and CUDA's error surfaced at the next kernel launch (in a conv of another test)
+    for _ in range(20):
+        t, how = host_buffer((4, 1920, 1080), torch.uint8, True, True)
+        assert how == "registered"
+        t.copy_(torch.ones(4, 1920, 1080, dtype=torch.uint8, device="cuda"), non_blocking=True)
+        torch.cuda.synchronize()
+        assert int(t[0, 0, 0]) == 1
+        del t
+        gc.collect()
+    x = torch.randn(2, 3, 16, 16, device="cuda")
+    torch.nn.functional.conv2d(x, torch.randn(4, 3, 3, 3, device="cuda"))
+    torch.cuda.synchronize()
