@@ -143,3 +143,26 @@ def test_waterfall_adds_the_attention_row_only_where_the_motion_table_measured_i
         assert not X.motion_attention_helps(ctx(rows))
         assert last(ctx(rows)) == X.MOTION_TF32X3
     assert last(ctx([gemm, faster], "cpu")) != X.MOTION_ATTENTION   # no split-TF32 row off the GPU, so no attention row
+
+
+def test_headline_holds_stride_3_against_the_encoder_on_its_own_frames():
+    from types import SimpleNamespace
+
+    from lab.experiments import ditto as X
+
+    def ctx(enc):
+        tables = {"e2e_final": [{"step": "final", "fps": 310.0}],
+                  "strides": [{"step": "stride 3", "stride": 3, "space": "output", "fps": 369.0}]}
+        res = SimpleNamespace(tables=tables, metrics={"encoder_ceiling": enc}, params={"renderer": "upstream"}, headline={})
+        return SimpleNamespace(res=res, prof=SimpleNamespace(full_gpu=True, size="full", batch=16))
+
+    # the stride-3 frames encode faster than the dense ones: the dense frames' ceiling would call 90 % met
+    h = X.headline(ctx({"encoder_fps": 400.0, "stride3": {"encoder_fps": 420.0}}))
+    assert h["stride 3 / encoder ceiling"] == round(369 / 420, 3) and h["stride 3 / dense frames' encoder ceiling"] == round(369 / 400, 3)
+    assert h["target stride 3 ≥ 90 % of the encoder"] == "not met"
+    assert h["target e2e dense ≥ 90 % of the encoder"] == "not met"
+    h = X.headline(ctx({"encoder_fps": 400.0, "stride3": {"encoder_fps": 405.0}}))
+    assert h["target stride 3 ≥ 90 % of the encoder"] == "met"
+    # a Result from before the second measurement: stride 3 against the dense frames' ceiling, said as before
+    h = X.headline(ctx({"encoder_fps": 400.0}))
+    assert h["stride 3 / encoder ceiling"] == round(369 / 400, 3) and "encoder ceiling on stride 3's frames FPS" not in h
