@@ -549,18 +549,25 @@ def _hubert_fn(engine: Engine):
         return None
     key = ("hubert_graph", cfg.hubert_batch)
     if key not in engine.variants:
-        from lab.accel.backends import capture
-
         ex = [torch.zeros(cfg.hubert_batch, D.HUBERT_CHUNK, device=dev)]
-        # it replays on the motion side stream beside the renderer's graphs: captured on a stream of its own
-        # (graphs captured on one stream share its cuBLAS workspace)
-        cap = torch.cuda.Stream(dev, priority=-1)
-        t0 = time.perf_counter()
-        run, keep = capture(lambda ch: D.hubert_chunk_features(engine.hubert, ch), ex, warmup=2, stream=cap)
-        engine.compile_s += time.perf_counter() - t0
+        run, keep = _side_graph(engine, lambda ch: D.hubert_chunk_features(engine.hubert, ch), ex)
         engine.variants[key] = run
-        engine.variants[key + ("keep",)] = keep + [cap]
+        engine.variants[key + ("keep",)] = keep
     return engine.variants[key]
+
+
+def _side_graph(engine: Engine, fn, ex: list[torch.Tensor]):
+    """`fn` captured as one CUDA graph for MotionStream's side stream: (run, objects to keep alive). It replays
+    there while the renderer's graphs replay on the main stream, and graphs captured on one stream share that
+    stream's cuBLAS workspace, so it is captured on a stream of its own (of the high-priority pool, where only
+    the motion model's streams live). The capture time counts as compile time."""
+    from lab.accel.backends import capture
+
+    cap = torch.cuda.Stream(engine.device, priority=-1)
+    t0 = time.perf_counter()
+    run, keep = capture(fn, ex, warmup=2, clone_output=True, stream=cap)
+    engine.compile_s += time.perf_counter() - t0
+    return run, keep + [cap]
 
 
 def _denoise(engine: Engine, x: torch.Tensor, cf: torch.Tensor, c: torch.Tensor, noises: torch.Tensor,
@@ -701,19 +708,11 @@ def _window_fn(engine: Engine):
 
     run = fn
     if cfg.cuda_graphs:
-        from lab.accel.backends import capture
-
         d, L = engine.dims, engine.dims.seq_frames
         ex = [torch.randn(1, L, D.MOTION_DIM, device=dev), torch.randn(1, D.MOTION_DIM, device=dev),
               torch.randn(1, L, d.cond_dim, device=dev), torch.randn(cfg.sampling_steps, 1, L, D.MOTION_DIM, device=dev)]
-        # the window's graph replays on MotionStream's side stream while the renderer's graphs replay on
-        # the main stream: graphs captured on one stream share its cuBLAS workspace, so this one is captured
-        # on a stream of its own (of the high-priority pool, where only the motion model's streams live)
-        cap = torch.cuda.Stream(dev, priority=-1)
-        t0 = time.perf_counter()
-        run, keep = capture(fn, ex, warmup=2, clone_output=True, stream=cap)
-        engine.compile_s += time.perf_counter() - t0
-        engine.variants[key + ("keep",)] = keep + [times, drop, coefs, films_w, cap]
+        run, keep = _side_graph(engine, fn, ex)
+        engine.variants[key + ("keep",)] = keep + [times, drop, coefs, films_w]
     engine.variants[key] = run
     return run
 
