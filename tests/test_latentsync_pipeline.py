@@ -159,6 +159,39 @@ def test_exact_switches_keep_the_output_and_the_encode_cache_hits(clip, frames):
     assert np.abs(rep.faces.int() - ref.faces.int()).max() <= 1
 
 
+def test_vae_runners_take_both_encodes_in_one_call_and_a_short_block_runs_eager(clip, frames):
+    eng = P.build(P.Config(size="tiny", mode="ddim2", block=4, keep_faces=True))
+    job = P.prepare(eng, frames, *clip)                 # 10 frames: blocks of 4, 4, 2
+    ref = P.run(eng, job)
+    enc, calls = eng.vae.encoder_module(), []
+    # plain modules stand in for the compiled / captured runners (those need a GPU; tested there)
+    P.set_vae_fast(eng, "compile", runner=eng.vae.decoder_module(), encoder=lambda x: calls.append(len(x)) or enc(x))
+    eager_calls = []
+    plain = eng.vae.model.encode
+    eng.vae.model.encode = lambda x: eager_calls.append(len(x)) or plain(x)
+    try:
+        rep = P.run(eng, job)
+    finally:
+        eng.vae.model.encode = plain
+        P.set_vae_fast(eng, "eager")
+    assert calls == [8, 8] and eager_calls == [2, 2]   # full blocks: one call of 2 × 4 images; the last block eager
+    assert eng.vae_encode is None and eng.vae_decode is None and eng.cfg.vae_fast == "eager"
+    torch.testing.assert_close(rep.latents, ref.latents, rtol=1e-4, atol=1e-4)
+
+
+def test_encoder_module_is_the_encode_path():
+    from lab.models.vae import load_vae, posterior
+
+    vae = load_vae("sd-vae", size="tiny")
+    x = torch.rand(3, 3, 64, 64) * 2 - 1
+    d = vae.model.encode(x).latent_dist
+    p = posterior(vae.encoder_module()(x))
+    torch.testing.assert_close(p.mean, d.mean)
+    torch.testing.assert_close(p.std, d.std)
+    with pytest.raises(InputError, match="only the SD-VAE"):
+        load_vae("taesd", size="tiny").encoder_module()
+
+
 def test_kernel_kinds_from_names():
     from lab.experiments.latentsync import kernel_kind
 

@@ -71,6 +71,15 @@ class VAE:
         """The decode path as one nn.Module(latents) → images, for compile/export/quantization."""
         return Decoder(self)
 
+    def encoder_module(self) -> torch.nn.Module:
+        """SD-VAE's encode path as one nn.Module(images in [-1, 1]) → the posterior's parameters (B, 8, h, w),
+        for compile / CUDA graphs; `posterior(params)` gives diffusers' distribution over them."""
+        if self.kind != "sd-vae":
+            from lab.errors import InputError
+
+            raise InputError(f"encoder_module: only the SD-VAE has a posterior to return, this VAE is {self.kind!r}")
+        return Encoder(self)
+
 
 class Decoder(torch.nn.Module):
     """post_quant_conv + decoder + [0,1] clamp as one module (what the write-up exported to ONNX)."""
@@ -89,6 +98,26 @@ class Decoder(torch.nn.Module):
         else:
             x = self.model.decoder(z)
         return (x / 2 + 0.5).clamp(0, 1)
+
+
+class Encoder(torch.nn.Module):
+    """encoder + quant_conv as one module: what `AutoencoderKL.encode` computes before it wraps the
+    result in a distribution (no tiling, no slicing)."""
+
+    def __init__(self, vae: VAE):
+        super().__init__()
+        self.model = vae.model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        h = self.model.encoder(images)
+        return self.model.quant_conv(h) if self.model.quant_conv is not None else h
+
+
+def posterior(params: torch.Tensor):
+    """The SD-VAE posterior over an encoder's output, as `AutoencoderKL.encode(x).latent_dist` builds it."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    return DiagonalGaussianDistribution(params)
 
 
 def load_vae(kind: str = "sd-vae", weights: str = "random", size: str = "full", device: str | torch.device = "cpu",

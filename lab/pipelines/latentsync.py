@@ -75,7 +75,7 @@ class Config:
     fused_qkv: bool = False             # exact: self-attention q, k, v as one GEMM
     fused_norms: bool = False           # exact: the ResNet norms over the block's frames + SiLU as Triton passes (lab.accel.block_norm)
     cache_encodes: bool = False         # exact: VAE moments kept per source frame when the video loops
-    vae_fast: str = "eager"             # VAE decode: "eager" | "cudagraph" | "compile" | "compile+cudagraph"
+    vae_fast: str = "eager"             # VAE encode + decode: "eager" | "cudagraph" | "compile" | "compile+cudagraph"
     last_block: str = "short"           # "short" (upstream) | "pad"
     flush_every_block: bool = False     # gc.collect() + empty_cache() after each block (to measure its cost)
     encode_sample: bool = True          # VAE posterior sample (upstream) instead of its mean
@@ -122,6 +122,7 @@ class Engine:
     runner: Any = None           # the Accelerated runner (build_s, notes) when fast != "eager"
     mask: torch.Tensor | None = None   # (1, 1, S, S) 1 = keep, 0 = regenerate
     vae_decode: Callable | None = None  # a decoder runner for the block shape (set_vae_fast), else eager
+    vae_encode: Callable | None = None  # an encoder runner for both images of a block in one call (set_vae_fast), else eager
     weights: dict[str, str] = field(default_factory=dict)
 
 
@@ -185,21 +186,30 @@ def set_attention_kernels(engine: Engine, per_shape: dict[str, str] | None) -> E
     return engine
 
 
-def set_vae_fast(engine: Engine, how: str, runner: Any = None) -> Engine:
-    """The VAE decode of a full block through a cudagraph / compiled runner (same output); "eager" drops it."""
+def set_vae_fast(engine: Engine, how: str, runner: Any = None, encoder: Any = None) -> Engine:
+    """The VAE's work on a full block through cudagraph / compiled runners: the decode, and both encodes
+    (masked and reference faces) as one call of 2 × block images. "eager" drops both. `runner` /
+    `encoder`: runners already built for those shapes (e.g. by a benchmark) instead of building again."""
     from lab.accel.backends import accelerate
 
     cfg = engine.cfg
     if how == "eager":
-        engine.vae_decode = None
-    elif runner is not None:
+        engine.vae_decode = engine.vae_encode = None
+        cfg.vae_fast = how
+        return engine
+    h, prec = cfg.face // 8, _precision(engine.dtype)
+    g = torch.Generator().manual_seed(cfg.seed)
+    if runner is not None:
         engine.vae_decode = runner
     else:
-        h = cfg.face // 8
-        g = torch.Generator().manual_seed(cfg.seed)
         ex = (torch.randn(cfg.block, 4, h, h, generator=g).to(engine.device, engine.dtype),)
-        engine.vae_decode = accelerate(engine.vae.decoder_module(), how, ex, precision=_precision(engine.dtype),
-                                       name="sd_vae_decoder", **({"clone_output": False} if "cudagraph" in how else {}))
+        engine.vae_decode = accelerate(engine.vae.decoder_module(), how, ex, precision=prec, name="sd_vae_decoder",
+                                       **({"clone_output": False} if "cudagraph" in how else {}))
+    if encoder is not None:
+        engine.vae_encode = encoder
+    else:
+        ex = (torch.rand(2 * cfg.block, 3, cfg.face, cfg.face, generator=g).to(engine.device, engine.dtype) * 2 - 1,)
+        engine.vae_encode = accelerate(engine.vae.encoder_module(), how, ex, precision=prec, name="sd_vae_encoder")
     cfg.vae_fast = how
     return engine
 
@@ -411,13 +421,19 @@ def encode(engine: Engine, faces: torch.Tensor, generator: torch.Generator | Non
     ever hits it."""
     from diffusers.utils.torch_utils import randn_tensor
 
+    from lab.models.vae import posterior
+
     vae = engine.vae
     hit = cache is not None and keys is not None and all(int(k) in cache for k in keys)
     if hit:
         moments = [torch.stack([cache[int(k)][j] for k in keys]) for j in range(4)]
     else:
         px = faces.to(engine.dtype) * 2 - 1
-        dm, dr = vae.model.encode(px * engine.mask).latent_dist, vae.model.encode(px).latent_dist
+        if engine.vae_encode is not None and len(faces) == engine.cfg.block:
+            # both images in one call: the runner was built for 2 × block (a short last block runs eager)
+            dm, dr = map(posterior, engine.vae_encode(torch.cat([px * engine.mask, px])).chunk(2))
+        else:
+            dm, dr = vae.model.encode(px * engine.mask).latent_dist, vae.model.encode(px).latent_dist
         moments = [dm.mean, dm.std, dr.mean, dr.std]
         if cache is not None and keys is not None:
             for j, k in enumerate(keys):
