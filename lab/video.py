@@ -890,14 +890,53 @@ def host_buffer(shape: tuple, dtype: torch.dtype, pin: bool, register: bool) -> 
             # that address fail to register (cudaErrorAlreadyMapped)
             weakref.finalize(t, _unregister, t.data_ptr(), m).atexit = False
             return t, "registered"
-        rt.cudaGetLastError()  # the failed call's error would otherwise surface at torch's next kernel launch
+        clear_cuda_error()  # the failed call's error would otherwise surface at torch's next kernel launch
     return torch.empty(shape, dtype=dtype, pin_memory=True), "pinned"
 
 
 def _unregister(ptr: int, mapping: mmap.mmap) -> None:
     # `mapping` rides along so the pages stay mapped until they are unlocked; they are unmapped after the tensor goes
-    torch.cuda.cudart().cudaHostUnregister(ptr)
-    torch.cuda.cudart().cudaGetLastError()
+    if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+        clear_cuda_error()
+
+
+def clear_cuda_error() -> None:
+    """Reset this thread's CUDA last-error after a failed runtime call made outside torch: torch reads that state
+    after its next kernel launch and would raise the stale error there. `torch.cuda.cudart()` has no
+    cudaGetLastError, so the runtime library this process loaded is called; without one, a tiny kernel launch
+    makes torch read (and so reset) the error, and the raise is swallowed."""
+    lib = _loaded_cudart()
+    if lib is not None:
+        lib.cudaGetLastError()
+        return
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        pass
+
+
+_CUDART: list = []
+
+
+def _loaded_cudart() -> Any:
+    if not _CUDART:
+        import ctypes
+
+        lib = None
+        try:
+            with open("/proc/self/maps") as f:
+                paths = sorted({ln.split()[-1] for ln in f if "libcudart.so" in ln and ln.split()[-1].startswith("/")})
+        except OSError:
+            paths = []
+        for path in paths:
+            try:
+                lib = ctypes.CDLL(path)
+                lib.cudaGetLastError.restype = ctypes.c_int
+                break
+            except (OSError, AttributeError):
+                lib = None
+        _CUDART.append(lib)
+    return _CUDART[0]
 
 
 # ---------------------------------------------------------------- reading back

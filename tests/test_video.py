@@ -426,6 +426,28 @@ def test_zero_copy_falls_back_to_copying_when_the_kernel_refuses_the_pages(tmp_p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_failed_registration_falls_back_to_pinned_and_leaves_no_cuda_error(monkeypatch):
+    import lab.video as V
+
+    real = torch.cuda.cudart()
+
+    class Failing:  # the real call with flags CUDA refuses: it fails and sets the thread's last error, as a clash would
+        def cudaHostRegister(self, ptr, n, flags):
+            return real.cudaHostRegister(ptr, n, 0xFFFF)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Failing())
+    t, how = V.host_buffer((2, 64, 64), torch.uint8, True, True)
+    assert how == "pinned" and t.is_pinned()
+    monkeypatch.undo()
+    x = torch.randn(2, 3, 16, 16, device="cuda")      # torch checks the last error after this launch
+    torch.nn.functional.conv2d(x, torch.randn(4, 3, 3, 3, device="cuda"))
+    torch.cuda.synchronize()
+    assert V._loaded_cudart() is not None             # the runtime torch loaded was found (no launch fallback)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # a finalizer that raises fails the test
 def test_registered_host_buffers_come_and_go_cleanly():
     import gc
 
