@@ -358,3 +358,21 @@ def test_notebook_clip_length_scales_the_clip_and_its_pauses(tmp_path):
     assert ctx.prof.pauses == tuple((2 * a, 2 * b) for a, b in base.pauses)
     a, b = ctx.prof.pauses[0]
     assert not ctx.audio[int(a * 16000) + 1:int(b * 16000) - 1].any()
+
+
+def test_pdl_switch_is_a_no_op_without_a_hopper_gpu(engine, avatar, monkeypatch):
+    from lab.accel import tf32x3
+
+    monkeypatch.setattr(tf32x3, "pdl_supported", lambda: False)
+    with tf32x3.pdl(True) as on:
+        assert not on and not tf32x3.PDL
+    monkeypatch.setattr(tf32x3, "pdl_supported", lambda: True)
+    with tf32x3.pdl(True) as on:
+        assert on and tf32x3._pdl() == {"USE_PDL": True, "launch_pdl": True}
+    assert not tf32x3.PDL and tf32x3._pdl() == {}
+    monkeypatch.undo()
+    a = _speech_with_pause(0.4)
+    e = P.reconfigure(engine, motion_precision="tf32x3")
+    ref = P.run(e, avatar, a, SR, keep_faces=True)
+    out = P.run(P.reconfigure(e, motion_pdl=True), avatar, a, SR, keep_faces=True)
+    assert torch.equal(ref.faces, out.faces)

@@ -65,3 +65,25 @@ def test_motion_window_with_split_tf32_matches_the_eager_fp32_window(monkeypatch
         assert torch.equal(a, b)
         # measured on an H200 with the GEMMs alone: 9.5e-6 (the compiled fp32 window: 8.1e-6) on outputs up to ~5
         assert (a - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_motion_window_with_pdl_is_the_same_window(monkeypatch):
+    from lab.models import ditto as D
+    from lab.pipelines import ditto as P
+
+    engine = P.build(P.Config(size="full", motion_compile=True, cuda_graphs=True, motion_precision="tf32x3",
+                              motion_attention="triton"), "cuda")
+    g = torch.Generator().manual_seed(0)
+    L, S = engine.dims.seq_frames, engine.cfg.sampling_steps
+    args = (torch.randn(D.MOTION_DIM, generator=g).cuda(), torch.randn(L, engine.dims.cond_dim, generator=g).cuda(),
+            D.Schedule.make(S), torch.randn(S, 1, L, D.MOTION_DIM, generator=g).cuda(), None)
+    x = torch.randn(1, L, D.MOTION_DIM, generator=g).cuda()
+    ref = P.sample_window(engine, *args, x=x).clone()
+    seen = []
+    real = tf32x3.linear_triton
+    monkeypatch.setattr(tf32x3, "linear_triton", lambda *a, **k: seen.append(tf32x3.PDL) or real(*a, **k))
+    pdl = P.reconfigure(engine, motion_pdl=True)
+    a = P.sample_window(pdl, *args, x=x).clone()
+    assert seen and all(seen) and not tf32x3.PDL      # on while the window's kernels launched, off after
+    assert torch.equal(a, P.sample_window(pdl, *args, x=x))   # a replay of the graph captured with PDL
+    assert (a - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())

@@ -115,6 +115,8 @@ class Config:
                                       # split-TF32 tensor-core products, fp32 rounding; lab.accel.tf32x3) | "bf16" (autocast; approximate)
     motion_attention: str = "sdpa"    # the LMDM sampler's attention: "sdpa" | "triton" (fp32: one Triton kernel per call, every
                                       # key in one tile, products in split TF32; lab.accel.tf32x3.attention; the same function)
+    motion_pdl: bool = False          # the sampler's Triton kernels (inductor's and lab.accel.tf32x3's) launched with programmatic
+                                      # dependent launch (sm_90+): each launches while the one before runs (the same kernels)
     sampling_steps: int = 50
     guidance: float = 2.0
     eta: float = 1.0
@@ -632,7 +634,8 @@ def _compiled_step(engine: Engine):
     LayerNorms, FiLMs, rotary, GELU and the update into a few kernels around the GEMMs and attention: the
     eager step is ~490 small launches, which is what it costs on a big GPU."""
     cfg = engine.cfg
-    key = ("lmdm_step", cfg.guidance, cfg.batch_cfg, cfg.motion_precision, cfg.motion_compile, cfg.motion_attention)
+    key = ("lmdm_step", cfg.guidance, cfg.batch_cfg, cfg.motion_precision, cfg.motion_compile, cfg.motion_attention,
+           cfg.motion_pdl)
     if key in engine.variants:
         return engine.variants[key]
     net, g, amp = engine.nets["lmdm"], cfg.guidance, _motion_autocast(engine)
@@ -652,7 +655,8 @@ def _compiled_step(engine: Engine):
         return x0 * san + c * ((x - sa * x0) / s1a) + sigma * noise
 
     # without motion_compile (split-TF32 GEMMs or the Triton attention alone) the same step runs eagerly
-    fn = torch.compile(step, dynamic=False, fullgraph=True, backend=MOTION_COMPILE_BACKEND) if cfg.motion_compile else step
+    opts = {"options": {"triton.enable_pdl": True}} if cfg.motion_pdl and MOTION_COMPILE_BACKEND == "inductor" else {}
+    fn = torch.compile(step, dynamic=False, fullgraph=True, backend=MOTION_COMPILE_BACKEND, **opts) if cfg.motion_compile else step
     engine.variants[key] = fn
     return fn
 
@@ -687,7 +691,7 @@ def _window_fn(engine: Engine):
     `motion_compile` each step inside it is the compiled, fused step."""
     cfg, dev = engine.cfg, engine.device
     key = ("lmdm_window", cfg.cuda_graphs, cfg.sampling_steps, cfg.guidance, cfg.eta, cfg.batch_cfg,
-           cfg.motion_compile, cfg.motion_precision, cfg.motion_attention)
+           cfg.motion_compile, cfg.motion_precision, cfg.motion_attention, cfg.motion_pdl)
     if key in engine.variants:
         return engine.variants[key]
     steps = D.Schedule.make(cfg.sampling_steps).times
@@ -699,7 +703,8 @@ def _window_fn(engine: Engine):
             films_w = D.film_weights(engine.nets["lmdm"])
 
         def fn(x, cf, c, noises):
-            return _denoise_compiled(engine, x, cf, c, noises, times, coefs, drop, films_w)
+            with tf32x3.pdl(cfg.motion_pdl):   # read when the kernels launch (and so when a graph captures them)
+                return _denoise_compiled(engine, x, cf, c, noises, times, coefs, drop, films_w)
     else:
         coefs, films_w = [], ()
 
