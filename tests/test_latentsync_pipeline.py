@@ -259,3 +259,15 @@ def test_memory_step_measures_both_last_blocks_after_one_untimed_run(tmp_path, m
     # the warm-up run comes first and is not a row; every run got the last-block rule of its row
     assert seen == ["short", "short", "short", "pad", "pad"]
     assert set(ctx.res.metrics["memory_growth"]) == set(ctx.res.metrics["memory_growth_last_block_padded"]) == {"rss", "gpu"}
+
+
+def test_step_budget_splits_a_mode_row_into_unet_and_the_rest():
+    from lab.experiments import latentsync as X
+
+    # 32 frames (1.28 s of output) in 4.0 s, 3.2 s of it in the UNet, 20 steps per 16-frame block
+    b = X.step_budget({"frames": 32, "steps": 20, "unet_s": 3.2, "s_per_output_s": 4.0 / 1.28}, 2.5, 16)
+    assert b["unet_s_per_output_s"] == pytest.approx(2.5)
+    assert b["rest_s_per_output_s"] == pytest.approx(0.625)
+    assert b["ms_per_step_now"] == pytest.approx(80.0)          # 2.5 s / (20 steps · 25/16 blocks per second)
+    assert b["ms_per_step_allowed"] == pytest.approx(60.0)      # (2.5 − 0.625) s over the same 31.25 steps
+    assert X.step_budget({"frames": 32, "steps": 8, "unet_s": 1.0, "s_per_output_s": 2.0}, 1.0, 16)["ms_per_step_allowed"] < 0
