@@ -166,3 +166,23 @@ def test_headline_holds_stride_3_against_the_encoder_on_its_own_frames():
     # a Result from before the second measurement: stride 3 against the dense frames' ceiling, said as before
     h = X.headline(ctx({"encoder_fps": 400.0}))
     assert h["stride 3 / encoder ceiling"] == round(369 / 400, 3) and "encoder ceiling on stride 3's frames FPS" not in h
+
+
+def test_dense_budget_sets_renderer_and_motion_work_against_the_encoder():
+    from types import SimpleNamespace
+
+    from lab.experiments import ditto as X
+
+    tables = {"renderer": [{"variant": "compile+graph", "batch": 16, "fps": 400.0, "status": "ok"},
+                           {"variant": "upstream", "batch": 16, "fps": 100.0, "status": "ok"}],
+              "motion": [{"variant": X.ATTENTION_ROW, "ms_per_window": 42.0, "new_frames_per_window": 70, "status": "ok"},
+                         {"variant": "compiled + CUDA graph, bf16 autocast", "ms_per_window": 30.0,
+                          "new_frames_per_window": 70, "status": "ok"},     # approximate: not the exact bound
+                         {"variant": X.GEMM_ROW, "ms_per_window": 50.0, "new_frames_per_window": 70, "status": "ok"}]}
+    ctx = SimpleNamespace(res=SimpleNamespace(tables=tables, params={}), prof=SimpleNamespace(batch=16))
+    b = X.dense_budget(ctx, 400.0)
+    assert b["dense ms per frame allowed (90 % of the encoder)"] == round(1e3 / 360, 2)
+    assert b["renderer alone ms per frame"] == 2.5 and b["motion model ms per new frame"] == 0.6
+    assert b["renderer + motion ms per frame"] == 3.1
+    tables["motion"] = [{"variant": X.ATTENTION_ROW, "ms_per_window": 42.0, "status": "ok"}]   # a Result from before the column
+    assert "motion model ms per new frame" not in X.dense_budget(ctx, 400.0)
