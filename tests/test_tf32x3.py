@@ -143,6 +143,11 @@ def test_waterfall_adds_the_attention_row_only_where_the_motion_table_measured_i
         assert not X.motion_attention_helps(ctx(rows))
         assert last(ctx(rows)) == X.MOTION_TF32X3
     assert last(ctx([gemm, faster], "cpu")) != X.MOTION_ATTENTION   # no split-TF32 row off the GPU, so no attention row
+    # PDL: a row after the attention row only where the table measured the window faster with it
+    pdl = {"variant": X.PDL_ROW, "status": "ok", "ms_per_window": 46.0}
+    assert last(ctx([gemm, faster, pdl])) == X.MOTION_PDL and X.waterfall_steps(ctx([gemm, faster, pdl]))[-1][1]["motion_pdl"]
+    assert last(ctx([gemm, faster, pdl | {"ms_per_window": 51.0}])) == X.MOTION_ATTENTION
+    assert last(ctx([gemm, faster | {"ms_per_window": 60.0}, pdl])) == X.MOTION_TF32X3   # no attention row: no PDL row
 
 
 def test_headline_holds_stride_3_against_the_encoder_on_its_own_frames():

@@ -474,11 +474,12 @@ def lmdm_costs(ctx: Context) -> list[dict]:
 # the motion table's split-TF32 rows, by name: the waterfall's attention row follows their comparison
 GEMM_ROW = "compiled + CUDA graph, split-TF32 GEMMs"
 ATTENTION_ROW = "compiled + CUDA graph, split-TF32 GEMMs + Triton attention"
+PDL_ROW = ATTENTION_ROW + " + PDL"
 MOTION_VARIANTS = (("eager", {}), ("CUDA graph", dict(cuda_graphs=True)), ("compiled", dict(motion_compile=True)),
                    ("compiled + CUDA graph", dict(cuda_graphs=True, motion_compile=True)),
                    (GEMM_ROW, dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3")),
                    (ATTENTION_ROW, dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3", motion_attention="triton")),
-                   (ATTENTION_ROW + " + PDL", dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3",
+                   (PDL_ROW, dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3",
                                                    motion_attention="triton", motion_pdl=True)),
                    ("compiled + CUDA graph, bf16 autocast", dict(cuda_graphs=True, motion_compile=True, motion_precision="bf16")))
 
@@ -561,12 +562,26 @@ MOTION_TF32X3 = "+ motion GEMMs on the tensor cores (split TF32, fp32 rounding)"
 MOTION_ATTENTION = "+ motion attention as one Triton kernel per call (split TF32)"
 
 
+# the sampler's Triton kernels with programmatic dependent launch (the same kernels and numbers): likewise a row only
+# where the motion table measured the window faster with it
+MOTION_PDL = "+ motion kernels with programmatic dependent launch"
+
+
+def _measured_faster(ctx: Context, row: str, than: str) -> bool:
+    rows = {r["variant"]: r for r in ctx.res.tables.get("motion", [])}
+    a, g = rows.get(row, {}), rows.get(than, {})
+    return a.get("status") == "ok" and g.get("status") == "ok" and a["ms_per_window"] < g["ms_per_window"]
+
+
 def motion_attention_helps(ctx: Context) -> bool:
     """Whether this run's motion table measured the Triton attention window faster than the split-TF32 one
     (both ok). False where the table has not run or either row failed."""
-    rows = {r["variant"]: r for r in ctx.res.tables.get("motion", [])}
-    a, g = rows.get(ATTENTION_ROW, {}), rows.get(GEMM_ROW, {})
-    return a.get("status") == "ok" and g.get("status") == "ok" and a["ms_per_window"] < g["ms_per_window"]
+    return _measured_faster(ctx, ATTENTION_ROW, GEMM_ROW)
+
+
+def motion_pdl_helps(ctx: Context) -> bool:
+    """Whether this run's motion table measured the final window faster with programmatic dependent launch."""
+    return _measured_faster(ctx, PDL_ROW, ATTENTION_ROW)
 
 # the host side of the encoder, as notebook 01 measured it for MuseTalk (the encoded file is the same)
 TRANSPORT = dict(pipe_buffer=1 << 20, zero_copy=True, host_wait="sleep")
@@ -601,10 +616,13 @@ def waterfall_steps(ctx: Context) -> list[tuple[str, dict]]:
     for name, ch in (("+ encoder transport (1 MiB pipe, zero-copy writes, host threads asleep)", TRANSPORT),
                      ("+ early start (audio features per motion window, first block one batch)", dict(early_start=True)),
                      (MOTION_TF32X3, dict(motion_precision="tf32x3")),
-                     (MOTION_ATTENTION, dict(motion_attention="triton"))):
+                     (MOTION_ATTENTION, dict(motion_attention="triton")),
+                     (MOTION_PDL, dict(motion_pdl=True))):
         if ch.get("motion_precision") and (not gpu or "motion_compile_failed" in ctx.res.metrics):
             continue   # on a CPU the GEMMs fall back to F.linear: the row would repeat the one before
         if ch.get("motion_attention") and not (gpu and cur.get("motion_precision") == "tf32x3" and motion_attention_helps(ctx)):
+            continue
+        if ch.get("motion_pdl") and not (gpu and cur.get("motion_attention") == "triton" and motion_pdl_helps(ctx)):
             continue
         cur = cur | ch
         steps.append((name, dict(cur)))
@@ -1177,7 +1195,7 @@ def dense_budget(ctx: Context, encoder_fps: float) -> dict:
     if best:
         out["renderer alone ms per frame"] = round(1e3 / best["fps"], 2)
     mot = {r["variant"]: r for r in ctx.res.tables.get("motion", []) if r.get("status") == "ok"}
-    exact = [mot[n] for n in (ATTENTION_ROW + " + PDL", ATTENTION_ROW, GEMM_ROW, "compiled + CUDA graph", "CUDA graph", "eager")
+    exact = [mot[n] for n in (PDL_ROW, ATTENTION_ROW, GEMM_ROW, "compiled + CUDA graph", "CUDA graph", "eager")
              if n in mot and mot[n].get("new_frames_per_window")]
     if exact:
         w = min(exact, key=lambda r: r["ms_per_window"])
