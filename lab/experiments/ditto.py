@@ -479,8 +479,8 @@ MOTION_VARIANTS = (("eager", {}), ("CUDA graph", dict(cuda_graphs=True)), ("comp
                    ("compiled + CUDA graph", dict(cuda_graphs=True, motion_compile=True)),
                    (GEMM_ROW, dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3")),
                    (ATTENTION_ROW, dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3", motion_attention="triton")),
-                   (PDL_ROW, dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3",
-                                                   motion_attention="triton", motion_pdl=True)),
+                   (PDL_ROW, dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3", motion_attention="triton",
+                                  motion_pdl=True)),
                    ("compiled + CUDA graph, bf16 autocast", dict(cuda_graphs=True, motion_compile=True, motion_precision="bf16")))
 
 
