@@ -652,3 +652,19 @@ def test_notebook_04_best_headline_and_comparisons_from_the_h200_reference_table
     got = {c.claim: (c.our_value, c.verdict) for c in res.comparisons}
     assert got["TensorRT FP16 engine over PyTorch FP16 eager, SD-VAE decoder"] == ("unavailable", "not comparable")
     assert got["best backend speed-up over FP16 eager, SD-VAE decoder (theirs: TensorRT)"] == (2.14, "reproduced")
+
+
+def test_inductor_options_reach_torch_compile_and_bad_combinations_are_refused(monkeypatch):
+    m, ex = small_net(), (torch.randn(1, 4, 8, 8),)
+    seen = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda mod, **kw: seen.append(kw) or real(mod, backend="eager"))
+    r = B.accelerate(m, "compile", ex, precision="fp32", inductor_options={"triton.enable_pdl": True})
+    assert seen[-1]["options"] == {"triton.enable_pdl": True} and seen[-1]["mode"] is None
+    assert "options=" in r.notes[0]
+    with pytest.raises(InputError, match="cannot both be given"):
+        B.accelerate(m, "compile", ex, precision="fp32", mode="reduce-overhead", inductor_options={"a": 1})
+    with pytest.raises(InputError, match="need compile_backend='inductor'"):
+        B.accelerate(m, "compile", ex, precision="fp32", compile_backend="eager", inductor_options={"a": 1})
+    with pytest.raises(InputError, match="unknown option"):
+        B.accelerate(m, "cudagraph", ex, precision="fp32", inductor_options={"a": 1})

@@ -361,15 +361,15 @@ def test_notebook_clip_length_scales_the_clip_and_its_pauses(tmp_path):
 
 
 def test_pdl_switch_is_a_no_op_without_a_hopper_gpu(engine, avatar, monkeypatch):
-    from lab.accel import tf32x3
+    from lab.accel import pdl
 
-    monkeypatch.setattr(tf32x3, "pdl_supported", lambda: False)
-    with tf32x3.pdl(True) as on:
-        assert not on and not tf32x3.PDL
-    monkeypatch.setattr(tf32x3, "pdl_supported", lambda: True)
-    with tf32x3.pdl(True) as on:
-        assert on and tf32x3._pdl() == {"USE_PDL": True, "launch_pdl": True}
-    assert not tf32x3.PDL and tf32x3._pdl() == {}
+    monkeypatch.setattr(pdl, "supported", lambda: False)
+    with pdl.launching(True) as on:
+        assert not on and not pdl.enabled() and pdl.launch_options() == {}
+    monkeypatch.setattr(pdl, "supported", lambda: True)
+    with pdl.launching(True) as on:
+        assert on and pdl.launch_options() == {"USE_PDL": True, "launch_pdl": True}
+    assert not pdl.enabled() and pdl.launch_options() == {}
     monkeypatch.undo()
     a = _speech_with_pause(0.4)
     e = P.reconfigure(engine, motion_precision="tf32x3")

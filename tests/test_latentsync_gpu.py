@@ -97,3 +97,27 @@ def test_triton_temporal_attention_matches_sdpa_compiled_in_one_graph():
     sa.register()
     fn = torch.compile(lambda q, k, v: attention(q, k, v, 8, "triton"), fullgraph=True)
     assert cosine(fn(q, k, v).float(), ref) > 0.99999
+
+
+def test_compiled_graph_with_pdl_matches_eager(tiny, monkeypatch):
+    from lab.accel import block_norm, pdl
+    from lab.accel import short_attention as sa
+
+    if not pdl.supported():
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 or later")
+    m, ex = tiny
+    with torch.inference_mode():
+        ref = m(*ex).float()
+    block_norm.fuse_block_norms(m)
+    seen = []
+    real = block_norm.block_group_norm_triton
+    monkeypatch.setattr(block_norm, "block_group_norm_triton", lambda *a, **k: seen.append(pdl.enabled()) or real(*a, **k))
+    try:
+        m.to(memory_format=torch.channels_last)
+        r = sampling.fast_unet(m, "compile+cudagraph", ex, pdl=True)
+        assert cosine(r(*ex).float(), ref) > 0.9999
+        assert seen and all(seen) and not pdl.enabled()   # the passes were captured with PDL on, and it is off after
+        assert sa.launch_options() == {}
+    finally:
+        block_norm.unfuse_block_norms(m)
+        m.to(memory_format=torch.contiguous_format)

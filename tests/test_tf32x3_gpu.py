@@ -79,11 +79,13 @@ def test_motion_window_with_pdl_is_the_same_window(monkeypatch):
             D.Schedule.make(S), torch.randn(S, 1, L, D.MOTION_DIM, generator=g).cuda(), None)
     x = torch.randn(1, L, D.MOTION_DIM, generator=g).cuda()
     ref = P.sample_window(engine, *args, x=x).clone()
+    from lab.accel import pdl as pdl_mod
+
     seen = []
     real = tf32x3.linear_triton
-    monkeypatch.setattr(tf32x3, "linear_triton", lambda *a, **k: seen.append(tf32x3.PDL) or real(*a, **k))
+    monkeypatch.setattr(tf32x3, "linear_triton", lambda *a, **k: seen.append(pdl_mod.enabled()) or real(*a, **k))
     pdl = P.reconfigure(engine, motion_pdl=True)
     a = P.sample_window(pdl, *args, x=x).clone()
-    assert seen and all(seen) and not tf32x3.PDL      # on while the window's kernels launched, off after
+    assert seen and all(seen) and not pdl_mod.enabled()   # on while the window's kernels launched, off after
     assert torch.equal(a, P.sample_window(pdl, *args, x=x))   # a replay of the graph captured with PDL
     assert (a - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())

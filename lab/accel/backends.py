@@ -17,6 +17,7 @@ Backends (`BACKENDS`):
 * ``compile+cudagraph``: the compiled module (default mode) captured the same way; pass
   ``compiled=<the "compile" runner>`` to reuse its graphs instead of compiling again. ``via=
   "reduce-overhead"`` uses `torch.compile(mode="reduce-overhead")` (cudagraph trees) instead.
+  Both compile backends take ``inductor_options`` (torch.compile's `options`, e.g. `lab.accel.pdl`'s).
 * ``onnx``: `torch.onnx.export` (dynamo exporter; external data above 1.5 GB; checked with
   `onnx.checker`) → ONNX Runtime. A CUDA module needs the CUDA execution provider
   (onnxruntime-gpu) and runs with I/O bound to torch tensors; a CPU module uses the CPU provider.
@@ -61,9 +62,9 @@ BACKENDS = ("eager", "compile", "cudagraph", "compile+cudagraph", "onnx", "tenso
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 OPTIONS = {
     "eager": set(),
-    "compile": {"mode", "dynamic", "fullgraph", "compile_backend"},
+    "compile": {"mode", "dynamic", "fullgraph", "compile_backend", "inductor_options"},
     "cudagraph": {"warmup", "clone_output"},
-    "compile+cudagraph": {"warmup", "clone_output", "compiled", "via", "dynamic", "fullgraph"},
+    "compile+cudagraph": {"warmup", "clone_output", "compiled", "via", "dynamic", "fullgraph", "inductor_options"},
     "onnx": {"providers", "opset", "dynamo"},
     "tensorrt": {"opset", "workspace_gb", "fp8", "int8", "onnx_precision", "timing_cache"},
 }
@@ -307,18 +308,22 @@ def _eager(c: _Ctx) -> Accelerated:
 
 
 def _compile(c: _Ctx, mode: str = "default", dynamic: bool | None = False, fullgraph: bool = False,
-             compile_backend: str = "inductor", _name: str = "compile") -> Accelerated:
+             compile_backend: str = "inductor", inductor_options: dict | None = None, _name: str = "compile") -> Accelerated:
     if mode not in COMPILE_MODES:
         raise InputError(f"compile mode {mode!r} is not offered here; use one of {COMPILE_MODES} "
                          f"(max-autotune took ~3 min on the SD-VAE decoder alone)")
+    if inductor_options and mode != "default":
+        raise InputError(f"inductor_options and mode={mode!r} cannot both be given (torch.compile takes one)")
     if mode == "reduce-overhead":
         _require_cuda(c.device, "mode='reduce-overhead' (CUDA graphs)")
     _require_compile(c.device, compile_backend)
     kw: dict[str, Any] = {"dynamic": dynamic, "fullgraph": fullgraph, "backend": compile_backend}
     if compile_backend == "inductor":
         kw["mode"] = None if mode == "default" else mode
-    elif mode != "default":
-        raise InputError(f"mode={mode!r} needs compile_backend='inductor'")
+        if inductor_options:
+            kw["options"] = dict(inductor_options)
+    elif mode != "default" or inductor_options:
+        raise InputError(f"mode={mode!r} / inductor_options need compile_backend='inductor'")
     compiled = torch.compile(c.module, **kw)
     graphs = mode == "reduce-overhead"
     # cudagraph trees warm up on call 1 and record on call 2: run until replaying, all counted
@@ -343,8 +348,8 @@ def _compile(c: _Ctx, mode: str = "default", dynamic: bool | None = False, fullg
                                 compiled(*(cast(a) for a in args)))
             return compiled(*(cast(a) for a in args))
 
-    notes = [f"torch.compile(mode={mode!r}, backend={compile_backend!r}, dynamic={dynamic}); build_s = first "
-             f"{n_first} call(s)"]
+    notes = [f"torch.compile(mode={mode!r}, backend={compile_backend!r}, dynamic={dynamic}"
+             + (f", options={inductor_options}" if inductor_options else "") + f"); build_s = first {n_first} call(s)"]
     return c.runner(run, _name, build_s=build_s, inner=compiled, notes=notes)
 
 
@@ -405,15 +410,19 @@ def _cudagraph(c: _Ctx, warmup: int = 3, clone_output: bool = True) -> Accelerat
 
 
 def _compile_cudagraph(c: _Ctx, warmup: int = 3, clone_output: bool = True, compiled: Accelerated | None = None,
-                       via: str = "capture", dynamic: bool | None = False, fullgraph: bool = False) -> Accelerated:
+                       via: str = "capture", dynamic: bool | None = False, fullgraph: bool = False,
+                       inductor_options: dict | None = None) -> Accelerated:
     if via == "reduce-overhead":
         if compiled is not None:
             raise InputError("compiled= is for via='capture'; reduce-overhead compiles its own graph")
-        return _compile(c, mode="reduce-overhead", dynamic=dynamic, fullgraph=fullgraph, _name="compile+cudagraph")
+        return _compile(c, mode="reduce-overhead", dynamic=dynamic, fullgraph=fullgraph, inductor_options=inductor_options,
+                        _name="compile+cudagraph")
     if via != "capture":
         raise InputError(f"via must be 'capture' or 'reduce-overhead', got {via!r}")
     notes = []
     if compiled is not None:
+        if inductor_options:
+            raise InputError("inductor_options is for a compile of its own; compiled= reuses a graph built with its own")
         if compiled.backend != "compile" or compiled.input_shapes != _shapes(c.ex):
             raise InputError(f"compiled= must be a 'compile' runner built for shapes {_shapes(c.ex)}, got "
                              f"{compiled.backend!r} for {compiled.input_shapes}")
@@ -422,8 +431,10 @@ def _compile_cudagraph(c: _Ctx, warmup: int = 3, clone_output: bool = True, comp
                      f"(compile took {compiled.build_s:.1f} s there)")
     else:
         _require_compile(c.device, "inductor")
-        inner = torch.compile(c.module, dynamic=dynamic, fullgraph=fullgraph)
-        notes.append("build_s includes compiling (first warm-up call) and capture")
+        inner = torch.compile(c.module, dynamic=dynamic, fullgraph=fullgraph,
+                              **({"options": dict(inductor_options)} if inductor_options else {}))
+        notes.append("build_s includes compiling (first warm-up call) and capture"
+                     + (f"; inductor options {inductor_options}" if inductor_options else ""))
     t0 = time.perf_counter()
     run, keep = capture(inner, c.ex, warmup, clone_output)
     build_s = time.perf_counter() - t0

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lab.accel.pdl import launch_options
 from lab.errors import InputError
 from lab.models.latentsync import BlockGroupNorm, ResnetBlock3D, UNet3D
 
@@ -50,7 +51,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if triton is not None:
     @triton.jit
     def _partial_kernel(x_ptr, shift_ptr, mean_ptr, m2_ptr, R, S, SHIFT_N, ROWS: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
-                        BLOCK: tl.constexpr, HAS_SHIFT: tl.constexpr):
+                        BLOCK: tl.constexpr, HAS_SHIFT: tl.constexpr, USE_PDL: tl.constexpr = False):
+        if USE_PDL:   # launched early (lab.accel.pdl): wait for the kernel before to finish, let the next one launch
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         n = tl.program_id(0)
         s = tl.program_id(1)
         cols = tl.program_id(2) * CB + tl.arange(0, CB)
@@ -77,7 +81,10 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(mean_ptr, m2_ptr, stats_ptr, R, S, eps, ROWS: tl.constexpr, C: tl.constexpr, G: tl.constexpr,
-                        CG: tl.constexpr, CGP: tl.constexpr, SP: tl.constexpr):
+                        CG: tl.constexpr, CGP: tl.constexpr, SP: tl.constexpr, USE_PDL: tl.constexpr = False):
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         n = tl.program_id(0)
         g = tl.program_id(1)
         sp = tl.arange(0, SP)
@@ -102,7 +109,10 @@ if triton is not None:
     @triton.jit
     def _apply_kernel(x_ptr, y_ptr, stats_ptr, w_ptr, b_ptr, shift_ptr, R, SHIFT_N, C: tl.constexpr, G: tl.constexpr,
                       CG: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr,
-                      HAS_SHIFT: tl.constexpr):
+                      HAS_SHIFT: tl.constexpr, USE_PDL: tl.constexpr = False):
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         n = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         cols = tl.program_id(2) * CB + tl.arange(0, CB)
@@ -160,12 +170,13 @@ def block_group_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     shift_n = c if has and sh.shape[0] > 1 else 0
     cg = c // groups
     _partial_kernel[(n, s, strips)](x, sh, mean, m2, rows, s, shift_n, ROWS=per, C=c, CB=STRIP, BLOCK=ROW_TILE,
-                                    HAS_SHIFT=has, num_warps=4)
+                                    HAS_SHIFT=has, num_warps=4, **launch_options())
     _combine_kernel[(n, groups)](mean, m2, stats, rows, s, float(eps), ROWS=per, C=c, G=groups, CG=cg,
-                                 CGP=triton.next_power_of_2(cg), SP=triton.next_power_of_2(s), num_warps=4)
+                                 CGP=triton.next_power_of_2(cg), SP=triton.next_power_of_2(s), num_warps=4,
+                                 **launch_options())
     _apply_kernel[(n, triton.cdiv(rows, ROW_TILE), strips)](x, y, stats, weight, bias, sh, rows, shift_n, C=c, G=groups,
                                                              CG=cg, CB=STRIP, BLOCK=ROW_TILE, SILU=bool(silu),
-                                                             HAS_SHIFT=has, num_warps=4)
+                                                             HAS_SHIFT=has, num_warps=4, **launch_options())
     return y if given is x else torch.empty_like(given).copy_(y)
 
 

@@ -255,15 +255,22 @@ def guided_example(model: torch.nn.Module, frames: int, latent_hw: tuple[int, in
     return torch.cat([x, x]), torch.cat([t, t]), torch.cat([torch.zeros_like(a), a])
 
 
-def fast_unet(model: torch.nn.Module, how: str, example: tuple[torch.Tensor, ...], precision: str = "fp16"):
+def fast_unet(model: torch.nn.Module, how: str, example: tuple[torch.Tensor, ...], precision: str = "fp16",
+              pdl: bool = False):
     """A runner with the UNet's call signature: "eager" | "cudagraph" | "compile" | "compile+cudagraph".
 
     Graph runners return their static output buffer (valid until the next call: `denoise`
-    consumes it at once) and replay only the shapes they were captured for.
+    consumes it at once) and replay only the shapes they were captured for. `pdl`: inductor's kernels
+    and the lab's Triton kernels with programmatic dependent launch (`lab.accel.pdl`, sm_90+); the
+    lab's kernels keep it inside a captured graph (a plain "compile" runner launches them without).
     """
+    from lab.accel import pdl as P
     from lab.accel.backends import accelerate
 
     if how not in FAST_OPTIONS:
         raise InputError(f"fast path must be one of {FAST_OPTIONS}, got {how!r}")
     opts: dict[str, Any] = {"clone_output": False} if "cudagraph" in how else {}
-    return accelerate(model, how, example, precision=precision, name="latentsync_unet", **opts)
+    if pdl and "compile" in how:
+        opts["inductor_options"] = P.INDUCTOR_OPTIONS
+    with P.launching(pdl):
+        return accelerate(model, how, example, precision=precision, name="latentsync_unet", **opts)

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from lab.accel.pdl import launch_options
 from lab.errors import BackendUnavailable, InputError
 
 MAX_TOKENS = 64
@@ -36,7 +37,11 @@ if triton is not None:
     @triton.jit
     def _short_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, L, D, scale,
                                 sq_n, sq_l, sk_n, sk_l, sv_n, sv_l, so_n, so_l,
-                                H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+                                H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+                                USE_PDL: tl.constexpr = False):
+        if USE_PDL:   # launched early (lab.accel.pdl): wait for the kernel before to finish, let the next one launch
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         n = pid // H
         h = pid % H
@@ -94,7 +99,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> to
     _short_attention_kernel[(n * heads,)](
         q, k, v, out, L, d, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        H=heads, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2)
+        H=heads, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2, **launch_options())
     return out
 
 

@@ -18,13 +18,13 @@ On a CPU, for tensors that are not fp32 on a CUDA device, or without Triton, `li
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from lab.accel.pdl import launch_options
 from lab.errors import InputError
 from lab.models.ditto import heads_attention
 
@@ -35,25 +35,6 @@ except ImportError:  # pragma: no cover - Triton ships with torch on Linux
     triton = None
 
 PRECISION = "tf32x3"   # Triton's input_precision; "ieee" gives the SIMT fp32 product (tests), "tf32" one pass
-# programmatic dependent launch (Hopper and later): each kernel is launched while the one before it still runs and
-# waits on the GPU (griddepcontrol.wait) for its results, so the launch latency between the motion model's ~200
-# small kernels per step overlaps work. Off by default; `with pdl(True):` turns it on where the GPU has it.
-PDL = False
-
-
-def pdl_supported() -> bool:
-    return triton is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
-@contextlib.contextmanager
-def pdl(on: bool) -> Iterator[bool]:
-    """Within: the kernels launch with programmatic dependent launch where the GPU has it (yields whether it is on)."""
-    global PDL
-    saved, PDL = PDL, bool(on) and pdl_supported()
-    try:
-        yield PDL
-    finally:
-        PDL = saved
 
 if triton is not None:
     # small-M tiles first: the motion model's GEMMs are 160 rows (2 × 80 frames); autotuned per (M, N, K) on
@@ -67,7 +48,7 @@ if triton is not None:
     def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, sxm, sxk, swn, swk, sym, syn, K: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr = False):
-        if USE_PDL:   # launched early: wait for the kernel before to finish, and let the next one launch
+        if USE_PDL:   # launched early (lab.accel.pdl): wait for the kernel before to finish, let the next one launch
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -113,10 +94,6 @@ if triton is not None:
                  mask=(rq[:, None] < LQ) & (cols[None, :] < D))
 
 
-def _pdl() -> dict:
-    return {"USE_PDL": True, "launch_pdl": True} if PDL else {}
-
-
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   precision: str = PRECISION, tuned: bool = True) -> torch.Tensor:
     """x (…, K) @ weight (N, K)ᵀ + bias (N,) by the Triton kernel, fp32 in and out. `tuned=False` uses one
@@ -135,7 +112,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             weight.stride(0), weight.stride(1), y.stride(0), y.stride(1))
     if tuned:
         grid = lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))  # noqa: E731
-        _tuned[grid](*args, K=k, HAS_BIAS=has_bias, PREC=precision, **_pdl())
+        _tuned[grid](*args, K=k, HAS_BIAS=has_bias, PREC=precision, **launch_options())
     else:
         _linear_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 32))](*args, K=k, HAS_BIAS=has_bias, PREC=precision,
                                                                    BM=32, BN=32, BK=32, num_warps=4)
@@ -174,7 +151,7 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: i
     _attention_kernel[(triton.cdiv(lq, block_q), n * heads)](
         q, k, v, out, lq, lk, 1.0 / math.sqrt(d), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        H=heads, D=d, BQ=block_q, BK=bk, BD=bd, PREC=precision, num_warps=4, **_pdl())
+        H=heads, D=d, BQ=block_q, BK=bk, BD=bd, PREC=precision, num_warps=4, **launch_options())
     return out
 
 

@@ -345,10 +345,12 @@ def step_waterfall(ctx: Context) -> list[dict]:
             label = "compiled" + (f", {extra}" if extra else "")
             split[label] = _split_or_note(compiled, ex, dev, top, label)
         placed.append(rows[i0:])
-    set_attention_kernels(model)  # the pipeline runs set the kernels of the runner they use
     if len(placed) == 2:  # shown without the kernels first, then with them
         del rows[len(rows) - len(placed[0]) - len(placed[1]):]
         rows += placed[1] + placed[0]
+    if "compile+cudagraph" in hows:
+        _pdl_row(ctx, target, ex, on, chosen["compiled"], add, skip, target_flops)
+    set_attention_kernels(model)  # the pipeline runs set the kernels of the runner they use
     ok = [r for r in rows if r["status"] == "ok"]
     best = min(ok, key=lambda r: r["ms_per_step"])
     ctx.res.tables["step_waterfall"] = rows
@@ -361,6 +363,31 @@ def step_waterfall(ctx: Context) -> list[dict]:
         ctx.res.tables["kernel_top"] = top
     ctx.partial()
     return rows
+
+
+def _pdl_row(ctx: Context, target, ex, on: list[str], choice: dict, add, skip, n_flops: int) -> None:
+    """The fastest stack (compile + CUDA graph, with the pinned attention kernels where chosen) built again with
+    programmatic dependent launch for inductor's and the lab's Triton kernels: the same kernels, launched early."""
+    from lab.accel import pdl
+    from lab.models.latentsync import set_attention_kernels
+
+    step = " + ".join(["compile+cudagraph", *on, *(["attention kernels"] if choice else []), "PDL"])
+    if not pdl.supported():
+        return skip(step, "needs a GPU of compute capability 9.0 or later (programmatic dependent launch)")
+    left = None if ctx.deadline_s is None else ctx.deadline_s - (time.perf_counter() - ctx.t0)
+    need = ESTIMATE_S["compile"] + ESTIMATE_S["vae_compile"] + ESTIMATE_S["modes"]
+    if left is not None and left < need:
+        return skip(step, f"skipped: {left:.0f} s left before the deadline, a compile + the modes need ~{need} s")
+    set_attention_kernels(ctx.engine.unet.model, per_shape=choice, latent=ctx.engine.cfg.face // 8)
+    try:
+        t0 = time.perf_counter()
+        r = sampling.fast_unet(target, "compile+cudagraph", ex, precision=P._precision(ctx.engine.dtype), pdl=True)
+        ctx.runners[step], ctx.runner_kernels[step] = r, dict(choice)
+        add(step, r, build_s=time.perf_counter() - t0, note="; ".join(r.notes)[:200], n_flops=n_flops)
+    except Exception as e:  # reported; the stacks without it still serve
+        skip(step, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+    finally:
+        set_attention_kernels(ctx.engine.unet.model)
 
 
 def _build_runner(target, how: str, ex, dtype: torch.dtype, compiled: Any = None):

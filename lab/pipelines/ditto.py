@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from lab import audio as lab_audio
+from lab.accel import pdl
 from lab.accel import putback as pb
 from lab.accel import silence as sil
 from lab.accel import stride as st
@@ -655,7 +656,7 @@ def _compiled_step(engine: Engine):
         return x0 * san + c * ((x - sa * x0) / s1a) + sigma * noise
 
     # without motion_compile (split-TF32 GEMMs or the Triton attention alone) the same step runs eagerly
-    opts = {"options": {"triton.enable_pdl": True}} if cfg.motion_pdl and MOTION_COMPILE_BACKEND == "inductor" else {}
+    opts = {"options": pdl.INDUCTOR_OPTIONS} if cfg.motion_pdl and MOTION_COMPILE_BACKEND == "inductor" else {}
     fn = torch.compile(step, dynamic=False, fullgraph=True, backend=MOTION_COMPILE_BACKEND, **opts) if cfg.motion_compile else step
     engine.variants[key] = fn
     return fn
@@ -703,7 +704,7 @@ def _window_fn(engine: Engine):
             films_w = D.film_weights(engine.nets["lmdm"])
 
         def fn(x, cf, c, noises):
-            with tf32x3.pdl(cfg.motion_pdl):   # read when the kernels launch (and so when a graph captures them)
+            with pdl.launching(cfg.motion_pdl):   # read when the kernels launch (and so when a graph captures them)
                 return _denoise_compiled(engine, x, cf, c, noises, times, coefs, drop, films_w)
     else:
         coefs, films_w = [], ()

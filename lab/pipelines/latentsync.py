@@ -74,6 +74,7 @@ class Config:
     guided_shortcuts: bool = False      # exact: null-audio cross-attention = bias, shared prefix (sampling.GuidedShortcuts)
     fused_qkv: bool = False             # exact: self-attention q, k, v as one GEMM
     fused_norms: bool = False           # exact: the ResNet norms over the block's frames + SiLU as Triton passes (lab.accel.block_norm)
+    pdl: bool = False                   # exact: the fast runner's Triton kernels with programmatic dependent launch (sm_90+)
     cache_encodes: bool = False         # exact: VAE moments kept per source frame when the video loops
     vae_fast: str = "eager"             # VAE encode + decode: "eager" | "cudagraph" | "compile" | "compile+cudagraph"
     last_block: str = "short"           # "short" (upstream) | "pad"
@@ -227,7 +228,7 @@ def set_fast(engine: Engine, how: str, runner: Any = None) -> Engine:
         batch = 2 if cfg.guidance > 1 else 1
         ex = sampling.example_inputs(model, batch, cfg.block, (cfg.face // 8,) * 2, engine.device, engine.dtype)
         with sampling.sdpa_backend(cfg.attention):
-            engine.runner = sampling.fast_unet(eager_unet(engine), how, ex, precision=_precision(engine.dtype))
+            engine.runner = sampling.fast_unet(eager_unet(engine), how, ex, precision=_precision(engine.dtype), pdl=cfg.pdl)
         engine.unet_fn = _with_attention(engine.runner, cfg.attention)
     engine.cfg.fast = how
     return engine
