@@ -264,13 +264,13 @@ def fast_unet(model: torch.nn.Module, how: str, example: tuple[torch.Tensor, ...
     and the lab's Triton kernels with programmatic dependent launch (`lab.accel.pdl`, sm_90+); the
     lab's kernels keep it inside a captured graph (a plain "compile" runner launches them without).
     """
-    from lab.accel import pdl as P
     from lab.accel.backends import accelerate
+    from lab.accel.pdl import INDUCTOR_OPTIONS, launching
 
     if how not in FAST_OPTIONS:
         raise InputError(f"fast path must be one of {FAST_OPTIONS}, got {how!r}")
     opts: dict[str, Any] = {"clone_output": False} if "cudagraph" in how else {}
     if pdl and "compile" in how:
-        opts["inductor_options"] = P.INDUCTOR_OPTIONS
-    with P.launching(pdl):
+        opts["inductor_options"] = INDUCTOR_OPTIONS
+    with launching(pdl):
         return accelerate(model, how, example, precision=precision, name="latentsync_unet", **opts)
