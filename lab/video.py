@@ -23,6 +23,7 @@ of a process that no longer runs are removed by the next writer in that folder
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import mmap
 import os
@@ -915,28 +916,24 @@ def clear_cuda_error() -> None:
         pass
 
 
-_CUDART: list = []
-
-
+@functools.lru_cache(maxsize=None)
 def _loaded_cudart() -> Any:
-    if not _CUDART:
-        import ctypes
+    """The CUDA runtime library this process has loaded (ctypes), or None."""
+    import ctypes
 
-        lib = None
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[-1] for ln in f if "libcudart.so" in ln and ln.split()[-1].startswith("/")})
+    except OSError:
+        return None
+    for path in paths:
         try:
-            with open("/proc/self/maps") as f:
-                paths = sorted({ln.split()[-1] for ln in f if "libcudart.so" in ln and ln.split()[-1].startswith("/")})
-        except OSError:
-            paths = []
-        for path in paths:
-            try:
-                lib = ctypes.CDLL(path)
-                lib.cudaGetLastError.restype = ctypes.c_int
-                break
-            except (OSError, AttributeError):
-                lib = None
-        _CUDART.append(lib)
-    return _CUDART[0]
+            lib = ctypes.CDLL(path)
+            lib.cudaGetLastError.restype = ctypes.c_int
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 # ---------------------------------------------------------------- reading back

@@ -43,7 +43,8 @@ WRITEUP = {"eager_s_per_s": 41.065, "optimized_s_per_s": 27.702, "faster_pct": 3
            "clip_faster_pct": {"exact20_fast": 56.17, "12": 65.74, "8": 71.76, "4": 78.38}}
 # upstream's own UNet3D on our H200 (random weights, fp16, guided 2 × 16 frames at 64² latents)
 ANCHOR_H200 = {"eager_ms_per_step": 175.5, "compile_ms_per_step": 119.9, "vae_s_per_s": 0.62}
-# for run_all's deadline: seconds at full size on an H200 (run_07_levers: UNet compile 85 s, VAE step 20 s with its 13 s compile, modes 37 s; run_07_loop_fp8: FP8 eager + its compiled build 240 s)
+# for run_all's deadline: seconds at full size on an H200 (run_07_levers: UNet compile 85 s, modes 37 s; run_07_vae_encoder: the
+# VAE step with both compiled runners 44 s; run_07_loop_fp8: FP8 eager + its compiled build 240 s)
 ESTIMATE_S = {"attention": 40, "compile": 120, "vae_compile": 50, "modes": 45, "loop": 15, "memory": 100, "fp8": 260}  # full size on an H200, for run_all's deadline
 # exact switches of the model, in the order the waterfall adds them (each alone, then together)
 LEVERS = ("null_audio", "shared_prefix", "guided_shortcuts", "fused_qkv", "fused_norms", "attention_kernels")
@@ -319,11 +320,10 @@ def step_waterfall(ctx: Context) -> list[dict]:
     placed: list[list[dict]] = []
     for i, (extra, choice) in enumerate(stacks):
         i0 = len(rows)
-        left = None if ctx.deadline_s is None else ctx.deadline_s - (time.perf_counter() - ctx.t0)
-        need = ESTIMATE_S["compile"] + ESTIMATE_S["vae_compile"] + ESTIMATE_S["modes"]
-        if i and left is not None and any("compile" in h for h in hows) and left < need:
+        late = _no_time_for_a_compile(ctx)
+        if i and late and any("compile" in h for h in hows):
             for how in hows:
-                skip(" + ".join([how, *on]), f"skipped: {left:.0f} s left before the deadline, a compile + the modes need ~{need} s")
+                skip(" + ".join([how, *on]), late)
             placed.append(rows[i0:])
             continue
         set_attention_kernels(model, per_shape=choice, latent=hw[0])
@@ -365,6 +365,15 @@ def step_waterfall(ctx: Context) -> list[dict]:
     return rows
 
 
+def _no_time_for_a_compile(ctx: Context) -> str | None:
+    """The skip reason when the deadline leaves no room for one more UNet compile and the steps after it, else None."""
+    left = None if ctx.deadline_s is None else ctx.deadline_s - (time.perf_counter() - ctx.t0)
+    need = ESTIMATE_S["compile"] + ESTIMATE_S["vae_compile"] + ESTIMATE_S["modes"]
+    if left is None or left >= need:
+        return None
+    return f"skipped: {left:.0f} s left before the deadline, a compile + the modes need ~{need} s"
+
+
 def _pdl_row(ctx: Context, target, ex, on: list[str], choice: dict, add, skip, n_flops: int) -> None:
     """The fastest stack (compile + CUDA graph, with the pinned attention kernels where chosen) built again with
     programmatic dependent launch for inductor's and the lab's Triton kernels: the same kernels, launched early."""
@@ -374,10 +383,9 @@ def _pdl_row(ctx: Context, target, ex, on: list[str], choice: dict, add, skip, n
     step = " + ".join(["compile+cudagraph", *on, *(["attention kernels"] if choice else []), "PDL"])
     if not pdl.supported():
         return skip(step, "needs a GPU of compute capability 9.0 or later (programmatic dependent launch)")
-    left = None if ctx.deadline_s is None else ctx.deadline_s - (time.perf_counter() - ctx.t0)
-    need = ESTIMATE_S["compile"] + ESTIMATE_S["vae_compile"] + ESTIMATE_S["modes"]
-    if left is not None and left < need:
-        return skip(step, f"skipped: {left:.0f} s left before the deadline, a compile + the modes need ~{need} s")
+    late = _no_time_for_a_compile(ctx)
+    if late:
+        return skip(step, late)
     set_attention_kernels(ctx.engine.unet.model, per_shape=choice, latent=ctx.engine.cfg.face // 8)
     try:
         t0 = time.perf_counter()
