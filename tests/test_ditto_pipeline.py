@@ -365,11 +365,11 @@ def test_pdl_switch_is_a_no_op_without_a_hopper_gpu(engine, avatar, monkeypatch)
 
     monkeypatch.setattr(pdl, "supported", lambda: False)
     with pdl.launching(True) as on:
-        assert not on and not pdl.enabled() and pdl.launch_options() == {}
+        assert not on and not pdl.enabled() and pdl.launch_options() == {"USE_PDL": False}
     monkeypatch.setattr(pdl, "supported", lambda: True)
     with pdl.launching(True) as on:
         assert on and pdl.launch_options() == {"USE_PDL": True, "launch_pdl": True}
-    assert not pdl.enabled() and pdl.launch_options() == {}
+    assert not pdl.enabled() and pdl.launch_options() == {"USE_PDL": False}
     monkeypatch.undo()
     a = _speech_with_pause(0.4)
     e = P.reconfigure(engine, motion_precision="tf32x3")

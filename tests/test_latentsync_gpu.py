@@ -117,7 +117,7 @@ def test_compiled_graph_with_pdl_matches_eager(tiny, monkeypatch):
         r = sampling.fast_unet(m, "compile+cudagraph", ex, pdl=True)
         assert cosine(r(*ex).float(), ref) > 0.9999
         assert seen and all(seen) and not pdl.enabled()   # the passes were captured with PDL on, and it is off after
-        assert sa.launch_options() == {}
+        assert sa.launch_options() == {"USE_PDL": False}
     finally:
         block_norm.unfuse_block_norms(m)
         m.to(memory_format=torch.contiguous_format)

@@ -11,7 +11,7 @@ own Triton kernels under `INDUCTOR_OPTIONS`.
 
 A kernel taking part declares `USE_PDL: tl.constexpr` and starts with `gdc_wait()` (then `gdc_launch_dependents()`)
 when it is set; its launch passes `**launch_options()`. Off the GPU, on older GPUs and outside `launching`, the
-options are empty: the kernel is the plain one.
+options only set `USE_PDL=False`: the kernel is the plain one.
 """
 from __future__ import annotations
 
@@ -49,5 +49,7 @@ def launching(on: bool) -> Iterator[bool]:
 
 
 def launch_options() -> dict:
-    """Keyword arguments for a participating kernel's launch: the constexpr and Triton's launch flag, or nothing."""
-    return {"USE_PDL": True, "launch_pdl": True} if _on else {}
+    """Keyword arguments for a participating kernel's launch: the constexpr and Triton's launch flag. USE_PDL is
+    passed even when off: inductor's launcher for a user-defined kernel traced in a graph leaves a defaulted
+    constexpr out of its argument count (measured on an H200: "launcher() missing ... '_grid_2'")."""
+    return {"USE_PDL": True, "launch_pdl": True} if _on else {"USE_PDL": False}
