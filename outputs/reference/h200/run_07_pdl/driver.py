@@ -1,11 +1,12 @@
 """Reference run: notebook 07's steps at the current code with the step waterfall's last row, the fastest stack
 built again with programmatic dependent launch (`pdl`), measured for the first time.
 
-1. The attention table and the step waterfall (deadline 480 s: both compiled stacks and the PDL row run).
+1. The attention table and the step waterfall (deadline 460 s: the stack with the pinned kernels, then the PDL row;
+   the comparison stack without the pinned kernels is cut by the deadline).
 2. The GPU time of the PDL runner's step by kernel kind beside the stack without it (torch.profiler), and the
    step's wall against its summed kernel time (what PDL is aimed at: the gaps between kernels).
 3. The VAE costs, then the modes on the fastest runner and the looped source.
-4. If the time allows: the memory rows (10 s / 60 s of input).
+The memory rows are not run (measured with the same runners in first_call/).
 Usage: python3 driver.py WORK_DIR OUT_DIR"""
 import json, os, sys, time
 
@@ -16,7 +17,7 @@ from lab.experiments import latentsync as X
 from lab.accel import sampling
 
 ctx = X.setup("cuda", False, 0, work)
-ctx.deadline_s = 480
+ctx.deadline_s = 460
 log = lambda m: print(f"[{time.perf_counter() - T0:7.1f} s] {m}", flush=True)   # noqa: E731
 X.attention_kernels(ctx)
 log("attention table done")
@@ -45,10 +46,6 @@ for r in X.mode_table(ctx):
     print({k: r.get(k) for k in ("mode", "runner", "wall_s", "s_per_output_s", "change_vs_exact20_eager_pct", "unet_s",
                                  "vae_s", "vae_encode_s", "latent_cosine", "latents_equal_cold", "peak_vram_mb")}, flush=True)
 log("modes done")
-if time.perf_counter() - T0 < 440:
-    for r in X.memory_scaling(ctx):
-        print(r, flush=True)
-    log("memory done")
 X.comparisons(ctx)
 import shutil
 shutil.copy(X.save(ctx), os.path.join(out, "results.json"))
