@@ -271,3 +271,32 @@ def test_step_budget_splits_a_mode_row_into_unet_and_the_rest():
     assert b["ms_per_step_now"] == pytest.approx(80.0)          # 2.5 s / (20 steps · 25/16 blocks per second)
     assert b["ms_per_step_allowed"] == pytest.approx(60.0)      # (2.5 − 0.625) s over the same 31.25 steps
     assert X.step_budget({"frames": 32, "steps": 8, "unet_s": 1.0, "s_per_output_s": 2.0}, 1.0, 16)["ms_per_step_allowed"] < 0
+
+
+
+def test_waterfall_builds_the_pdl_row_before_the_comparison_stack(tmp_path, monkeypatch):
+    """The PDL candidate is built right after the stack with the pinned kernels, so a deadline cuts the comparison
+    stack (without them) first; the table shows the PDL row last. Builds are stood in by the plain model."""
+    from lab.accel import pdl
+    from lab.experiments import latentsync as L
+
+    ctx = L.setup("cpu", quick=True, out_dir=str(tmp_path / "run"))
+    ctx.prof.fast = [*L.LEVERS, "compile", "compile+cudagraph"]
+    built = []
+
+    def runner(target, how):
+        built.append(how)
+        return type("Runner", (), {"notes": [], "__call__": lambda self, *a: target(*a)})()
+
+    monkeypatch.setattr(L, "_build_runner", lambda target, how, ex, dtype, compiled=None: runner(target, how))
+    monkeypatch.setattr(L.sampling, "fast_unet", lambda target, how, ex, precision, pdl: runner(target, how + " PDL"))
+    monkeypatch.setattr(pdl, "supported", lambda: True)
+    checks = []   # the deadline: in time for the pinned stack and the PDL row, out of time for the comparison
+    monkeypatch.setattr(L, "_no_time_for_a_compile", lambda c: checks.append(1) or ("late" if len(checks) > 2 else None))
+    rows = L.step_waterfall(ctx)
+    assert built == ["compile", "compile+cudagraph PDL"]   # on a CPU the graph row itself is skipped ("needs CUDA")
+    assert rows[-1]["step"].endswith("attention kernels + PDL") and rows[-1]["status"] == "ok"
+    late = [r["step"] for r in rows if r["status"] == "late"]
+    assert late and all("attention kernels" not in s for s in late)   # the comparison stack was the one cut
+    pinned = [r for r in rows if r["step"].startswith("compile +") and "attention kernels" in r["step"]]
+    assert len(pinned) == 1 and pinned[0]["status"] == "ok"
