@@ -50,3 +50,19 @@ def test_short_attention_is_offered_for_the_temporal_attention_only():
             sa.short_attention(q, q, q, 2)
     with pytest.raises(InputError, match="64 tokens"):
         sa.short_attention(*(torch.randn(1, 65, 32),) * 3, 2)
+
+
+def test_short_attention_is_one_opaque_op_in_a_traced_graph(monkeypatch):
+    """Traced as a user-defined Triton kernel, the PDL form (inline-assembly griddepcontrol) makes inductor copy the
+    kernel's inputs; behind a custom op the graph holds one call that inductor does not analyse."""
+    pytest.importorskip("triton")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lab.accel import short_attention as sa
+
+    monkeypatch.setattr(sa, "available", lambda device=None: (True, ""))   # tracing only: nothing is launched
+    q, k, v = torch.randn(4, 16, 3 * 32).chunk(3, -1)
+    gm = make_fx(lambda q, k, v: sa.short_attention(q, k, v, 2), tracing_mode="fake")(q, k, v)
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.lab.short_attention.default in calls
+    assert not [t for t in calls if "triton_kernel" in str(t)]

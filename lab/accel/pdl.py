@@ -9,8 +9,8 @@ own Triton kernels under `INDUCTOR_OPTIONS`.
     with launching(True):        # kernels launched (or captured into a graph) here use PDL where the GPU has it
         run()
 
-A kernel taking part declares `USE_PDL: tl.constexpr` and starts with `gdc_wait()` (then `gdc_launch_dependents()`)
-when it is set; its launch passes `**launch_options()`. Off the GPU, on older GPUs and outside `launching`, the
+A kernel taking part declares `USE_PDL: tl.constexpr` and starts with `wait_and_release(USE_PDL)`; its launch passes
+`**launch_options()`. Off the GPU, on older GPUs and outside `launching`, the
 options only set `USE_PDL=False`: the kernel is the plain one.
 """
 from __future__ import annotations
@@ -20,17 +20,31 @@ from typing import Iterator
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - Triton ships with torch on Linux
+    triton = None
+
 INDUCTOR_OPTIONS = {"triton.enable_pdl": True}   # torch.compile(options=...) for inductor's own kernels
 _on = False
 
 
 def supported() -> bool:
     """A CUDA device of compute capability 9.0 or later, and Triton."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:  # pragma: no cover - Triton ships with torch on Linux
-        return False
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    return triton is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+if triton is not None:
+    @triton.jit
+    def wait_and_release(USE_PDL: tl.constexpr):
+        """A participating kernel's first step when launched early: wait until the kernel before it has finished and
+        its writes are visible, then let the next kernel launch. Nothing when USE_PDL is off."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+else:  # pragma: no cover - no Triton, no participating kernels
+    wait_and_release = None
 
 
 def enabled() -> bool:

@@ -12,8 +12,10 @@ ran 8-13× over that bound (notebook 07's attention table). Here the tile is the
 
 Scores and softmax in fp32, the products on the tensor cores in the inputs' dtype (fp16 / bf16), as
 the flash kernels do. `register()` offers it to the LatentSync UNet as the attention kernel "triton"
-(`lab.models.latentsync.set_attention_kernels`); it is a plain Triton kernel launch, which
-torch.compile keeps inside its graph.
+(`lab.models.latentsync.set_attention_kernels`). The launch sits behind a custom op, which torch.compile keeps in
+its graph as one opaque call: traced as a user-defined kernel instead, its programmatic-dependent-launch form
+(`lab.accel.pdl`: inline-assembly `griddepcontrol`) cannot be analysed by inductor, which then assumes every input is
+written and copies them first (80 extra kernels per LatentSync step, measured on an H200).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import math
 
 import torch
 
-from lab.accel.pdl import launch_options
+from lab.accel.pdl import launch_options, wait_and_release
 from lab.errors import BackendUnavailable, InputError
 
 MAX_TOKENS = 64
@@ -39,9 +41,7 @@ if triton is not None:
                                 sq_n, sq_l, sk_n, sk_l, sv_n, sv_l, so_n, so_l,
                                 H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
                                 USE_PDL: tl.constexpr = False):
-        if USE_PDL:   # launched early (lab.accel.pdl): wait for the kernel before to finish, let the next one launch
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_and_release(USE_PDL)   # launched early (lab.accel.pdl)
         pid = tl.program_id(0)
         n = pid // H
         h = pid % H
@@ -84,7 +84,18 @@ def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: in
     ok, why = available(q.device)
     if not ok:
         raise BackendUnavailable(why)
+    return _short_attention_op(q, k, v, heads)
+
+
+@torch.library.custom_op("lab::short_attention", mutates_args=())
+def _short_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """The kernel launch as one op (opaque to torch.compile; see the module docstring)."""
     return _launch(q, k, v, heads)
+
+
+@_short_attention_op.register_fake
+def _(q, k, v, heads):
+    return q.new_empty(q.shape)
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
