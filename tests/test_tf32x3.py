@@ -65,6 +65,31 @@ def test_kernel_equals_the_product_under_the_interpreter(triton_interpreter):
     assert float(triton_interpreter(CHECK).split()[-1]) < 1e-6
 
 
+def test_motion_model_gemms_take_the_fixed_tile_and_deeper_ones_are_autotuned(monkeypatch):
+    """The motion model's 160-row GEMMs launch one fixed tile (per-process autotuning picked slower tiles at random);
+    deeper GEMMs go through the autotuner. Launches are recorded, nothing runs."""
+    pytest.importorskip("triton")
+    seen = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((self.name, grid if isinstance(grid, tuple) else "by config", kw))
+
+    monkeypatch.setattr(tf32x3, "_linear_kernel", Recorder("fixed"))
+    monkeypatch.setattr(tf32x3, "_tuned", Recorder("autotuned"))
+    w = torch.randn(512, 530)
+    tf32x3.linear_triton(torch.randn(2, 80, 530), w)
+    tf32x3.linear_triton(torch.randn(1000, 530), w)
+    tf32x3.linear_triton(torch.randn(1000, 530), w, tuned=False)
+    assert [s[0] for s in seen] == ["fixed", "autotuned", "fixed"]
+    t = tf32x3.SMALL_M_TILE
+    assert seen[0][1] == (-(-160 // t["BM"]), 512 // t["BN"])
+    assert all(seen[0][2][key] == t[key] for key in t)
+
+
 def test_linear_falls_back_to_f_linear_off_the_gpu():
     x, w, b = torch.randn(3, 7, 16), torch.randn(5, 16), torch.randn(5)
     assert not tf32x3.applies(x, w)

@@ -35,10 +35,15 @@ except ImportError:  # pragma: no cover - Triton ships with torch on Linux
     triton = None
 
 PRECISION = "tf32x3"   # Triton's input_precision; "ieee" gives the SIMT fp32 product (tests), "tf32" one pass
+# The motion model's GEMMs (160 rows: 2 × 80 frames) take one fixed tile. Autotuned per process, their picks varied
+# with timing noise: on one H200, three processes picked 16 × 64 × 64 for the 160 × 512 × 512 projections twice
+# (window 40.4 / 40.9 ms) and 64 × 32 × 32 once (46.3 ms, the GEMM kernels 33.6 instead of 27.9 ms).
+SMALL_M = 256
+SMALL_M_TILE = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
 
 if triton is not None:
-    # small-M tiles first: the motion model's GEMMs are 160 rows (2 × 80 frames); autotuned per (M, N, K) on
-    # the first call, which the pipeline makes before any CUDA-graph capture
+    # for GEMMs deeper than SMALL_M rows: autotuned per (M, N, K) on the first call, which the pipeline makes before
+    # any CUDA-graph capture
     _CONFIGS = [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
                 for bm, bn, bk, w, s in ((32, 32, 32, 2, 3), (32, 64, 32, 4, 3), (64, 32, 32, 4, 3),
                                          (64, 64, 32, 4, 3), (32, 64, 64, 4, 3), (16, 64, 64, 4, 3),
@@ -92,8 +97,8 @@ if triton is not None:
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   precision: str = PRECISION, tuned: bool = True) -> torch.Tensor:
-    """x (…, K) @ weight (N, K)ᵀ + bias (N,) by the Triton kernel, fp32 in and out. `tuned=False` uses one
-    fixed tile (the CPU interpreter, where autotuning would time Python)."""
+    """x (…, K) @ weight (N, K)ᵀ + bias (N,) by the Triton kernel, fp32 in and out. Up to SMALL_M rows, or with
+    `tuned=False` (the CPU interpreter, where autotuning would time Python), one fixed tile; deeper, autotuned."""
     if x.shape[-1] != weight.shape[1] or weight.dim() != 2 or (bias is not None and bias.shape != weight.shape[:1]):
         raise InputError(f"linear: x (…, {x.shape[-1]}), weight {tuple(weight.shape)} and bias "
                          f"{None if bias is None else tuple(bias.shape)} do not fit (weight (N, K), bias (N,))")
@@ -106,12 +111,13 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     has_bias = bias is not None
     args = (x2, weight, bias if has_bias else weight, y, m, n, x2.stride(0), x2.stride(1),
             weight.stride(0), weight.stride(1), y.stride(0), y.stride(1))
-    if tuned:
+    if tuned and m > SMALL_M:
         grid = lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))  # noqa: E731
         _tuned[grid](*args, K=k, HAS_BIAS=has_bias, PREC=precision, **launch_options())
     else:
-        _linear_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 32))](*args, K=k, HAS_BIAS=has_bias, PREC=precision,
-                                                                   BM=32, BN=32, BK=32, num_warps=4)
+        t = SMALL_M_TILE
+        _linear_kernel[(triton.cdiv(m, t["BM"]), triton.cdiv(n, t["BN"]))](*args, K=k, HAS_BIAS=has_bias, PREC=precision,
+                                                                           **t, **launch_options())
     return y.reshape(*x.shape[:-1], n)
 
 
