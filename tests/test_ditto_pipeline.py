@@ -376,3 +376,32 @@ def test_pdl_switch_is_a_no_op_without_a_hopper_gpu(engine, avatar, monkeypatch)
     ref = P.run(e, avatar, a, SR, keep_faces=True)
     out = P.run(P.reconfigure(e, motion_pdl=True), avatar, a, SR, keep_faces=True)
     assert torch.equal(ref.faces, out.faces)
+
+
+def test_runs_keep_whole_faces_only_while_they_are_references(tmp_path):
+    """The waterfall and stride rows keep SHOWN frames of each run once its quality columns are computed; the first
+    and last waterfall rows (references later) stay whole; the figures still draw from what is kept."""
+    import matplotlib
+    from lab.experiments import ditto as X
+
+    matplotlib.use("Agg")
+    ctx = X.setup("cpu", True, 0, str(tmp_path / "run"), clip_s=3 * X.profile(True, torch.device("cpu")).clip_s)
+    n = ctx.audio.size // 640
+    assert n > X.SHOWN
+    rows = X.waterfall(ctx)
+    steps = [s for s, _ in X.waterfall_steps(ctx)]
+    assert len(steps) > 3 and all(r.get("psnr_vs_dense_db") is not None for r in rows[1:])
+    lengths = {k: len(r.faces) for k, r in ctx.runs.items()}
+    assert lengths[steps[0]] == lengths[steps[-1]] == n
+    released = [k for k in ctx.runs if k not in (steps[0], steps[-1])]
+    assert released and all(lengths[k] == X.SHOWN for k in released)
+    X.stride_table(ctx)
+    assert all(len(ctx.runs[k].faces) == X.SHOWN for k in ctx.runs if k.startswith("stride"))
+    assert X.easing_strip(ctx) is not None and X.scrubber(ctx, interactive=False) is not None
+    lo = X._shown_from(ctx)
+    first = ctx.runs[released[0]]
+    assert torch.equal(X._shown(ctx, first, lo, 3), first.faces[:3])
+    with pytest.raises(ValueError, match="not kept"):
+        X._shown(ctx, first, lo + X.SHOWN - 1, 2)
+    with pytest.raises(ValueError, match="whole"):
+        X._quality(first, ctx.runs[steps[0]])

@@ -651,8 +651,36 @@ def _timed(ctx: Context, changes: dict, keep_faces: bool = True, keep_frames: tu
     return med
 
 
+SHOWN = 24   # frames of each run the figures show: from two before the first speech-to-pause transition
+
+
+def _shown_from(ctx: Context) -> int:
+    n = ctx.audio.size // D.SAMPLES_PER_FRAME
+    return max(0, min(transition(ctx) - 2, n - SHOWN))
+
+
+def _release(ctx: Context, *reps: P.RunReport | None) -> None:
+    """Keep only the SHOWN frames of runs that no longer serve as a quality reference. A 31-s clip's faces are 0.6 GB
+    per run; kept whole, every run raised the host RSS of each later row (4.6 → 9.3 GB across one final step)."""
+    lo = _shown_from(ctx)
+    for rep in reps:
+        if rep is not None and rep.faces is not None and getattr(rep, "faces_from", None) is None:
+            rep.faces, rep.faces_from = rep.faces[lo:lo + SHOWN].clone(), lo   # a copy: the whole tensor is freed
+
+
+def _shown(ctx: Context, rep: P.RunReport, first: int, n: int) -> torch.Tensor:
+    """Faces first … first + n − 1 (absolute frame numbers) of a run, kept whole or released."""
+    off = first - getattr(rep, "faces_from", 0)
+    if off < 0 or off + n > len(rep.faces):
+        raise ValueError(f"frames {first}–{first + n - 1} were not kept (the figures show {SHOWN} from "
+                         f"{_shown_from(ctx)})")
+    return rep.faces[off:off + n]
+
+
 def _quality(rep: P.RunReport, ref: P.RunReport, mask: np.ndarray | None = None) -> dict:
     a, b = rep.faces, ref.faces
+    if getattr(rep, "faces_from", None) is not None or getattr(ref, "faces_from", None) is not None:
+        raise ValueError("a quality column needs both runs' faces whole; one was released (_release) too early")
     if mask is not None:
         if not mask.any():
             return {}
@@ -704,8 +732,11 @@ def waterfall(ctx: Context) -> list[dict]:
             ctx.runs["eased"] = eased
             q = _quality(rep, eased, rep.alpha == 0)
             row |= {"psnr_silence_vs_eased_db": q.get("psnr_db"), "eased_reference_fps": eased.fps}
+            _release(ctx, eased)
         rows.append(row)
         ctx.runs[step] = rep
+        if rep is not ref and step != waterfall_steps(ctx)[-1][0]:   # the first and the last rows are references later
+            _release(ctx, rep)
         print(f"  waterfall {step:55s} {rep.fps:8.1f} FPS (median of {row['runs']})", flush=True)
         ctx.res.tables["waterfall"] = rows
         ctx.partial()
@@ -753,6 +784,7 @@ def stride_table(ctx: Context) -> list[dict]:
         ctx.runs[f"stride {k} {space}"] = rep
         rows.append(_row(f"stride {k}, SLERP of {space}", rep, dense) | {"space": space, "stride": k,
                                                                          "speedup": rep.fps / dense.fps, "config": label})
+        _release(ctx, rep)
         print(f"  stride {k} {space:8s} {rep.fps:8.1f} FPS", flush=True)
         ctx.res.tables["strides"] = rows + kept
         ctx.partial()   # a run cut short keeps every row measured so far
@@ -762,8 +794,10 @@ def stride_table(ctx: Context) -> list[dict]:
             rep = _timed(ctx, final | dict(stride=k, stride_space="output"), repeats=reps)
             kept.append(_row(f"stride {k}, SLERP of output (final config)", rep, top) | {
                 "space": "output", "stride": k, "speedup": rep.fps / top.fps, "config": "final"})
+            _release(ctx, rep)
             print(f"  stride {k} output (final) {rep.fps:8.1f} FPS", flush=True)
     ctx.res.tables["strides"] = rows + kept
+    _release(ctx, dense)
     ctx.partial()
     return ctx.res.tables["strides"]
 
@@ -811,6 +845,8 @@ def final_step(ctx: Context) -> list[dict]:
             # each row against the first as well as the one before: which row moved the output
             rows[-1]["psnr_vs_first_db"] = _quality(rep, first)["psnr_db"]
         first = rep if first is None else first
+        if top is not first:   # compared with its successor; the first row stays every row's reference
+            _release(ctx, top)
         top, top_ch = rep, ch
         print(f"  final {step:55s} {rep.fps:8.1f} FPS (median of {rep.runs})", flush=True)
         ctx.res.tables["e2e_final"] = rows
@@ -838,6 +874,7 @@ def approximate_motion(ctx: Context, changes: dict, exact: P.RunReport) -> list[
             continue
         rows.append(_row(f"+ motion model in bf16 autocast{'' if k == 1 else f', output stride {k}'}", rep, exact)
                     | {"stride": k, "motion_precision": "bf16"})
+        _release(ctx, rep)
         print(f"  approx bf16 motion stride {k} {rep.fps:8.1f} FPS", flush=True)
         ctx.res.tables["e2e_approx"] = rows
         ctx.partial()
@@ -852,6 +889,7 @@ def _final_strides(ctx: Context, changes: dict, dense: P.RunReport, strides: tup
         r = _timed(ctx, changes | dict(stride=k, stride_space="output"), repeats=ctx.prof.repeats)
         rows.append(_row(f"stride {k}, SLERP of output (final config)", r, dense) | {
             "space": "output", "stride": k, "speedup": r.fps / dense.fps, "config": "final"})
+        _release(ctx, r)
         print(f"  stride {k} output (final) {r.fps:8.1f} FPS", flush=True)
         ctx.partial()
 
@@ -907,7 +945,7 @@ def memory_flat(ctx: Context) -> dict:
         a = np.resize(ctx.audio, int(secs * 16000)).astype(np.float32)
         rep = P.run(e, ctx.avatar, a, 16000)
         out[label] = {"seconds": secs, "frames": rep.n_frames, "rss_peak_mb": rep.rss_peak_mb, "fps": rep.fps,
-                      "gpu_peak_mb": rep.gpu_peak_mb}
+                      "gpu_peak_mb": rep.gpu_peak_mb, "rss_start_mb": rep.rss_mb[0]}
     out["rss_growth"] = out["long"]["rss_peak_mb"] / out["short"]["rss_peak_mb"] - 1
     ctx.res.metrics["memory"] = out
     ctx.partial()
@@ -972,7 +1010,7 @@ def easing_strip(ctx: Context, n: int = 7):
     rep = rep or next(iter(ctx.runs.values()))
     t0 = max(0, transition(ctx) - 1)
     idx = list(range(t0, min(t0 + n, rep.n_frames)))
-    imgs = [rep.faces[i].numpy() for i in idx]
+    imgs = [f.numpy() for f in _shown(ctx, rep, t0, len(idx))]
     titles = [f"frame {i}\nα={rep.alpha[i]:.3f}" + (" (bypass)" if rep.alpha[i] == 0 else "") for i in idx]
     return plots.image_row(imgs, titles, suptitle=f"speech → pause, silence bypass with easing{ctx.suffix}")
 
@@ -981,12 +1019,13 @@ def scrubber(ctx: Context, a: str | None = None, b: str | None = None, interacti
     """Frames of two runs side by side (slider over frames, A/B dropdowns, |A − B| map)."""
     from lab import widgets
 
-    seqs = {k: r.faces.numpy().astype(np.float32) / 255 for k, r in ctx.runs.items() if r.faces is not None}
-    keys = list(seqs)
+    runs = {k: r for k, r in ctx.runs.items() if r.faces is not None}
+    keys = list(runs)
     a = a or keys[0]
     b = b or (next((k for k in keys if k.startswith("stride 3")), keys[-1]))
-    n = min(len(seqs[a]), 24)
-    frames = {k: v[transition(ctx) - 2:][:n] if len(v) > n else v[:n] for k, v in seqs.items()}
+    n = min(runs[a].n_frames, SHOWN)
+    lo = _shown_from(ctx) if runs[a].n_frames > n else 0
+    frames = {k: _shown(ctx, r, lo, n).numpy().astype(np.float32) / 255 for k, r in runs.items()}
     return widgets.decoder_comparator(frames, [f"frame {i}" for i in range(n)], a, b,
                                       suptitle=f"Ditto runs side by side{ctx.suffix}", interactive=interactive)
 
