@@ -396,7 +396,8 @@ def test_runs_keep_whole_faces_only_while_they_are_references(tmp_path):
     released = [k for k in ctx.runs if k not in (steps[0], steps[-1])]
     assert released and all(lengths[k] == X.SHOWN for k in released)
     X.stride_table(ctx)
-    assert all(len(ctx.runs[k].faces) == X.SHOWN for k in ctx.runs if k.startswith("stride"))
+    strided = [k for k in ctx.runs if k.startswith("stride")]
+    assert strided and all(len(ctx.runs[k].faces) == X.SHOWN for k in strided)
     assert X.easing_strip(ctx) is not None and X.scrubber(ctx, interactive=False) is not None
     lo = X._shown_from(ctx)
     first = ctx.runs[released[0]]

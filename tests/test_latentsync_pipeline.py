@@ -273,7 +273,6 @@ def test_step_budget_splits_a_mode_row_into_unet_and_the_rest():
     assert X.step_budget({"frames": 32, "steps": 8, "unet_s": 1.0, "s_per_output_s": 2.0}, 1.0, 16)["ms_per_step_allowed"] < 0
 
 
-
 def test_waterfall_builds_the_pdl_row_before_the_comparison_stack(tmp_path, monkeypatch):
     """The PDL candidate is built right after the stack with the pinned kernels, so a deadline cuts the comparison
     stack (without them) first; the table shows the PDL row last. Builds are stood in by the plain model."""

@@ -10,8 +10,8 @@ own Triton kernels under `INDUCTOR_OPTIONS`.
         run()
 
 A kernel taking part declares `USE_PDL: tl.constexpr` and starts with `wait_and_release(USE_PDL)`; its launch passes
-`**launch_options()`. Off the GPU, on older GPUs and outside `launching`, the
-options only set `USE_PDL=False`: the kernel is the plain one.
+`**launch_options()`. Off the GPU, on older GPUs and outside `launching`, the options only set `USE_PDL=False`: the
+kernel is the plain one.
 """
 from __future__ import annotations
 
