@@ -391,6 +391,9 @@ def test_runs_keep_whole_faces_only_while_they_are_references(tmp_path):
     rows = X.waterfall(ctx)
     steps = [s for s, _ in X.waterfall_steps(ctx)]
     assert len(steps) > 3 and all(r.get("psnr_vs_dense_db") is not None for r in rows[1:])
+    # each row says what its own run added to the process's RSS, apart from what earlier rows left
+    assert all(r["rss_start_mb"] <= r["rss_peak_mb"] and r["rss_run_mb"] == r["rss_peak_mb"] - r["rss_start_mb"]
+               for r in rows)
     lengths = {k: len(r.faces) for k, r in ctx.runs.items()}
     assert lengths[steps[0]] == lengths[steps[-1]] == n
     released = [k for k in ctx.runs if k not in (steps[0], steps[-1])]

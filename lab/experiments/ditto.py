@@ -700,7 +700,9 @@ def _stage_ms(rep: P.RunReport) -> dict:
 def _row(step: str, rep: P.RunReport, ref: P.RunReport | None) -> dict:
     row = {"step": step, "fps": rep.fps, "ms_per_frame": 1e3 * rep.wall_s / rep.n_frames, "loop_fps": rep.loop_fps,
            "frames": rep.n_frames, "rendered": rep.counts["rendered"] + rep.counts["decoded"], "bypassed": rep.bypassed_frames,
-           "gpu_peak_mb": rep.gpu_peak_mb, "rss_peak_mb": rep.rss_peak_mb, "runs": getattr(rep, "runs", 1),
+           "gpu_peak_mb": rep.gpu_peak_mb, "rss_peak_mb": rep.rss_peak_mb, "rss_start_mb": rep.rss_mb[0],
+           # the process's RSS also holds what earlier rows left (reference faces, each configuration's pinned ring)
+           "rss_run_mb": rep.rss_peak_mb - rep.rss_mb[0], "runs": getattr(rep, "runs", 1),
            "fps_min": min(getattr(rep, "fps_runs", [rep.fps])), "fps_max": max(getattr(rep, "fps_runs", [rep.fps])),
            "first_frame_ms": 1e3 * rep.first_frame_s if rep.first_frame_s is not None else None,
            "zero_copy": rep.transport.get("zero_copy"), "zero_copy_note": rep.transport.get("zero_copy_note")}
@@ -1139,7 +1141,7 @@ COLUMNS = {
                  "build_s", "runs", "status", "reason"],
     "stages": ["stage", "ms_per_frame", "share_of_renderer", "ms_per_window", "new_frames_per_window", "batch", "runs"],
     "waterfall": ["step", "fps", "fps_min", "fps_max", "runs", "ms_per_frame", "first_frame_ms", "loop_fps", "pre_loop_ms", "render_ms",
-                  "putback_encode_ms", "rendered", "bypassed", "gpu_peak_mb", "rss_peak_mb", "psnr_vs_dense_db",
+                  "putback_encode_ms", "rendered", "bypassed", "gpu_peak_mb", "rss_peak_mb", "rss_run_mb", "psnr_vs_dense_db",
                   "ssim_vs_dense", "psnr_speech_frames_db", "psnr_silence_vs_eased_db", "status", "reason"],
     "e2e_stages": ["stage", "ms_per_frame", "share", "calls"],
     "motion": ["variant", "steps", "ms_per_window", "ms_per_ddim_step", "speedup_vs_eager", "kernels_per_step",
