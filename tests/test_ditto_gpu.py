@@ -49,6 +49,10 @@ def test_early_start_and_transport_keep_the_frames_on_the_gpu(tmp_path):
         assert got.transport["zero_copy"] is True, got.transport      # registered pages: spliced, not copied
         assert (tmp_path / f"got{i}.mp4").read_bytes() == (tmp_path / "ref.mp4").read_bytes()
     assert read_video_info(tmp_path / "got1.mp4").n_frames == ref.n_frames == 210
+    # the putback over the crop's footprint into the backgrounds' cached planes: the same file, byte for byte
+    box = P.run(P.reconfigure(e, putback_box=True), avatar, audio, 16000, tmp_path / "box.mp4", keep_faces=True)
+    assert torch.equal(box.faces, ref.faces)
+    assert (tmp_path / "box.mp4").read_bytes() == (tmp_path / "ref.mp4").read_bytes()
 
 
 def test_hubert_graph_gives_the_eager_features():

@@ -163,6 +163,77 @@ def test_silence_helpers():
         sil.speech_frames(loud, 2, threshold=0)
 
 
+def _turned(scale, angle_deg, cx, cy, crop):
+    """crop → frame matrix: the crop scaled, turned about its centre and centred at (cx, cy)."""
+    a = np.deg2rad(angle_deg)
+    r = scale * np.array([[np.cos(a), -np.sin(a)], [np.sin(a), np.cos(a)]])
+    m = np.eye(3)
+    m[:2, :2] = r
+    m[:2, 2] = np.array([cx, cy]) - r @ np.array([crop / 2 - 0.5, crop / 2 - 0.5])
+    return m
+
+
+def test_footprint_holds_every_pixel_the_crop_changes():
+    rng = np.random.default_rng(1)
+    h, w, crop = 96, 80, 16
+    mask = torch.from_numpy(pb.feather_mask(crop))
+    for scale, angle, cx, cy in ((1.0, 0, 40, 48), (1.7, 33, 21, 60), (0.6, -75, 77, 3), (2.3, 12, -5, 90)):
+        m = _turned(scale, angle, cx, cy, crop)
+        y0, y1, x0, x1 = pb.footprint(m[None], (h, w), crop)
+        assert y0 % 2 == x0 % 2 == 0 and (y1 % 2 == 0 or y1 == h) and (x1 % 2 == 0 or x1 == w)
+        bg = torch.from_numpy(rng.integers(0, 255, (1, h, w, 3), dtype=np.uint8))
+        render = torch.from_numpy(rng.random((1, 3, crop, crop)).astype(np.float32))
+        comp = pb.putback_gpu(bg, render, mask, pb.sampling_grid(torch.from_numpy(m[None]), (h, w), crop))
+        outside = torch.ones(h, w, dtype=torch.bool)
+        outside[y0:y1, x0:x1] = False
+        assert torch.equal(comp[0][outside], bg[0][outside])            # the background, byte for byte
+        assert (comp[0][~outside] != bg[0][~outside]).any()              # and the crop does land in the box
+    assert pb.footprint(_turned(1.0, 0, -100, -100, crop)[None], (h, w), crop) == (0, 0, 0, 0)
+    with pytest.raises(InputError, match="non-finite"):
+        pb.footprint(np.full((1, 3, 3), np.nan), (h, w), crop)
+
+
+def test_putback_box_writes_the_same_bytes(engine, avatar):
+    """The box composite into the backgrounds' planes gives the whole-frame composite's yuv420p, byte for byte:
+    one matrix for every source frame, and a looping source whose crops move, turn and hang off the frame."""
+    import dataclasses
+
+    class Grab:
+        def __init__(self):
+            self.out = []
+
+        def write(self, x):
+            self.out.append(x.clone())
+
+    h, w = avatar.frames.shape[1:3]
+    s = engine.dims.render_hw
+    mats = np.stack([_turned(0.7, 0, 60, 90, s), _turned(0.8, 20, 70, 80, s), _turned(0.9, -35, 20, 170, s)])
+    frames3 = np.stack([np.roll(avatar.frames[0], 7 * i, axis=1) for i in range(3)])
+    moving = dataclasses.replace(avatar, frames=frames3, m_c2o=mats, frames_dev=torch.from_numpy(frames3),
+                                 grids={}, box_cache={})
+    still = dataclasses.replace(avatar, m_c2o=mats[:1].repeat(avatar.n, 0), grids={}, box_cache={})
+    rng = torch.Generator().manual_seed(0)
+    faces = torch.rand(5, 3, s, s, generator=rng)
+    mask = torch.from_numpy(pb.feather_mask(s))
+    t = np.arange(5)
+    for av in (still, moving):
+        src = P.mirror_index(t, av.n)
+        outs, kept = [], []
+        for box in (False, True):
+            g, keep = Grab(), {}
+            P._putback_and_write(P.reconfigure(engine, writer="ffmpeg", putback_box=box), av, faces, t, src, g, mask,
+                                 pb.feather_mask(s), keep, {1, 4})
+            outs.append(g.out[0])
+            kept.append(keep)
+        assert outs[0].shape == (5, h * w * 3 // 2) and torch.equal(outs[0], outs[1])
+        assert all(np.array_equal(kept[0][k], kept[1][k]) for k in (1, 4))
+        y0, y1, x0, x1 = av.box_cache[next(iter(av.box_cache))]["box"]
+        # the box path skipped part of the frame (most of it for one matrix; the union of three crops is larger)
+        assert 0 < (y1 - y0) * (x1 - x0) < h * w * (0.5 if av is still else 0.8)
+    with pytest.raises(InputError, match="putback_box"):
+        P.reconfigure(engine, putback="cpu", putback_box=True)
+
+
 def test_putback_gpu_matches_cpu_reference():
     rng = np.random.default_rng(0)
     bg = rng.integers(0, 255, (1, 48, 40, 3), dtype=np.uint8)

@@ -46,6 +46,26 @@ def sampling_grid(m_c2o: torch.Tensor, frame_hw: tuple[int, int], crop: int) -> 
     return g.reshape(-1, h, w, 2).float()
 
 
+def footprint(m_c2o: np.ndarray, frame_hw: tuple[int, int], crop: int) -> tuple[int, int, int, int]:
+    """(y0, y1, x0, x1): the frame pixels that any of the (N, 3, 3) crop → frame matrices can reach, as one box with
+    even edges (whole 2×2 chroma blocks of yuv420p), clipped to the frame. Outside it `putback_gpu` samples zeros for
+    render and mask, so the composite there is the background, byte for byte."""
+    h, w = frame_hw
+    m = np.asarray(m_c2o, dtype=np.float64).reshape(-1, 3, 3)
+    if not np.isfinite(m).all():
+        raise InputError("crop matrices hold non-finite values: no footprint in the frame")
+    # a bilinear tap reaches crop pixels −1 < u < crop (zero padding beyond); one more pixel of margin for rounding
+    corners = np.array([[-1, -1, 1], [crop, -1, 1], [-1, crop, 1], [crop, crop, 1]], dtype=np.float64)
+    pts = np.einsum("nij,kj->nki", m, corners)[..., :2].reshape(-1, 2)
+    x0, y0 = np.floor(pts.min(0)) - 1
+    x1, y1 = np.ceil(pts.max(0)) + 2
+    x0, y0 = max(0, int(x0) // 2 * 2), max(0, int(y0) // 2 * 2)
+    x1, y1 = min(w, -(-int(x1) // 2) * 2), min(h, -(-int(y1) // 2) * 2)
+    if x1 <= x0 or y1 <= y0:   # the crop lands outside the frame: an empty box, the frame is the background
+        return 0, 0, 0, 0
+    return y0, y1, x0, x1
+
+
 def putback_gpu(background: torch.Tensor, renders: torch.Tensor, mask: torch.Tensor,
                 grid: torch.Tensor) -> torch.Tensor:
     """background (B, H, W, 3) uint8, renders (B, 3, s, s) in [0, 1], mask (s, s), grid (B, H, W, 2)

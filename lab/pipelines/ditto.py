@@ -19,6 +19,9 @@ Every acceleration is a switch in `Config`, so one process can time each alone a
   the rest render computed once per source frame instead of running the renderer).
 * ``putback``: "cpu" (upstream: warpAffine of render and mask to the frame, blend, per frame on
   the host) or "gpu" (one batched inverse-affine grid_sample and a fused blend, YUV on the device).
+* ``putback_box``: the GPU putback composited only over the box the crop can reach in the frame, written
+  into the source frames' yuv420p planes converted once; the rest of the frame is those bytes already
+  (the same output as the whole-frame composite, for a fraction of its memory traffic).
 * ``async_writer``: the encoder fed through a bounded queue by a background thread.
 * ``pipe_buffer`` / ``zero_copy`` / ``host_wait``: the host side of the encoder (the encoded file is the
   same): a larger pipe to ffmpeg, the frames' pages handed to it by reference (vmsplice) instead of
@@ -101,6 +104,8 @@ class Config:
     silence_threshold: float = sil.THRESHOLD
     ease_frames: int = sil.RAMP
     putback: str = "cpu"
+    putback_box: bool = False         # GPU putback over the crop's footprint only, into the backgrounds' yuv420p converted
+                                      # once (the same bytes as the whole-frame composite; lab.accel.putback.footprint)
     writer: str = "ffmpeg"
     async_writer: bool = False
     queue_frames: int = 32
@@ -152,6 +157,8 @@ class Config:
         if self.fps != 25:
             raise InputError(f"Config.fps must be 25: the motion model and the audio chunking are built for 25 fps "
                              f"(640 samples per frame at 16 kHz), got {self.fps}")
+        if self.putback_box and self.putback != "gpu":
+            raise InputError(f"Config.putback_box needs putback='gpu' (it composites on the device), got putback={self.putback!r}")
         if self.fuse_spade and not self.fold_spectral_norm:
             raise InputError("Config.fuse_spade needs fold_spectral_norm=True (the merged convs take plain weights)")
         unknown = set(self.weights) - set(D.COMPONENTS) - {"hubert"}
@@ -337,6 +344,7 @@ class Avatar:
     f_s_dev: torch.Tensor | None = None       # same on the device, compute dtype
     frames_dev: torch.Tensor | None = None
     grids: dict[int, torch.Tensor] = field(default_factory=dict)
+    box_cache: dict[Any, Any] = field(default_factory=dict)        # putback_box: footprint, its grids, yuv420p backgrounds
     rest: dict[tuple, torch.Tensor] = field(default_factory=dict)   # (kind, source index) → rest face / feature
     tmpdir: Any = None
 
@@ -1255,6 +1263,9 @@ def _putback_and_write(engine: Engine, avatar: Avatar, faces: torch.Tensor, fram
                        writer: Sink, mask_dev: torch.Tensor | None, mask_np: np.ndarray, keep: dict[int, np.ndarray],
                        keep_idx: set[int]) -> None:
     cfg = engine.cfg
+    if cfg.putback == "gpu" and cfg.putback_box:
+        _putback_box_and_write(engine, avatar, faces, frames, src, writer, mask_dev, keep, keep_idx)
+        return
     if cfg.putback == "gpu":
         from lab.video import rgb_to_yuv420p
 
@@ -1282,6 +1293,67 @@ def _putback_and_write(engine: Engine, avatar: Avatar, faces: torch.Tensor, fram
         if int(t) in keep_idx:
             keep[int(t)] = out[j]
     writer.write(out)
+
+
+def _box_plan(engine: Engine, avatar: Avatar) -> dict:
+    """The footprint of every source frame's crop (one box: fixed shapes), the frame → crop grid inside it per
+    distinct matrix, and each source frame's yuv420p planes on the device (converted once, 1.5 bytes per pixel)."""
+    key = (str(engine.device), engine.dims.render_hw)
+    if key not in avatar.box_cache:
+        from lab.video import rgb_to_yuv420p
+
+        h, w = avatar.frames.shape[1:3]
+        y0, y1, x0, x1 = pb.footprint(avatar.m_c2o, (h, w), engine.dims.render_hw)
+        grids = None
+        if y1 > y0:
+            # each grid computed for the whole frame and cut, so its values are the whole-frame composite's, bit for bit
+            m = torch.from_numpy(avatar.m_c2o[:1] if _one_matrix(avatar) else avatar.m_c2o).to(engine.device)
+            grids = torch.stack([pb.sampling_grid(m[i:i + 1], (h, w), engine.dims.render_hw)[0, y0:y1, x0:x1]
+                                 for i in range(len(m))])
+        planes = []
+        for i in range(0, avatar.n, 16):   # in chunks: the float32 conversion of a whole pool at once would not fit
+            part = avatar.frames_dev[i:i + 16] if avatar.frames_dev is not None else \
+                torch.from_numpy(avatar.frames[i:i + 16]).to(engine.device)
+            planes.append(rgb_to_yuv420p(part))
+        avatar.box_cache[key] = {"box": (y0, y1, x0, x1), "grids": grids, "yuv": torch.cat(planes)}
+    return avatar.box_cache[key]
+
+
+def _putback_box_and_write(engine: Engine, avatar: Avatar, faces: torch.Tensor, frames: np.ndarray, src: np.ndarray,
+                           writer: "Sink", mask_dev: torch.Tensor, keep: dict[int, np.ndarray], keep_idx: set[int]) -> None:
+    from lab.video import rgb_to_yuv420p
+
+    plan = _box_plan(engine, avatar)
+    y0, y1, x0, x1 = plan["box"]
+    h, w = avatar.frames.shape[1:3]
+    sf = src[frames]
+    idx = _index(engine.device, sf)
+    planes = plan["yuv"][idx]                     # a gathered copy: the cached backgrounds stay as they are
+    comp = None
+    if y1 > y0:
+        if avatar.frames_dev is not None:
+            bg = avatar.frames_dev[idx, y0:y1, x0:x1]
+        else:
+            bg = torch.from_numpy(np.ascontiguousarray(avatar.frames[sf, y0:y1, x0:x1])).to(engine.device)
+        g = plan["grids"]
+        grids = g[:1].expand(len(frames), *g.shape[1:]) if len(g) == 1 else g[idx]
+        comp = pb.putback_gpu(bg, faces, mask_dev, grids)
+        yuv = rgb_to_yuv420p(comp)
+        n, rh, rw = h * w, y1 - y0, x1 - x0
+        k = rh * rw
+        Y = planes[:, :n].view(-1, h, w)
+        U = planes[:, n:n + n // 4].view(-1, h // 2, w // 2)
+        V = planes[:, n + n // 4:].view(-1, h // 2, w // 2)
+        Y[:, y0:y1, x0:x1] = yuv[:, :k].view(-1, rh, rw)
+        U[:, y0 // 2:y1 // 2, x0 // 2:x1 // 2] = yuv[:, k:k + k // 4].view(-1, rh // 2, rw // 2)
+        V[:, y0 // 2:y1 // 2, x0 // 2:x1 // 2] = yuv[:, k + k // 4:].view(-1, rh // 2, rw // 2)
+    for j, t in enumerate(frames):
+        if int(t) in keep_idx:   # the composited RGB frame, for the figures
+            full = avatar.frames[sf[j]].copy()
+            if comp is not None:
+                full[y0:y1, x0:x1] = comp[j].cpu().numpy()
+            keep[int(t)] = full
+    writer.write(planes)
 
 
 def _one_matrix(avatar: Avatar) -> bool:
