@@ -218,9 +218,6 @@ def composite_yuv420p(planes: torch.Tensor, frames: torch.Tensor, faces: torch.T
     if len(box_list) != B or faces.shape[0] != B:
         raise InputError(f"{len(box_list)} boxes and {faces.shape[0]} faces for {B} frames; expected one each per frame")
     masks = torch.as_tensor(masks)
-    Y = planes[:, :n].view(B, H, W)
-    U = planes[:, n:n + n // 4].view(B, H // 2, W // 2)
-    V = planes[:, n + n // 4:].view(B, H // 2, W // 2)
     groups: dict[tuple[int, int, int, int], list[int]] = {}
     for i, bx in enumerate(box_list):
         groups.setdefault(_box(bx, (H, W)), []).append(i)
@@ -233,14 +230,26 @@ def composite_yuv420p(planes: torch.Tensor, frames: torch.Tensor, faces: torch.T
         region = region[sel] if index is None else region[index[sel]]
         m = masks if masks.ndim == 2 else masks[sel]
         mixed = blend_torch(region, faces[sel], m, [(b[0] - ex0, b[1] - ey0, b[2] - ex0, b[3] - ey0)] * region.shape[0])
-        yuv = rgb_to_yuv420p(mixed)
-        rh, rw = ey1 - ey0, ex1 - ex0
-        k = rh * rw
-        cy, cx = slice(ey0 // 2, ey1 // 2), slice(ex0 // 2, ex1 // 2)
-        Y[sel, ey0:ey1, ex0:ex1] = yuv[:, :k].view(-1, rh, rw)  # index_put_ on the views: in place
-        U[sel, cy, cx] = yuv[:, k:k + k // 4].view(-1, rh // 2, rw // 2)
-        V[sel, cy, cx] = yuv[:, k + k // 4:].view(-1, rh // 2, rw // 2)
+        put_yuv420p(planes, mixed, ey0, ex0, (H, W), sel)
     return planes
+
+
+def put_yuv420p(planes: torch.Tensor, rgb: torch.Tensor, y0: int, x0: int, frame_hw: tuple[int, int],
+                rows: Any = slice(None)) -> None:
+    """Overwrite, in place, the box at (y0, x0) of I420 frames `planes` (B, H·W·3/2) uint8 with
+    `rgb_to_yuv420p(rgb)`, rgb (b, rh, rw, 3): whole 2×2 chroma blocks (even y0, x0, rh, rw), so the box's bytes
+    are the whole frame's conversion there. `rows` picks which of the B frames (a slice or an index tensor)."""
+    H, W = frame_hw
+    rh, rw = rgb.shape[1:3]
+    n, k = H * W, rh * rw
+    yuv = rgb_to_yuv420p(rgb)
+    cy, cx = slice(y0 // 2, (y0 + rh) // 2), slice(x0 // 2, (x0 + rw) // 2)
+    Y = planes[:, :n].view(-1, H, W)
+    U = planes[:, n:n + n // 4].view(-1, H // 2, W // 2)
+    V = planes[:, n + n // 4:].view(-1, H // 2, W // 2)
+    Y[rows, y0:y0 + rh, x0:x0 + rw] = yuv[:, :k].view(-1, rh, rw)   # index_put_ on the views: in place
+    U[rows, cy, cx] = yuv[:, k:k + k // 4].view(-1, rh // 2, rw // 2)
+    V[rows, cy, cx] = yuv[:, k + k // 4:].view(-1, rh // 2, rw // 2)
 
 
 def _index(idx: list[int], device: torch.device) -> torch.Tensor:

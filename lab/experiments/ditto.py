@@ -599,6 +599,7 @@ def motion_pdl_helps(ctx: Context) -> bool:
     """Whether this run's motion table measured the final window faster with programmatic dependent launch."""
     return _measured_faster(ctx, PDL_ROW, ATTENTION_ROW)
 
+
 PUTBACK_BOX = "+ putback over the crop's footprint (backgrounds' yuv420p converted once)"
 # the host side of the encoder, as notebook 01 measured it for MuseTalk (the encoded file is the same)
 TRANSPORT = dict(pipe_buffer=1 << 20, zero_copy=True, host_wait="sleep")

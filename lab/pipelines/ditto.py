@@ -1321,7 +1321,7 @@ def _box_plan(engine: Engine, avatar: Avatar) -> dict:
 
 def _putback_box_and_write(engine: Engine, avatar: Avatar, faces: torch.Tensor, frames: np.ndarray, src: np.ndarray,
                            writer: "Sink", mask_dev: torch.Tensor, keep: dict[int, np.ndarray], keep_idx: set[int]) -> None:
-    from lab.video import rgb_to_yuv420p
+    from lab.video import put_yuv420p
 
     plan = _box_plan(engine, avatar)
     y0, y1, x0, x1 = plan["box"]
@@ -1338,15 +1338,7 @@ def _putback_box_and_write(engine: Engine, avatar: Avatar, faces: torch.Tensor, 
         g = plan["grids"]
         grids = g[:1].expand(len(frames), *g.shape[1:]) if len(g) == 1 else g[idx]
         comp = pb.putback_gpu(bg, faces, mask_dev, grids)
-        yuv = rgb_to_yuv420p(comp)
-        n, rh, rw = h * w, y1 - y0, x1 - x0
-        k = rh * rw
-        Y = planes[:, :n].view(-1, h, w)
-        U = planes[:, n:n + n // 4].view(-1, h // 2, w // 2)
-        V = planes[:, n + n // 4:].view(-1, h // 2, w // 2)
-        Y[:, y0:y1, x0:x1] = yuv[:, :k].view(-1, rh, rw)
-        U[:, y0 // 2:y1 // 2, x0 // 2:x1 // 2] = yuv[:, k:k + k // 4].view(-1, rh // 2, rw // 2)
-        V[:, y0 // 2:y1 // 2, x0 // 2:x1 // 2] = yuv[:, k + k // 4:].view(-1, rh // 2, rw // 2)
+        put_yuv420p(planes, comp, y0, x0, (h, w))
     for j, t in enumerate(frames):
         if int(t) in keep_idx:   # the composited RGB frame, for the figures
             full = avatar.frames[sf[j]].copy()
