@@ -87,6 +87,29 @@ def test_compiled_graph_with_guided_shortcuts_matches_eager(tiny):
         fuse_qkv(m, False)
 
 
+@pytest.mark.parametrize("how", ["cudagraph", "compile+cudagraph"])
+def test_feature_cache_runners_match_the_eager_cache(tiny, how):
+    from lab.models.latentsync import fuse_qkv
+
+    m, _ = tiny
+    ex = sampling.guided_example(m, 16, (16, 16), "cuda", torch.float16)
+    lat = sampling.initial_noise((1, 4, 16, 16), 16, seed=0, device="cuda", dtype=torch.float16)
+    cond, audio = ex[0][1:, 4:], ex[2][16:]
+    with torch.inference_mode():
+        ref = sampling.denoise(sampling.feature_cache(m, 3), lat, cond, audio, "deepcache3").float()
+    fuse_qkv(m)
+    try:
+        full, shallow = sampling.fast_feature_cache(m, how, ex)
+        cache = sampling.FeatureCache(3, full, shallow)
+        with torch.inference_mode():
+            out = sampling.denoise(cache, lat, cond, audio, "deepcache3").float()
+            again = sampling.denoise(cache, lat, cond, audio, "deepcache3").float()   # next block: reset, same result
+    finally:
+        fuse_qkv(m, False)
+    assert cache.full_calls == 14
+    assert cosine(out, ref) > 0.9999 and torch.equal(out, again)
+
+
 def test_triton_temporal_attention_matches_sdpa_compiled_in_one_graph():
     from lab.accel import short_attention as sa
     from lab.models.latentsync import attention

@@ -203,7 +203,7 @@ def test_feature_cache_schedule(tiny_pair):
     lat = smp.initial_noise((1, 4, 8, 8), f, seed=0)
     cond = torch.randn(1, 9, f, 8, 8)
     audio = torch.randn(f, 50, ls.TINY.cross_attention_dim)
-    cache = smp.FeatureCache(ours, 3)
+    cache = smp.feature_cache(ours, 3)
     with torch.no_grad():
         a = smp.denoise(cache, lat, cond, audio, "deepcache3")
         assert cache.full_calls == 7                          # steps 0, 3, …, 18 of 20
@@ -212,6 +212,36 @@ def test_feature_cache_schedule(tiny_pair):
     assert cache.full_calls == 14 and torch.equal(a, b)
     assert 1e-6 < _rel(a, exact) < 0.5
     assert smp.parse_mode("deepcache3") == smp.Mode("deepcache3", "ddim", 20, 3)
+
+
+def test_feature_cache_steps_with_the_guided_shortcuts_compute_the_same():
+    from lab.accel import sampling as smp
+
+    m = ls.load_latentsync_unet("random", "tiny", seed=5).model
+    x, t, a = _guided(m)
+    with torch.no_grad():
+        eps, deep = smp.DeepStep(m)(x, t, a)
+        eps_s, deep_s = smp.DeepStep(m, True, True)(x, t, a)
+        torch.testing.assert_close(eps_s, eps, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(deep_s, deep, rtol=1e-5, atol=1e-5)
+        assert deep.shape[0] == x.shape[0] * x.shape[2]          # both halves' features, frames folded in
+        x2 = x + 0.25                                              # a later step: the kept features are stale
+        plain = smp.ShallowStep(m)(x2, t, a, deep)
+        # the null half's cross-attention is to_out's bias in the shallow layer too: bit for bit
+        assert torch.equal(smp.ShallowStep(m, null_audio=True)(x2, t, a, deep), plain)
+        # a layout the shortcut does not hold for gives another answer
+        a_bad = torch.cat([a[len(a) // 2:], a[len(a) // 2:]])
+        assert (smp.ShallowStep(m, True)(x2, t, a_bad, deep) - smp.ShallowStep(m)(x2, t, a_bad, deep)).abs().max() > 1e-3
+        f = x.shape[2]
+        lat = smp.initial_noise((1, 4, 8, 8), f, seed=1)
+        cond = x[1:, 4:]
+        ref = smp.denoise(smp.feature_cache(m, 3), lat, cond, a[len(a) // 2:], "deepcache3")
+        fast = smp.denoise(smp.feature_cache(m, 3, shortcuts=True), lat, cond, a[len(a) // 2:], "deepcache3")
+    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(InputError, match="even"):
+        m.forward_shallow(x[:1], t[:1], a[: len(a) // 2], deep[: len(deep) // 2], null_audio=True)
+    with pytest.raises(InputError, match="interval"):
+        smp.FeatureCache(0, m, m)
 
 
 def test_attention_kernels_per_kind_keep_the_output(tiny_pair):

@@ -179,6 +179,31 @@ def test_vae_runners_take_both_encodes_in_one_call_and_a_short_block_runs_eager(
     torch.testing.assert_close(rep.latents, ref.latents, rtol=1e-4, atol=1e-4)
 
 
+def test_feature_cache_mode_runs_its_two_step_runners_and_a_short_block_eager(clip, frames):
+    from lab.accel import sampling
+
+    eng = P.build(P.Config(size="tiny", mode="deepcache3", block=4, keep_faces=True))
+    job = P.prepare(eng, frames, *clip)                 # 10 frames: blocks of 4, 4, 2
+    ref = P.run(eng, job)
+    model, calls = eng.unet.model, []
+    full, shallow = sampling.DeepStep(model, True, True), sampling.ShallowStep(model, True)
+    # plain modules stand in for the compiled / captured runners (those need a GPU; tested there)
+    runners = (lambda *a: calls.append("full") or full(*a), lambda *a: calls.append("shallow") or shallow(*a))
+    eng.cfg.guided_shortcuts = True
+    try:
+        P.set_fast(eng, "compile", cache_runners=runners)
+        rep = P.run(eng, job)
+        assert calls.count("full") == 2 * 7 and calls.count("shallow") == 2 * 13   # the two full blocks only
+        eng.cfg.mode = "exact20"    # a mode of the other kind: no runner for it, refused with the fix named
+        with pytest.raises(InputError, match="set_fast"):
+            P.run(eng, job)
+    finally:
+        eng.cfg.mode, eng.cfg.guided_shortcuts = "deepcache3", False
+        P.set_fast(eng, "eager")
+    assert eng.cache_runners is None and eng.cfg.fast == "eager"
+    torch.testing.assert_close(rep.latents, ref.latents, rtol=1e-4, atol=1e-4)
+
+
 def test_encoder_module_is_the_encode_path():
     from lab.models.vae import load_vae, posterior
 

@@ -66,17 +66,52 @@ def parse_mode(mode: str | Mode) -> Mode:
     return Mode(str(mode), m.group(1), int(m.group(2)))
 
 
+class DeepStep(torch.nn.Module):
+    """A full UNet call that also hands out the deep features a shallow step reuses: → (eps, deep).
+    `null_audio` / `shared_prefix`: the exact guided-batch shortcuts (`GuidedShortcuts`)."""
+
+    def __init__(self, model: torch.nn.Module, null_audio: bool = False, shared_prefix: bool = False):
+        super().__init__()
+        self.model, self.null_audio, self.shared_prefix = model, null_audio, shared_prefix
+        self.cfg = model.cfg
+
+    def forward(self, sample: torch.Tensor, t: torch.Tensor, audio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        feats: dict[str, torch.Tensor] = {}
+        eps = self.model(sample, t, audio, features=feats, null_audio=self.null_audio, shared_prefix=self.shared_prefix)
+        return eps, feats["deep"]
+
+
+class ShallowStep(torch.nn.Module):
+    """The shallow branch on kept deep features: (sample, t, audio, deep) → eps (`forward_shallow`)."""
+
+    def __init__(self, model: torch.nn.Module, null_audio: bool = False):
+        super().__init__()
+        self.model, self.null_audio = model, null_audio
+        self.cfg = model.cfg
+
+    def forward(self, sample: torch.Tensor, t: torch.Tensor, audio: torch.Tensor, deep: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_shallow(sample, t, audio, deep, null_audio=self.null_audio)
+
+
 class FeatureCache:
     """DeepCache-style UNet calls (branch 0, as LatentSync ships it with interval 3): the full UNet
     on steps 0, k, 2k, … of a block, keeping the deep features entering its last up layer; the
     steps between run only conv_in, that last layer and conv_out on the kept features. At 20 steps
     and k = 3 that is 7 full calls of 20. Upstream's helper also recomputes the final up block's
     other two motion modules on cached inputs (they are not wrapped); their results equal the cached
-    ones, so they are skipped here. `reset()` starts a block."""
+    ones, so they are skipped here. `reset()` starts a block.
 
-    def __init__(self, model: torch.nn.Module, interval: int):
-        self.model, self.interval, self.step, self.deep = model, int(interval), 0, None
-        self.full_calls = 0
+    `full(sample, t, audio)` → (eps, deep) and `shallow(sample, t, audio, deep)` → eps: `DeepStep` and
+    `ShallowStep` eager (`feature_cache`) or two runners built for the block shape (`fast_feature_cache`).
+    A graph runner's outputs are its static buffers: the kept `deep` stays valid because only the next
+    full call overwrites it, and that call replaces it."""
+
+    def __init__(self, interval: int, full: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                 shallow: Callable[..., torch.Tensor]):
+        if int(interval) < 1:
+            raise InputError(f"feature-cache interval must be ≥ 1, got {interval}")
+        self.interval, self.full, self.shallow = int(interval), full, shallow
+        self.step, self.deep, self.full_calls = 0, None, 0
 
     def reset(self) -> None:
         self.step, self.deep = 0, None
@@ -85,12 +120,16 @@ class FeatureCache:
         full = self.deep is None or self.step % self.interval == 0
         self.step += 1
         if full:
-            feats: dict[str, torch.Tensor] = {}
-            out = self.model(sample, t, audio, features=feats)
-            self.deep = feats["deep"]
+            out, self.deep = self.full(sample, t, audio)
             self.full_calls += 1
             return out
-        return self.model.forward_shallow(sample, t, audio, self.deep)
+        return self.shallow(sample, t, audio, self.deep)
+
+
+def feature_cache(model: torch.nn.Module, interval: int, shortcuts: bool = False) -> FeatureCache:
+    """The eager feature cache; `shortcuts`: the exact guided-batch shortcuts in both step kinds (only
+    for the loop's guided layout, as `GuidedShortcuts`)."""
+    return FeatureCache(interval, DeepStep(model, shortcuts, shortcuts), ShallowStep(model, shortcuts))
 
 
 def make_scheduler(kind: str = "ddim"):
@@ -274,3 +313,29 @@ def fast_unet(model: torch.nn.Module, how: str, example: tuple[torch.Tensor, ...
         opts["inductor_options"] = INDUCTOR_OPTIONS
     with launching(pdl):
         return accelerate(model, how, example, precision=precision, name="latentsync_unet", **opts)
+
+
+def fast_feature_cache(model: torch.nn.Module, how: str, example: tuple[torch.Tensor, ...], precision: str = "fp16",
+                       pdl: bool = False, shortcuts: bool = True) -> tuple[Any, Any]:
+    """The feature cache's two step kinds as runners for one block shape (`how` as `fast_unet`): a full
+    step that also returns the deep features, and the shallow step. Both are graphs of their own (the
+    full one is the exact runner's graph with one more output), so a feature-cache mode runs on the same
+    compiled or captured kernels as the exact path instead of eagerly. → (full, shallow) runners."""
+    from lab.accel.backends import accelerate
+    from lab.accel.pdl import INDUCTOR_OPTIONS, launching
+
+    if how not in FAST_OPTIONS:
+        raise InputError(f"fast path must be one of {FAST_OPTIONS}, got {how!r}")
+    opts: dict[str, Any] = {"clone_output": False} if "cudagraph" in how else {}
+    if pdl and "compile" in how:
+        opts["inductor_options"] = INDUCTOR_OPTIONS
+    full_mod, shallow_mod = DeepStep(model, shortcuts, shortcuts), ShallowStep(model, shortcuts)
+    with torch.inference_mode():
+        deep = full_mod(*example)[1]
+    with torch.no_grad():  # a plain tensor, as the other example inputs (compiled guards)
+        deep = deep.clone()
+    with launching(pdl):
+        full = accelerate(full_mod, how, example, precision=precision, name="latentsync_unet_deep", **opts)
+        shallow = accelerate(shallow_mod, how, (*example, deep), precision=precision, name="latentsync_unet_shallow",
+                             **opts)
+    return full, shallow

@@ -284,7 +284,7 @@ def build(setting: Setting, clip: Clip, device: torch.device | str, size: str = 
 
         cfg = _latentsync_cfg(setting, size, seed, dev)
         if same and base.engine.cfg.dtype == cfg.dtype:
-            engine = replace(base.engine, cfg=cfg, unet_fn=None, runner=None)
+            engine = replace(base.engine, cfg=cfg, unet_fn=None, runner=None, cache_runners=None)
             P.set_fast(engine, cfg.fast)
             if cfg.vae_fast != base.engine.cfg.vae_fast:
                 P.set_vae_fast(engine, cfg.vae_fast)

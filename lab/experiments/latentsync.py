@@ -127,6 +127,7 @@ class Context:
     vae_encoder: Any = None
     runners: dict[str, Any] = field(default_factory=dict)          # waterfall step → its runner
     runner_kernels: dict[str, dict] = field(default_factory=dict)  # … → the attention kernels it was built with
+    cache_runners: dict[str, Any] = field(default_factory=dict)    # … → the feature cache's (full, shallow) runners on its stack
     runs: dict[str, Any] = field(default_factory=dict)   # mode → (RunReport, frames)
     t0: float = field(default_factory=time.perf_counter)
 
@@ -866,7 +867,10 @@ def _run(ctx: Context, mode: str, fast: str, keep: bool = True, job: Any = None,
             ctx.res.metrics.get("attention_kernels_chosen", {}).get("eager", {}).get("kernels") \
             if "attention_kernels" in levers else None
         P.set_attention_kernels(eng, kernels or None)
-        P.set_fast(eng, runner.backend, runner=runner) if runner is not None else P.set_fast(eng, "eager")
+        if runner is None:
+            P.set_fast(eng, "eager")
+        else:
+            P.set_fast(eng, runner.backend, runner=runner, cache_runners=ctx.cache_runners.get(name))
     out: list[np.ndarray] = []
     try:
         rep = P.run(eng, job or ctx.job, sink=out.append if keep else None)
@@ -908,7 +912,9 @@ def _layout(ctx: Context) -> str:
 
 
 def mode_table(ctx: Context) -> list[dict]:
-    """exact20 eager (the reference), exact20 on the fastest exact runner, then every reduced mode on it."""
+    """exact20 eager (the reference), exact20 on the fastest exact runner, then every reduced mode on it; a
+    feature-cache mode on that runner's stack built as its two step kinds (`cache_runners`), released after
+    the table."""
     rows = []
     ref, ref_frames = _run(ctx, "exact20", "eager")
     ctx.runs["exact20 eager"] = (ref, ref_frames)
@@ -919,7 +925,9 @@ def mode_table(ctx: Context) -> list[dict]:
     if runner is None and levers:  # no graph or compiled runner here: the eager model with the exact levers
         name = " + ".join(["eager", *[x for x in levers if x not in ("null_audio", "shared_prefix")]])
     for m in ctx.prof.modes:
-        how = "eager" if sampling.parse_mode(m).cache_interval > 1 else fast  # the feature cache runs eager
+        how = fast
+        if sampling.parse_mode(m).cache_interval > 1 and runner is not None and cache_runners(ctx, name, runner) is None:
+            how = "eager"   # its two step kinds could not be built on the fast stack (reason in metrics)
         if f"{m} {how}" != "exact20 eager":
             plan.append((f"{m} {how}", m, how))
     for label, mode, how in plan:
@@ -928,7 +936,9 @@ def mode_table(ctx: Context) -> list[dict]:
         else:
             rep, fr = _run(ctx, mode, how)
             ctx.runs[label] = (rep, fr)
-        row = {"mode": label, "steps": sampling.parse_mode(mode).steps, "runner": _layout(ctx) if how == "eager" else name,
+        cached = sampling.parse_mode(mode).cache_interval > 1 and how != "eager" and runner is not None
+        row = {"mode": label, "steps": sampling.parse_mode(mode).steps,
+               "runner": _layout(ctx) if how == "eager" else f"{name}, full + shallow steps" if cached else name,
                "wall_s": rep.wall_s, "s_per_output_s": rep.seconds_per_output_second,
                "change_vs_exact20_eager_pct": 100 * (1 - rep.wall_s / ref.wall_s),
                "unet_s": rep.stages.get("unet"), "vae_s": rep.stages.get("vae_encode", 0) + rep.stages.get("vae_decode", 0),
@@ -939,9 +949,56 @@ def mode_table(ctx: Context) -> list[dict]:
         ctx.partial()
     if ctx.prof.loop_source and fast == "fast":
         rows += looped_source(ctx, name, ref)
+    # the feature cache's graphs hold memory pools of their own, which would count in the memory rows' GPU peaks
+    ctx.cache_runners.clear()
     ctx.res.tables["modes"] = rows
     ctx.partial()
     return rows
+
+
+def cache_runners(ctx: Context, name: str, runner: Any) -> tuple[Any, Any] | None:
+    """The feature cache's two step kinds built on the stack of the exact runner `name` (its backend,
+    attention kernels, norm passes, PDL): the full step with the deep features as a second output, and
+    the shallow step. Each is timed alone (`metrics["feature_cache_steps"]`). None, with the reason in
+    that metric, when the deadline leaves no room for the compile or the build fails."""
+    if name in ctx.cache_runners:
+        return ctx.cache_runners[name]
+    from lab.accel import block_norm
+    from lab.models.latentsync import set_attention_kernels
+    from lab.timing import bench
+
+    eng, model = ctx.engine, ctx.engine.unet.model
+    info: dict[str, Any] = {"stack": name, "backend": runner.backend}
+    ctx.res.metrics["feature_cache_steps"] = info
+    late = _no_time_for_a_compile(ctx) if "compile" in runner.backend else None
+    if late:
+        info["status"] = late
+        ctx.cache_runners[name] = None
+        return None
+    levers = [x for x in LEVERS if x in ctx.prof.fast]
+    ex = sampling.guided_example(model, ctx.prof.block, (eng.cfg.face // 8,) * 2, ctx.dev, eng.dtype, seed=ctx.seed)
+    block_norm.set_triton(model, True)
+    set_attention_kernels(model, per_shape=ctx.runner_kernels.get(name) or None, latent=eng.cfg.face // 8)
+    try:
+        t0 = time.perf_counter()
+        full, shallow = sampling.fast_feature_cache(model, runner.backend, ex, precision=P._precision(eng.dtype),
+                                                    pdl="PDL" in name, shortcuts="guided_shortcuts" in levers)
+        info["build_s"] = time.perf_counter() - t0
+        with torch.inference_mode():
+            deep = full(*ex)[1].clone()
+        kw = dict(warmup=ctx.prof.warmup, iters=ctx.prof.iters, device=ctx.dev)
+        info["exact_ms"] = bench(runner, *ex, **kw).median_s * 1e3
+        info["full_ms"] = bench(full, *ex, **kw).median_s * 1e3
+        info["shallow_ms"] = bench(shallow, *ex, deep, **kw).median_s * 1e3
+        info["status"] = "ok"
+        ctx.cache_runners[name] = (full, shallow)
+    except Exception as e:  # reported; the mode then runs eager
+        info["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        ctx.cache_runners[name] = None
+    finally:
+        set_attention_kernels(model)
+    ctx.partial()
+    return ctx.cache_runners[name]
 
 
 def looped_source(ctx: Context, runner: str, ref) -> list[dict]:

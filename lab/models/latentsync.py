@@ -517,9 +517,8 @@ class UNet3D(nn.Module):
         ResNet, the first self-attention) runs once on the last half and is repeated."""
         audio = self.check_inputs(sample, t, audio)
         b, c, f, h, w = sample.shape
-        if (null_audio or shared_prefix) and (b % 2 or features is not None):
-            raise InputError(f"null_audio / shared_prefix need an even guided batch (uncond ‖ cond halves) and no "
-                             f"feature capture, got B={b}")
+        if (null_audio or shared_prefix) and b % 2:
+            raise InputError(f"null_audio / shared_prefix need an even guided batch (uncond ‖ cond halves), got B={b}")
         temb = self._embed(sample, t)
         half = b // 2
         if null_audio:
@@ -535,7 +534,7 @@ class UNet3D(nn.Module):
         x = blk.attentions[0](x, audio, repeat=2) if blk.attentions is not None else torch.cat([x, x])
         x = blk.motion_modules[0](x, f)
         skips.append(x)
-        return self._rest(x, temb, audio, b, f, skips, 1, None)
+        return self._rest(x, temb, audio, b, f, skips, 1, features)
 
     def _rest(self, x: torch.Tensor, temb: torch.Tensor, audio: torch.Tensor, b: int, f: int,
               skips: list[torch.Tensor], start: int, features: dict[str, torch.Tensor] | None) -> torch.Tensor:
@@ -559,11 +558,16 @@ class UNet3D(nn.Module):
         return self._out(x, b, f)
 
     def forward_shallow(self, sample: torch.Tensor, t: torch.Tensor | float, audio: torch.Tensor,
-                        deep: torch.Tensor) -> torch.Tensor:
+                        deep: torch.Tensor, null_audio: bool = False) -> torch.Tensor:
         """The shallowest branch only (DeepCache branch 0): conv_in, the last up layer on
-        [cached deep features ‖ this step's conv_in output], conv_out. Approximate by design."""
+        [cached deep features ‖ this step's conv_in output], conv_out. Approximate by design.
+        `null_audio` as in `forward` (the halves' deep features differ, so no shared prefix here)."""
         audio = self.check_inputs(sample, t, audio)
         b, c, f, h, w = sample.shape
+        if null_audio and b % 2:
+            raise InputError(f"null_audio needs an even guided batch (uncond ‖ cond halves), got B={b}")
+        if null_audio:
+            audio = audio[b // 2 * f:]
         temb = self._embed(sample, t)
         x0 = self.conv_in(sample.transpose(1, 2).reshape(b * f, c, h, w))
         blk = self.up_blocks[-1]

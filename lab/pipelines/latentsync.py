@@ -59,7 +59,7 @@ def mouth(faces: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Config:
-    mode: str = "exact20"               # "exact20" | "ddim<N>" | "dpm<N>" (lab.accel.sampling)
+    mode: str = "exact20"               # "exact20" | "ddim<N>" | "dpm<N>" | "deepcache<K>" (lab.accel.sampling)
     guidance: float = 1.5
     block: int = 16                     # frames per UNet call (≤ 24)
     fps: float = 25.0
@@ -121,6 +121,7 @@ class Engine:
     whisper: torch.nn.Module
     unet_fn: Callable = None     # what the loop calls: the model or its graph/compiled runner
     runner: Any = None           # the Accelerated runner (build_s, notes) when fast != "eager"
+    cache_runners: tuple[Any, Any] | None = None  # a feature-cache mode's (full, shallow) step runners when fast != "eager"
     mask: torch.Tensor | None = None   # (1, 1, S, S) 1 = keep, 0 = regenerate
     vae_decode: Callable | None = None  # a decoder runner for the block shape (set_vae_fast), else eager
     vae_encode: Callable | None = None  # an encoder runner for both images of a block in one call (set_vae_fast), else eager
@@ -215,23 +216,60 @@ def set_vae_fast(engine: Engine, how: str, runner: Any = None, encoder: Any = No
     return engine
 
 
-def set_fast(engine: Engine, how: str, runner: Any = None) -> Engine:
-    """Point the loop at the eager UNet or a cudagraph / compiled runner for the guided block shape
-    (`runner`: one already built for that shape, e.g. by a benchmark, instead of building again)."""
+def set_fast(engine: Engine, how: str, runner: Any = None, cache_runners: tuple[Any, Any] | None = None) -> Engine:
+    """Point the loop at the eager UNet or cudagraph / compiled runners for the guided block shape, built
+    for the step kinds of `cfg.mode`: the UNet call, or for a feature-cache mode ("deepcache<K>") its
+    full step (which also returns the deep features) and its shallow step. `runner` / `cache_runners`:
+    ones already built for that shape (e.g. by a benchmark) instead of building again. After changing
+    `cfg.mode` between the two kinds, call this again: `run` refuses a mode it holds no runner for."""
     cfg = engine.cfg
     model = engine.unet.model
-    if runner is not None:
-        engine.unet_fn, engine.runner = _with_attention(runner, cfg.attention), runner
+    engine.cache_runners = cache_runners
+    if runner is not None or cache_runners is not None:
+        engine.runner = runner
+        engine.unet_fn = _with_attention(runner if runner is not None else eager_unet(engine), cfg.attention)
     elif how == "eager":
         engine.unet_fn, engine.runner = _with_attention(eager_unet(engine), cfg.attention), None
     else:
         batch = 2 if cfg.guidance > 1 else 1
         ex = sampling.example_inputs(model, batch, cfg.block, (cfg.face // 8,) * 2, engine.device, engine.dtype)
+        engine.runner, engine.unet_fn = None, _with_attention(eager_unet(engine), cfg.attention)
         with sampling.sdpa_backend(cfg.attention):
-            engine.runner = sampling.fast_unet(eager_unet(engine), how, ex, precision=_precision(engine.dtype), pdl=cfg.pdl)
-        engine.unet_fn = _with_attention(engine.runner, cfg.attention)
+            if sampling.parse_mode(cfg.mode).cache_interval > 1:
+                engine.cache_runners = sampling.fast_feature_cache(model, how, ex, precision=_precision(engine.dtype),
+                                                                   pdl=cfg.pdl, shortcuts=_shortcuts(cfg))
+            else:
+                engine.runner = sampling.fast_unet(eager_unet(engine), how, ex, precision=_precision(engine.dtype),
+                                                   pdl=cfg.pdl)
+                engine.unet_fn = _with_attention(engine.runner, cfg.attention)
     engine.cfg.fast = how
     return engine
+
+
+def _shortcuts(cfg: Config) -> bool:
+    return cfg.guided_shortcuts and cfg.guidance > 1
+
+
+def _loop_unet(engine: Engine, span: int) -> Callable:
+    """What the denoising loop calls for a block of `span` frames: the runner built for the block shape
+    (a short last block runs eager), or for a feature-cache mode a fresh cache over its two step kinds."""
+    cfg = engine.cfg
+    interval = sampling.parse_mode(cfg.mode).cache_interval
+    built = engine.cache_runners if interval > 1 else engine.runner
+    if cfg.fast != "eager" and built is None:
+        kind = "feature-cache (full, shallow) runners" if interval > 1 else "exact UNet runner"
+        raise InputError(f"fast={cfg.fast!r} but the engine holds no {kind} for mode {cfg.mode!r}: call "
+                         f"set_fast(engine, {cfg.fast!r}) after changing cfg.mode between a feature-cache mode "
+                         f"and the others")
+    if interval == 1:
+        return engine.unet_fn if engine.runner is None or span == cfg.block else \
+            _with_attention(eager_unet(engine), cfg.attention)
+    if engine.cache_runners is not None and span == cfg.block:
+        full, shallow = engine.cache_runners
+    else:
+        full = sampling.DeepStep(engine.unet.model, _shortcuts(cfg), _shortcuts(cfg))
+        shallow = sampling.ShallowStep(engine.unet.model, _shortcuts(cfg))
+    return sampling.FeatureCache(interval, _with_attention(full, cfg.attention), _with_attention(shallow, cfg.attention))
 
 
 def _precision(dt: torch.dtype) -> str:
@@ -525,12 +563,7 @@ def run(engine: Engine, job: Job, sink: Callable[[np.ndarray], None] | None = No
             with timer.stage("unet"):
                 audio = job.tokens[np.minimum(np.arange(s, s + span), job.n_out - 1)]
                 latents = job.noise[:, :, :span]
-                # a runner replays the block shape it was built for; a short last block runs eager
-                fn = engine.unet_fn if engine.runner is None or span == cfg.block else \
-                    _with_attention(eager_unet(engine), cfg.attention)
-                interval = sampling.parse_mode(cfg.mode).cache_interval
-                if interval > 1:  # two graphs per step kind would be needed: the cache runs eager
-                    fn = sampling.FeatureCache(engine.unet.model, interval)
+                fn = _loop_unet(engine, span)
                 if stage is None or stage.buf.shape[2] != span:
                     stage = sampling.staging(latents, cond, audio, cfg.guidance, dtype=engine.dtype)
                 latents = sampling.denoise(fn, latents, cond, audio, cfg.mode, cfg.guidance, stage=stage)
