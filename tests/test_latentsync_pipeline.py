@@ -204,6 +204,20 @@ def test_feature_cache_mode_runs_its_two_step_runners_and_a_short_block_eager(cl
     torch.testing.assert_close(rep.latents, ref.latents, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("size", ["tiny", "full"])
+def test_temporal_kernels_name_every_temporal_shape_of_the_unet(size):
+    from lab.models import latentsync as lsm
+
+    kernels = P.temporal_kernels(size, "math")
+    with torch.device("meta"):   # the full UNet's shapes without allocating it
+        model = lsm.UNet3D(lsm.CONFIGS[size])
+    latent = P.Config(size=size).face // 8
+    assert set(kernels) == {label for label, _ in lsm.attention_sites(model, latent) if label.startswith("temporal")}
+    lsm.set_attention_kernels(model, per_shape=kernels, latent=latent)
+    assert {m.kernel for label, m in lsm.attention_sites(model, latent) if label.startswith("temporal")} == {"math"}
+    assert P.temporal_kernels(size) == dict.fromkeys(kernels, "triton")
+
+
 def test_encoder_module_is_the_encode_path():
     from lab.models.vae import load_vae, posterior
 

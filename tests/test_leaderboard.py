@@ -59,12 +59,15 @@ def test_gpu_settings_carry_the_notebooks_exact_switches(clip):
     d = F._ditto_cfg(F.Setting("ditto", "compile+cudagraph", batch=16), clip, "tiny", 0, gpu)
     assert d.compile == "default" and d.cuda_graphs and d.pad_channels and d.fuse_spade and d.fft_mask
     assert d.tap_occlusion and d.fused_mix and d.motion_compile and d.stream_motion and d.early_start and not d.channels_last
+    assert d.motion_precision == "tf32x3" and d.motion_attention == "triton" and not d.putback_box
     g = F._ditto_cfg(F.Setting("ditto", "cudagraph", batch=16), clip, "tiny", 0, gpu)
     assert g.cuda_graphs and g.compile == "none" and g.pad_channels and not (g.tap_occlusion or g.fused_mix or g.motion_compile)
+    assert g.motion_precision == "fp32" and g.motion_attention == "sdpa"
     c = F._ditto_cfg(F.Setting("ditto", "eager", batch=4), clip, "tiny", 0, cpu)
     assert not (c.pad_channels or c.stream_motion or c.cuda_graphs) and c.compile == "none"
     ls = F._latentsync_cfg(F.Setting("latentsync", "compile+cudagraph", batch=16), "tiny", 0, gpu)
     assert ls.fast == ls.vae_fast == "compile+cudagraph" and ls.guided_shortcuts and ls.fused_qkv and ls.cache_encodes
+    assert ls.fused_norms
     assert not F._latentsync_cfg(F.Setting("latentsync", "eager", batch=4), "tiny", 0, cpu).guided_shortcuts
     m = F._musetalk_cfg(F.Setting("musetalk", "compile+cudagraph", batch=16), clip, "tiny", 0)
     assert m.compile == "reduce-overhead"

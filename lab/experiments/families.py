@@ -208,14 +208,17 @@ def _ditto_cfg(setting: Setting, clip: Clip, size: str, seed: int, dev: torch.de
     """On a GPU with the exact renderer and motion switches notebook 06 adopted (channel padding in NCHW,
     merged SPADE convs, the FFT mask conv, the motion model streamed beside the renderer with an early
     start; compiled backends add the tap-form occlusion conv, the fused motion mix and the compiled
-    motion step): the same function as the plain modules, at fp16 rounding."""
+    motion step with its fp32 GEMMs and attention as split-TF32 products): the same function as the
+    plain modules, at fp16 rounding (the motion model at fp32 rounding). Not `putback_box`: it hands
+    the writer yuv420p planes, and the families compare at the same RGB output."""
     from lab.pipelines import ditto as P
 
     cuda = dev.type == "cuda"
     prec = {"fp16": "fp16", "bf16": "fp16", "fp32": "fp32", "fp8": "fp16"}[setting.precision]
     compiled = setting.backend in ("compile", "compile+cudagraph")
     fast = dict(pad_channels=True, channels_last=False, fuse_spade=True, fft_mask=True, stream_motion=True,
-                early_start=True, tap_occlusion=compiled, fused_mix=compiled, motion_compile=compiled) if cuda \
+                early_start=True, tap_occlusion=compiled, fused_mix=compiled, motion_compile=compiled,
+                **(dict(motion_precision="tf32x3", motion_attention="triton") if compiled else {})) if cuda \
         else dict(channels_last=False)
     return P.Config(size=size, precision=prec if cuda else "fp32", batch_size=setting.batch, hubert_batch=setting.batch,
                     cuda_graphs=setting.backend in ("cudagraph", "compile+cudagraph"),
@@ -229,14 +232,21 @@ def _ditto_cfg(setting: Setting, clip: Clip, size: str, seed: int, dev: torch.de
 
 def _latentsync_cfg(setting: Setting, size: str, seed: int, dev: torch.device | None = None):
     """On a GPU with notebook 07's exact levers (channels-last, the guided batch's shortcuts, fused QKV,
-    the source's encodes cached; the decoder on the same runner as the UNet)."""
+    the frame-pooled norms as Triton passes, the 16-token temporal attention on its Triton kernel, the
+    source's encodes cached; the VAE on the same kind of runner as the UNet). The spatial and cross
+    attention keep SDPA's choice: notebook 07's table pins the same kernel there (cuDNN, within 1 %)."""
+    from lab.accel import short_attention
     from lab.pipelines import latentsync as P
 
     if setting.batch > P.MAX_BLOCK:
         raise InputError(f"batch={setting.batch}: LatentSync's block holds at most {P.MAX_BLOCK} frames")
     fast = setting.backend   # eager | compile | cudagraph | compile+cudagraph: the pipeline's own runners
-    levers = dict(channels_last=True, guided_shortcuts=True, fused_qkv=True, cache_encodes=True, vae_fast=fast) \
-        if dev is not None and dev.type == "cuda" else {}
+    levers: dict[str, Any] = {}
+    if dev is not None and dev.type == "cuda":
+        levers = dict(channels_last=True, guided_shortcuts=True, fused_qkv=True, fused_norms=True, cache_encodes=True,
+                      vae_fast=fast)
+        if short_attention.available(dev)[0]:
+            levers["attention_kernels"] = P.temporal_kernels(size)
     return P.Config(mode=setting.opt("mode"), block=setting.batch, size=size, dtype=_dtype(setting), fast=fast,
                     seed=seed, **levers)
 

@@ -272,6 +272,15 @@ def _loop_unet(engine: Engine, span: int) -> Callable:
     return sampling.FeatureCache(interval, _with_attention(full, cfg.attention), _with_attention(shallow, cfg.attention))
 
 
+def temporal_kernels(size: str, spec: str = "triton") -> dict[str, str]:
+    """`Config.attention_kernels` that pin every temporal attention shape of the UNet at `size` to `spec`
+    (the 16-token attention's own Triton kernel by default: notebook 07's choice on a GPU)."""
+    from lab.models.latentsync import CONFIGS
+
+    latent = Config(size=size).check().face // 8
+    return {f"temporal {latent >> k}²": spec for k in range(len(CONFIGS[size].block_out_channels))}
+
+
 def _precision(dt: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}[dt]
 
