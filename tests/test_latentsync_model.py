@@ -232,6 +232,7 @@ def test_feature_cache_steps_with_the_guided_shortcuts_compute_the_same():
         # a layout the shortcut does not hold for gives another answer
         a_bad = torch.cat([a[len(a) // 2:], a[len(a) // 2:]])
         assert (smp.ShallowStep(m, True)(x2, t, a_bad, deep) - smp.ShallowStep(m)(x2, t, a_bad, deep)).abs().max() > 1e-3
+        assert (smp.DeepStep(m, True, True)(x, t, a_bad)[0] - smp.DeepStep(m)(x, t, a_bad)[0]).abs().max() > 1e-3
         f = x.shape[2]
         lat = smp.initial_noise((1, 4, 8, 8), f, seed=1)
         cond = x[1:, 4:]

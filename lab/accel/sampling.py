@@ -304,15 +304,24 @@ def fast_unet(model: torch.nn.Module, how: str, example: tuple[torch.Tensor, ...
     lab's kernels keep it inside a captured graph (a plain "compile" runner launches them without).
     """
     from lab.accel.backends import accelerate
-    from lab.accel.pdl import INDUCTOR_OPTIONS, launching
+    from lab.accel.pdl import launching
+
+    opts = _runner_options(how, pdl)
+    with launching(pdl):
+        return accelerate(model, how, example, precision=precision, name="latentsync_unet", **opts)
+
+
+def _runner_options(how: str, pdl: bool) -> dict[str, Any]:
+    """`accelerate` options of a loop runner: graph runners hand out their static output (the loop
+    consumes it at once); PDL is an inductor option of the compiled kinds."""
+    from lab.accel.pdl import INDUCTOR_OPTIONS
 
     if how not in FAST_OPTIONS:
         raise InputError(f"fast path must be one of {FAST_OPTIONS}, got {how!r}")
     opts: dict[str, Any] = {"clone_output": False} if "cudagraph" in how else {}
     if pdl and "compile" in how:
         opts["inductor_options"] = INDUCTOR_OPTIONS
-    with launching(pdl):
-        return accelerate(model, how, example, precision=precision, name="latentsync_unet", **opts)
+    return opts
 
 
 def fast_feature_cache(model: torch.nn.Module, how: str, example: tuple[torch.Tensor, ...], precision: str = "fp16",
@@ -322,13 +331,9 @@ def fast_feature_cache(model: torch.nn.Module, how: str, example: tuple[torch.Te
     full one is the exact runner's graph with one more output), so a feature-cache mode runs on the same
     compiled or captured kernels as the exact path instead of eagerly. → (full, shallow) runners."""
     from lab.accel.backends import accelerate
-    from lab.accel.pdl import INDUCTOR_OPTIONS, launching
+    from lab.accel.pdl import launching
 
-    if how not in FAST_OPTIONS:
-        raise InputError(f"fast path must be one of {FAST_OPTIONS}, got {how!r}")
-    opts: dict[str, Any] = {"clone_output": False} if "cudagraph" in how else {}
-    if pdl and "compile" in how:
-        opts["inductor_options"] = INDUCTOR_OPTIONS
+    opts = _runner_options(how, pdl)
     full_mod, shallow_mod = DeepStep(model, shortcuts, shortcuts), ShallowStep(model, shortcuts)
     with torch.inference_mode():
         deep = full_mod(*example)[1]

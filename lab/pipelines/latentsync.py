@@ -170,11 +170,8 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
 
 def eager_unet(engine: Engine) -> Callable:
     """The eager UNet as the loop calls it (with the guided shortcuts when they are on)."""
-    cfg = engine.cfg
     model = engine.unet.model
-    if cfg.guided_shortcuts and cfg.guidance > 1:
-        return sampling.GuidedShortcuts(model)
-    return model
+    return sampling.GuidedShortcuts(model) if _shortcuts(engine.cfg) else model
 
 
 def set_attention_kernels(engine: Engine, per_shape: dict[str, str] | None) -> Engine:
