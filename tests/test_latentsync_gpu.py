@@ -110,6 +110,26 @@ def test_feature_cache_runners_match_the_eager_cache(tiny, how):
     assert cosine(out, ref) > 0.9999 and torch.equal(out, again)
 
 
+def test_pipeline_builds_the_feature_cache_runners_through_set_fast():
+    import numpy as np
+
+    from lab import data
+    from lab.pipelines import latentsync as P
+    from lab.pipelines.musetalk import avatar_loop
+
+    frames = avatar_loop(4, (128, 192))
+    a, sr = data.default_audio()
+    eng = P.build(P.Config(size="tiny", mode="deepcache3", block=8, keep_faces=True), "cuda")
+    job = P.prepare(eng, frames, a[:int(sr * 0.8)], sr)  # 20 frames: blocks of 8, 8, 4 (the last eager)
+    eager = P.run(eng, job)
+    P.set_fast(eng, "cudagraph")
+    assert eng.runner is None and eng.cache_runners is not None
+    fast = P.run(eng, job)
+    assert fast.n_frames == eager.n_frames == 20
+    assert cosine(fast.latents, eager.latents) > 0.9999
+    assert np.isfinite(fast.latents.numpy()).all()
+
+
 def test_triton_temporal_attention_matches_sdpa_compiled_in_one_graph():
     from lab.accel import short_attention as sa
     from lab.models.latentsync import attention

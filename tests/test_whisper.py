@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from lab.errors import InputError, WeightsError
-from lab.models.whisper import (audio_positional_encoding, frame_windows, load_whisper, musetalk_audio_features,
-                                whisper_hidden_states)
+from lab.models.whisper import (audio_positional_encoding, frame_windows, load_whisper, log_mel,
+                                musetalk_audio_features, whisper_hidden_states)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,15 @@ def test_random_weights_are_seeded():
 def test_hidden_states_rate_and_count(tiny):
     hs = whisper_hidden_states(tiny, speechlike(1.0))
     assert hs.shape == (50, 5, 64)  # 50 Hz, embedding + 4 layers
+
+
+def test_log_mel_on_the_encoders_device_by_default(tiny):
+    x = speechlike(31.0)
+    mel = log_mel(tiny, x)
+    assert mel.shape == (2, 80, 3000) and mel.device.type == "cpu"  # two 30 s windows, the last zero-padded
+    assert torch.equal(mel, log_mel(tiny, x, device="cpu"))
+    # each window is scaled by its own maximum: the second equals the last second alone
+    assert torch.allclose(mel[1], log_mel(tiny, x[30 * 16000:])[0], atol=1e-6)
 
 
 def test_windows_centred_on_frame():

@@ -141,12 +141,20 @@ def _chunk_samples(encoder: torch.nn.Module) -> int:
     return int(encoder.config.max_source_positions) * 2 * HOP
 
 
-def log_mel(encoder: torch.nn.Module, audio_16k: np.ndarray) -> torch.Tensor:
-    """Audio → log-mel windows (chunks, n_mels, frames), one per 30 s chunk, the last zero-padded."""
+def log_mel(encoder: torch.nn.Module, audio_16k: np.ndarray,
+            device: str | torch.device | None = None) -> torch.Tensor:
+    """Audio → log-mel windows (chunks, n_mels, frames), one per 30 s chunk, the last zero-padded.
+
+    The STFT and the mel projection run on `device` (default: the encoder's). On a GPU that keeps
+    them off the host's thread pool, where a 30 s window took 3 ms when the cores were idle and
+    tens of ms when they were not; the values match the host's to fp32 round-off. The result
+    comes back on the host, as transformers' feature extractor returns it.
+    """
+    dev = torch.device(device) if device is not None else next(encoder.parameters()).device
     n_chunk = _chunk_samples(encoder)
     fe = feature_extractor(int(encoder.config.num_mel_bins), n_chunk // SAMPLE_RATE)
     pieces = [audio_16k[i:i + n_chunk] for i in range(0, len(audio_16k), n_chunk)]
-    return fe(pieces, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
+    return fe(pieces, sampling_rate=SAMPLE_RATE, return_tensors="pt", device=str(dev)).input_features
 
 
 def _as_audio(audio_16k: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -292,7 +300,7 @@ class AudioFeatureStream:
     window reaches at most a few feature frames into the neighbouring chunk, so two chunks
     resident cover every window; chunks behind the lowest frame still to come are released.
     Memory is O(chunk), whatever the audio length: per resident chunk 1500 × 5 × D values on the
-    encoder's device, plus 30 s of 16 kHz audio and its log-mel on the host.
+    encoder's device, plus 30 s of 16 kHz audio and its log-mel on the host (computed on the encoder's device).
 
     Each chunk is cut from the input with `context_s` of extra audio each side (aligned to whole
     resampler periods) and trimmed after resampling, so the 16 kHz samples equal a whole-clip
