@@ -20,6 +20,13 @@ def test_projection_scales_only_the_heavy_stage():
     got = C.project("ditto", basis, {"stride": 2}, 9)
     assert got == pytest.approx(1 / (0.1 - 0.05 * (1 - 5 / 9)))
     assert C.project("ditto", basis, {"stride": 1}, 9) == pytest.approx(10.0)
+    # with the batch, whole calls: 32 frames at batch 16 are 2 calls; stride 3 keys 12 frames (1 padded call),
+    # stride 2 keys 17 (still 2 calls: no saving); at batch 32 no stride saves a call on 32 frames
+    b32 = {"dense": _outcome(3.2, 32, {"render": 1.6})}
+    assert C.project("ditto", b32, {"stride": 3}, 32, 16) == pytest.approx(1 / (0.1 - 0.05 * 0.5))
+    assert C.project("ditto", b32, {"stride": 2}, 32, 16) == pytest.approx(10.0)
+    assert C.project("ditto", b32, {"stride": 3}, 32, 32) == pytest.approx(10.0)
+    assert C.project("ditto", b32, {"stride": 3}, 32) == pytest.approx(1 / (0.1 - 0.05 * (1 - 12 / 32)))
     lat = {"dense": _outcome(1.0, 4, {"unet": 0.8})}
     assert C.project("latentsync", lat, {"mode": "dpm4"}, 4) == pytest.approx(1 / (0.25 - 0.2 * (1 - 4 / 20)))
 

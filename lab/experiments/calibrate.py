@@ -5,8 +5,10 @@ The write-up's `/calibrate` only projects: it times the UNet and the decoder alo
 Here each family's dense exact path runs through its pipeline at every backend × batch the
 profile tries; the fastest is the basis. Its own stage timer splits a frame's time into the heavy
 network's share (MuseTalk: UNet; Ditto: the renderer; LatentSync: the denoising UNet) and the rest.
-A choice is projected by scaling the heavy share by the work the choice keeps (keyframes / n for a
-stride, steps / 20 for a sampler); a decoder choice swaps the decoder stage for the other
+A choice is projected by scaling the heavy share by the work the choice keeps (steps / 20 for a
+sampler; for a stride the heavy network's calls: both pipelines run it on whole batches, the last
+one padded, so K keyframes cost ceil(K / batch) calls against the dense run's ceil(n / batch) — on
+a short clip a stride can keep every call); a decoder choice swaps the decoder stage for the other
 decoder's, measured in its own dense run. Then every projected choice is rendered and the table
 says projected vs measured.
 
@@ -57,14 +59,20 @@ def plan(device: torch.device, quick: bool) -> Plan:
                 {"musetalk": ["eager"], "ditto": ["eager", "cudagraph"], "latentsync": ["eager", "cudagraph"]}, dict(CHOICES))
 
 
-def _duty(family: str, choice: dict, n: int) -> float:
-    """Share of the heavy network's dense work the choice keeps."""
+def _duty(family: str, choice: dict, n: int, batch: int | None = None) -> float:
+    """Share of the heavy network's dense work the choice keeps. A stride keeps keyframes / n of the
+    frames; with `batch` it keeps whole calls, as the pipelines run them (the last call padded)."""
     if family == "latentsync":
         from lab.accel import sampling
 
         return sampling.parse_mode(choice["mode"]).steps / 20
     k = int(choice.get("stride", 1))
-    return len(st.keyframe_indices(n, k)) / n if k > 1 else 1.0
+    if k <= 1:
+        return 1.0
+    keys = len(st.keyframe_indices(n, k))
+    if batch is None:
+        return keys / n
+    return -(-keys // batch) / -(-n // batch)
 
 
 def _engines(family: str, out: F.Outcome) -> list[dict]:
@@ -79,14 +87,15 @@ def _engines(family: str, out: F.Outcome) -> list[dict]:
     return rows
 
 
-def project(family: str, basis: dict[str, F.Outcome], choice: dict, n: int) -> float:
+def project(family: str, basis: dict[str, F.Outcome], choice: dict, n: int, batch: int | None = None) -> float:
     """Projected FPS of `choice` from the dense basis run(s): per-frame wall time with the heavy
-    network's share scaled by the work kept, and (MuseTalk) the decoder stage of that decoder's run."""
+    network's share scaled by the work kept (whole calls of `batch`, if given), and (MuseTalk) the
+    decoder stage of that decoder's run."""
     key = choice.get("decoder", "dense")
     b = basis[key]
     per_frame = b.wall_s / b.n_frames
     heavy = sum(b.stages.get(s, 0.0) for s in HEAVY[family]) / b.n_frames
-    return 1.0 / (per_frame - heavy * (1.0 - _duty(family, choice, n)))
+    return 1.0 / (per_frame - heavy * (1.0 - _duty(family, choice, n, batch)))
 
 
 def _setting(family: str, backend: str, batch: int, choice: dict, device: torch.device) -> F.Setting:
@@ -123,7 +132,7 @@ def calibrate_family(family: str, p: Plan, device: torch.device, clip: F.Clip, s
         engines += [{"choice": "taesd dense", **r} for r in _engines(family, basis["taesd"]) if r["engine"] == "vae_decode"]
     rows = []
     for ch in p.choices[family]:
-        proj = project(family, basis, ch, clip.n_frames)
+        proj = project(family, basis, ch, clip.n_frames, batch)
         is_basis = (family != "musetalk" and ch == CHOICES[family][0]) or (family == "musetalk" and ch.get("stride") == 1)
         if is_basis:
             meas = basis[ch.get("decoder", "dense")]
@@ -131,7 +140,8 @@ def calibrate_family(family: str, p: Plan, device: torch.device, clip: F.Clip, s
             built = F.build(_setting(family, backend, batch, ch, device), clip, device, p.size, seed=seed, base=base)
             meas = F.render(built)
         rows.append({"choice": ", ".join(f"{k}={v}" for k, v in ch.items()), "kind": "basis (measured)" if is_basis else "projected",
-                     "duty_cycle": _duty(family, ch, clip.n_frames), "projected_fps": proj, "measured_fps": meas.fps,
+                     "duty_cycle": _duty(family, ch, clip.n_frames), "calls_kept": _duty(family, ch, clip.n_frames, batch),
+                     "projected_fps": proj, "measured_fps": meas.fps,
                      "error_pct": 100 * (proj - meas.fps) / meas.fps})
         log(f"  {family:10s} {rows[-1]['choice']:24s} projected {proj:9.2f}  measured {meas.fps:9.2f} FPS")
     return {"best": {"backend": backend, "batch": batch, "fps": best_out.fps}, "sweep": sweep, "skipped": skipped,

@@ -229,7 +229,7 @@ def calibration(run: Run) -> Any:
     atomic_write_text(run.folder / "calibration.json", json.dumps({k: v for k, v in rep.items() if k != "provenance"},
                                                                   indent=2, default=str) + "\n", overwrite=True)
     run.save()   # a run stopped after this keeps the leaderboard and the calibration
-    return run.table("calibration", rows, ["family", "choice", "kind", "backend", "batch", "duty_cycle", "projected_fps",
+    return run.table("calibration", rows, ["family", "choice", "kind", "backend", "batch", "duty_cycle", "calls_kept", "projected_fps",
                                            "measured_fps", "error_pct"])
 
 
