@@ -159,13 +159,15 @@ def test_exact_switches_keep_the_output_and_the_encode_cache_hits(clip, frames):
     assert np.abs(rep.faces.int() - ref.faces.int()).max() <= 1
 
 
-def test_vae_runners_take_both_encodes_in_one_call_and_a_short_block_runs_eager(clip, frames):
+def test_vae_runners_take_both_encodes_in_one_call_and_a_short_block_padded(clip, frames):
     eng = P.build(P.Config(size="tiny", mode="ddim2", block=4, keep_faces=True))
     job = P.prepare(eng, frames, *clip)                 # 10 frames: blocks of 4, 4, 2
     ref = P.run(eng, job)
     enc, calls = eng.vae.encoder_module(), []
+    dec, dec_calls = eng.vae.decoder_module(), []
     # plain modules stand in for the compiled / captured runners (those need a GPU; tested there)
-    P.set_vae_fast(eng, "compile", runner=eng.vae.decoder_module(), encoder=lambda x: calls.append(len(x)) or enc(x))
+    P.set_vae_fast(eng, "compile", runner=lambda z: dec_calls.append(len(z)) or dec(z),
+                   encoder=lambda x: calls.append(x.clone()) or enc(x))
     eager_calls = []
     plain = eng.vae.model.encode
     eng.vae.model.encode = lambda x: eager_calls.append(len(x)) or plain(x)
@@ -174,9 +176,13 @@ def test_vae_runners_take_both_encodes_in_one_call_and_a_short_block_runs_eager(
     finally:
         eng.vae.model.encode = plain
         P.set_vae_fast(eng, "eager")
-    assert calls == [8, 8] and eager_calls == [2, 2]   # full blocks: one call of 2 × 4 images; the last block eager
+    # every block one call of 2 × 4 images, the last block's 2 faces padded by repeating the last one; none eager
+    assert [len(x) for x in calls] == [8, 8, 8] and eager_calls == [] and dec_calls == [4, 4, 4]
+    last = calls[-1]
+    assert torch.equal(last[2], last[1]) and torch.equal(last[3], last[1]) and torch.equal(last[6], last[5])
     assert eng.vae_encode is None and eng.vae_decode is None and eng.cfg.vae_fast == "eager"
     torch.testing.assert_close(rep.latents, ref.latents, rtol=1e-4, atol=1e-4)
+    assert rep.n_frames == 10 and np.abs(rep.faces.int() - ref.faces.int()).max() <= 1   # the padding is dropped
 
 
 def test_feature_cache_mode_runs_its_two_step_runners_and_a_short_block_eager(clip, frames):

@@ -186,8 +186,9 @@ def set_attention_kernels(engine: Engine, per_shape: dict[str, str] | None) -> E
 
 
 def set_vae_fast(engine: Engine, how: str, runner: Any = None, encoder: Any = None) -> Engine:
-    """The VAE's work on a full block through cudagraph / compiled runners: the decode, and both encodes
-    (masked and reference faces) as one call of 2 × block images. "eager" drops both. `runner` /
+    """The VAE's work on a block through cudagraph / compiled runners: the decode, and both encodes
+    (masked and reference faces) as one call of 2 × block images; a short last block is padded to that
+    shape (the VAE works image by image, so its real images come out the same). "eager" drops both. `runner` /
     `encoder`: runners already built for those shapes (e.g. by a benchmark) instead of building again."""
     from lab.accel.backends import accelerate
 
@@ -474,9 +475,13 @@ def encode(engine: Engine, faces: torch.Tensor, generator: torch.Generator | Non
         moments = [torch.stack([cache[int(k)][j] for k in keys]) for j in range(4)]
     else:
         px = faces.to(engine.dtype) * 2 - 1
-        if engine.vae_encode is not None and len(faces) == engine.cfg.block:
-            # both images in one call: the runner was built for 2 × block (a short last block runs eager)
-            dm, dr = map(posterior, engine.vae_encode(torch.cat([px * engine.mask, px])).chunk(2))
+        if engine.vae_encode is not None and len(faces) <= engine.cfg.block:
+            # both images in one call of 2 × block, the runner's shape; a short last block is padded by
+            # repeating its last face: the VAE works image by image, so padding changes nothing in the
+            # real ones (unlike the UNet, whose ResNet norms pool over the block's frames)
+            n, b = len(faces), engine.cfg.block
+            out = engine.vae_encode(torch.cat([_pad_images(px * engine.mask, b), _pad_images(px, b)]))
+            dm, dr = posterior(out[:n]), posterior(out[b:b + n])
         else:
             dm, dr = vae.model.encode(px * engine.mask).latent_dist, vae.model.encode(px).latent_dist
         moments = [dm.mean, dm.std, dr.mean, dr.std]
@@ -497,10 +502,17 @@ def encode(engine: Engine, faces: torch.Tensor, generator: torch.Generator | Non
     return cond.transpose(0, 1)[None]                            # (1, 9, F, h, w)
 
 
+def _pad_images(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x (F, ...) with its last image repeated up to n rows."""
+    return x if len(x) >= n else torch.cat([x, x[-1:].expand(n - len(x), *x.shape[1:])])
+
+
 def decode(engine: Engine, latents: torch.Tensor, faces: torch.Tensor) -> torch.Tensor:
     """Latents (1, 4, F, h, w) → faces (F, 3, S, S) in [0, 1], the kept region pasted back from the input."""
-    if engine.vae_decode is not None and latents.shape[2] == engine.cfg.block:
-        out = engine.vae_decode(latents[0].transpose(0, 1).to(engine.dtype).contiguous())
+    if engine.vae_decode is not None and latents.shape[2] <= engine.cfg.block:
+        # the runner's shape; a short last block padded as in `encode` (image by image: exact)
+        z = latents[0].transpose(0, 1).to(engine.dtype)
+        out = engine.vae_decode(_pad_images(z, engine.cfg.block).contiguous())[:len(z)]
     else:
         z = latents[0].transpose(0, 1).to(engine.dtype) / engine.vae.scaling_factor
         out = (engine.vae.model.decode(z).sample / 2 + 0.5).clamp(0, 1)
@@ -521,7 +533,7 @@ class RunReport:
     gpu_mb_per_block: list[float]
     mode: str
     fast: str
-    gpu_peak_mb_per_block: list[float] = field(default_factory=list)  # each block's own peak (a short last block runs eager)
+    gpu_peak_mb_per_block: list[float] = field(default_factory=list)  # each block's own peak (a short last block's UNet runs eager)
     faces: torch.Tensor | None = None        # (n, 3, S, S) uint8 when keep_faces
     latents: torch.Tensor | None = None      # (n, 4, h, w) float32 when keep_faces
 
