@@ -1062,8 +1062,9 @@ def block_loop_costs(ctx: Context) -> list[dict]:
 
 def memory_scaling(ctx: Context) -> list[dict]:
     """Peak host RSS and GPU memory for a short and a long input: streaming keeps both flat. Each length
-    twice: the last block at its own length (upstream; it runs the eager UNet, so its peak follows the
-    remainder's frame count, not the clip's length) and padded to a full block (the runner's shape).
+    twice: the last block at its own length (upstream; its UNet runs eager, so its peak follows the
+    remainder's frame count, not the clip's length; its VAE work goes through the runners padded) and
+    padded to a full block (the runner's shape).
     One untimed run of the short input first: the process's first run after the waterfall peaked 1.5 GB
     above every later one on an H200, an order effect that would read as growth (or shrinkage)."""
     _memory_row(ctx, ctx.prof.memory_seconds[0], "short")
@@ -1102,7 +1103,7 @@ def _memory_row(ctx: Context, seconds: float, last: str) -> dict:
              "peak_rss_mb": rep.peak_rss_mb, "rss_first_block_mb": rep.rss_mb_per_block[0],
              "rss_last_block_mb": rep.rss_mb_per_block[-1], "peak_gpu_mb": rep.peak_gpu_mb,
              "gpu_last_block_mb": rep.gpu_mb_per_block[-1], "last_block_frames": rep.n_frames - full * block,
-             # a short last block runs the eager UNet at its own length: its peak apart from the others'
+             # a short last block runs its UNet eager at its own length: its peak apart from the others'
              "peak_gpu_mb_full_blocks": max(peaks[:full]) if peaks[:full] else None,
              "peak_gpu_mb_last_block": peaks[-1] if peaks and full < len(peaks) else None}
 
