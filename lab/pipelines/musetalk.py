@@ -751,13 +751,7 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
     try:
         with torch.inference_mode():
             if cfg.mode == "sequential":
-                for s, t in tqdm(batches, desc="frames", unit="batch", disable=not progress):
-                    g0 = time.perf_counter()
-                    out = gpu_work(s, t, timer)
-                    with timer.stage("d2h"):
-                        host = out.cpu().numpy()
-                    gpu_busy += time.perf_counter() - g0
-                    post_work(host, s, t)
+                gpu_busy = _run_sequential(engine, batches, gpu_work, post_work, timer, progress)
             else:
                 gpu_busy = _run_async(engine, batches, gpu_work, post_work, timer, progress)
         ok = True
@@ -794,6 +788,38 @@ def run(engine: Engine, audio: np.ndarray, sr: int, out_path: str | Path | None 
                      config={k: v for k, v in asdict(cfg).items()}, output=str(out_path) if writer is not None and sink is None else None,
                      weights=engine.weights, encoder_start_s=enc[0], encoder_end_s=enc[1],
                      transport=transport)
+
+
+def _run_sequential(engine: Engine, batches: list[tuple[int, int]], gpu_work, post_work, timer: StageTimer,
+                    progress: bool) -> float:
+    """GPU work, copy to the host, blend + encode, one batch after the other. On a GPU the copy lands in
+    one page-locked buffer kept with the engine (as the async queue's are): `.cpu()` into a fresh pageable
+    array first-touches every page of it, and ran at ~1.6 GB/s on an H200 host (54 ms of a 106-ms render
+    of 32 frames at 1280×720). post_work must not keep the array it is handed (the sinks copy)."""
+    from lab.progress import tqdm
+
+    cuda = engine.device.type == "cuda"
+    key, buf, gpu_busy = None, None, 0.0
+    try:
+        for s, t in tqdm(batches, desc="frames", unit="batch", disable=not progress):
+            g0 = time.perf_counter()
+            out = gpu_work(s, t, timer)
+            with timer.stage("d2h"):
+                if cuda:
+                    if buf is None:
+                        key = _buffer_key(engine, (engine.cfg.batch_size, *out.shape[1:]), out.dtype)
+                        buf = _take_buffers(engine, key, 1)[0]
+                    buf[: t - s].copy_(out, non_blocking=True)
+                    torch.cuda.current_stream(engine.device).synchronize()
+                    host = buf[: t - s].numpy()
+                else:
+                    host = out.cpu().numpy()
+            gpu_busy += time.perf_counter() - g0
+            post_work(host, s, t)
+    finally:
+        if buf is not None:
+            engine.variants.setdefault(key, []).append(buf)
+    return gpu_busy
 
 
 def _run_async(engine: Engine, batches: list[tuple[int, int]], gpu_work, post_work, timer: StageTimer,
