@@ -1,5 +1,5 @@
 """MuseTalk on the GPU host (pytest -m gpu): the sequential mode's copy through its page-locked buffer hands
-the writer the frames the async queue does, run after run (the buffer is reused)."""
+the writer the frames the async queue does, run after run (the buffer is reused), as upstream's pageable copy does."""
 import numpy as np
 import pytest
 import torch
@@ -31,11 +31,13 @@ def test_sequential_copy_through_the_pinned_buffer_matches_async():
     mt.warmup(e)
     a, sr = data.default_audio(16000)
     got = {}
-    for mode in ("async", "sequential", "sequential"):
+    for mode, copy in (("async", "pinned"), ("sequential", "pinned"), ("sequential", "pinned"), ("sequential", "pageable")):
         w = _Collect()
-        r = mt.run(mt.reconfigure(e, mode=mode, blend="gpu"), a, sr, None, n_frames=10, sink=w)
-        got.setdefault(mode, []).append(np.concatenate(w.frames))
+        r = mt.run(mt.reconfigure(e, mode=mode, blend="gpu", host_copy=copy), a, sr, None, n_frames=10, sink=w)
+        got.setdefault((mode, copy), []).append(np.concatenate(w.frames))
         assert r.n_frames == 10 and "d2h" in {s["stage"] for s in r.stages}
-    assert got["async"][0].shape[0] == 10
-    assert np.array_equal(got["sequential"][0], got["async"][0])
-    assert np.array_equal(got["sequential"][1], got["async"][0])   # the reused buffer, second run
+    ref = got[("async", "pinned")][0]
+    assert ref.shape[0] == 10
+    seq = got[("sequential", "pinned")]
+    assert np.array_equal(seq[0], ref) and np.array_equal(seq[1], ref)   # the second run reuses the buffer
+    assert np.array_equal(got[("sequential", "pageable")][0], ref)

@@ -271,7 +271,7 @@ def test_region_composite_pipes_the_same_planes_as_whole_frames(engine, speech):
     assert np.array_equal(got["region"], got["frame"])
 
 
-@pytest.mark.parametrize("bad", [dict(composite="box"), dict(host_wait="yield"), dict(pipe_buffer=-1)])
+@pytest.mark.parametrize("bad", [dict(composite="box"), dict(host_wait="yield"), dict(pipe_buffer=-1), dict(host_copy="mapped")])
 def test_transport_knobs_are_checked(bad):
     with pytest.raises(InputError, match=next(iter(bad))):
         mt.Config(**bad).check()

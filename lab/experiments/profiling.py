@@ -337,11 +337,11 @@ def stages_figure(run: Run, report: mt.RunReport) -> Any:
 WATERFALL = [
     ("baseline: librosa kaiser_best, fp32, batch 1, sequential, SD-VAE",
      dict(resampler="librosa_kaiser_best", dtype="fp32", batch_size=1, mode="sequential", decoder="sd-vae",
-          blend="cpu", pipe_format="rgb24", compile="none", stride=1)),
+          blend="cpu", pipe_format="rgb24", compile="none", stride=1, host_copy="pageable")),
     ("+ GPU resampler (torchaudio)", dict(resampler="torchaudio_gpu")),
     ("+ fp16", dict(dtype="fp16")),
     ("+ batch 16", dict(batch_size=16)),
-    ("+ async blend/encode", dict(mode="async")),
+    ("+ async blend/encode", dict(mode="async", host_copy="pinned")),   # its queue copies into page-locked buffers
     ("+ blend on the GPU", dict(blend="auto")),
     ("+ RGB→YUV420 on the GPU (half the pipe, no swscale)", dict(pipe_format="auto")),
     ("+ torch.compile + CUDA graphs (UNet, decoder)", dict(compile="reduce-overhead")),

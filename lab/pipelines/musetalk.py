@@ -80,6 +80,7 @@ class Config:
     host_wait: str = "sleep"                # how host threads wait for the GPU: "sleep" (blocking events, no stream syncs in the loop) | "spin" (CUDA's default busy-wait, the syncs of pageable uploads)
     pipe_buffer: int = 1 << 20              # ffmpeg writer: pipe size asked of the kernel, bytes (0: the default 64 KiB)
     zero_copy: bool = True                  # ffmpeg writer: frames' pages handed to the pipe (vmsplice) instead of copied into it
+    host_copy: str = "pinned"               # sequential mode's GPU → host copy: "pinned" (a page-locked buffer kept with the engine) | "pageable" (`.cpu()` per batch, as upstream)
     weights: dict[str, str] = field(default_factory=lambda: {"whisper": "random", "unet": "random", "vae": "random"})
     seed: int = 0
 
@@ -111,6 +112,8 @@ class Config:
             raise InputError(f"composite must be 'region' or 'frame', got {self.composite!r}")
         if self.host_wait not in ("sleep", "spin"):
             raise InputError(f"host_wait must be 'sleep' or 'spin', got {self.host_wait!r}")
+        if self.host_copy not in ("pinned", "pageable"):
+            raise InputError(f"host_copy must be 'pinned' or 'pageable', got {self.host_copy!r}")
         if not isinstance(self.pipe_buffer, int) or self.pipe_buffer < 0:
             raise InputError(f"pipe_buffer must be an int >= 0 (bytes; 0 = the OS default), got {self.pipe_buffer!r}")
         if not isinstance(self.extra_margin, int) or self.extra_margin < 0:
@@ -795,10 +798,11 @@ def _run_sequential(engine: Engine, batches: list[tuple[int, int]], gpu_work, po
     """GPU work, copy to the host, blend + encode, one batch after the other. On a GPU the copy lands in
     one page-locked buffer kept with the engine (as the async queue's are): `.cpu()` into a fresh pageable
     array first-touches every page of it, and ran at ~1.6 GB/s on an H200 host (54 ms of a 106-ms render
-    of 32 frames at 1280×720). post_work must not keep the array it is handed (the sinks copy)."""
+    of 32 frames at 1280×720). `host_copy="pageable"` keeps upstream's `.cpu()` (the profiling
+    waterfall's baseline). post_work must not keep the array it is handed (the sinks copy)."""
     from lab.progress import tqdm
 
-    cuda = engine.device.type == "cuda"
+    cuda = engine.device.type == "cuda" and engine.cfg.host_copy == "pinned"
     key, buf, gpu_busy = None, None, 0.0
     try:
         for s, t in tqdm(batches, desc="frames", unit="batch", disable=not progress):
