@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -30,3 +31,25 @@ def triton_interpreter():
         assert r.returncode == 0, r.stderr[-2000:]
         return r.stdout
     return run
+
+
+class Collect:
+    """A writer that keeps copies of what it is given (the pipelines may reuse their buffers)."""
+
+    def __init__(self):
+        self.frames = []
+
+    def write(self, f):
+        self.frames.append(np.array(f))
+
+    def close(self):
+        pass
+
+    def abort(self):
+        pass
+
+
+@pytest.fixture
+def collector():
+    """The `Collect` writer class: a test makes one per run."""
+    return Collect

@@ -10,32 +10,24 @@ from lab.pipelines import musetalk as mt
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-class _Collect:
-    def __init__(self):
-        self.frames = []
-
-    def write(self, f):
-        self.frames.append(np.array(f))
-
-    def close(self):
-        pass
-
-    def abort(self):
-        pass
-
-
-def test_sequential_copy_through_the_pinned_buffer_matches_async():
+def test_sequential_copy_through_the_pinned_buffer_matches_async(collector, monkeypatch):
     cfg = mt.Config(size="tiny", frame_size=(128, 192), crop=64, loop_frames=5, batch_size=4, dtype="fp16")
     e = mt.build_engine(cfg, "cuda")
     mt.prepare(e)
     mt.warmup(e)
     a, sr = data.default_audio(16000)
+    taken = []
+    real = mt._take_buffers
+    monkeypatch.setattr(mt, "_take_buffers", lambda eng, key, n: taken.append(n) or real(eng, key, n))
     got = {}
     for mode, copy in (("async", "pinned"), ("sequential", "pinned"), ("sequential", "pinned"), ("sequential", "pageable")):
-        w = _Collect()
+        w = collector()
+        del taken[:]
         r = mt.run(mt.reconfigure(e, mode=mode, blend="gpu", host_copy=copy), a, sr, None, n_frames=10, sink=w)
         got.setdefault((mode, copy), []).append(np.concatenate(w.frames))
         assert r.n_frames == 10 and "d2h" in {s["stage"] for s in r.stages}
+        if mode == "sequential":   # one page-locked buffer per pinned run, none for the pageable copy
+            assert taken == ([1] if copy == "pinned" else [])
     ref = got[("async", "pinned")][0]
     assert ref.shape[0] == 10
     seq = got[("sequential", "pinned")]

@@ -13,22 +13,6 @@ from lab.video import encoder_rate, read_video_info
 FS = (128, 192)  # composite (width, height)
 
 
-class _Collect:
-    """A writer that keeps copies of what it is given (the pipeline may reuse its buffers)."""
-
-    def __init__(self):
-        self.frames = []
-
-    def write(self, f):
-        self.frames.append(np.array(f))
-
-    def close(self):
-        pass
-
-    def abort(self):
-        pass
-
-
 @pytest.fixture(scope="module")
 def engine():
     cfg = mt.Config(size="tiny", frame_size=FS, crop=64, loop_frames=5, batch_size=4, dtype="fp32")
@@ -228,13 +212,13 @@ def test_load_avatar_image_and_video(tmp_path):
         mt.load_avatar(tmp_path / "nope.png")
 
 
-def test_gpu_blend_path_matches_cpu_blend(engine, speech, monkeypatch):
+def test_gpu_blend_path_matches_cpu_blend(engine, speech, monkeypatch, collector):
     """blend='gpu' (torch, batched, run here on CPU tensors) and the numpy blend give the same frames."""
     a, sr = speech
 
     got = {}
     for blend in ("cpu", "gpu"):
-        w = _Collect()
+        w = collector()
         monkeypatch.setattr(mt, "_open_writer", lambda *args, _w=w: _w)
         mt.run(mt.reconfigure(engine, blend=blend, pipe_format="rgb24"), a, sr, "unused.mp4", n_frames=8)
         got[blend] = np.concatenate(w.frames)
@@ -255,7 +239,7 @@ def test_gpu_blend_yuv_pipe_writes_the_video(engine, speech, tmp_path):
     assert not (tmp_path / "x.mp4").exists()
 
 
-def test_region_composite_pipes_the_same_planes_as_whole_frames(engine, speech):
+def test_region_composite_pipes_the_same_planes_as_whole_frames(engine, speech, collector):
     """composite="region" (backgrounds converted once, face boxes per frame) feeds the encoder the
     very bytes the whole-frame blend + conversion does, whatever the host-wait and pipe settings."""
     a, sr = speech
@@ -263,7 +247,7 @@ def test_region_composite_pipes_the_same_planes_as_whole_frames(engine, speech):
     got = {}
     for comp, wait in (("frame", "spin"), ("region", "sleep")):
         e = mt.reconfigure(engine, blend="gpu", pipe_format="yuv420p", mode="async", composite=comp, host_wait=wait)
-        w = _Collect()
+        w = collector()
         r = mt.run(e, a, sr, None, n_frames=10, sink=w)
         got[comp] = np.concatenate(w.frames)
         assert ("composite_yuv420p" if comp == "region" else "yuv420p") in {s["stage"] for s in r.stages}
@@ -289,7 +273,7 @@ def test_batch_plan_edges():
 
 
 @pytest.mark.parametrize("stride", [1, 3])
-def test_edge_batches_render_the_same_frames(engine, speech, stride):
+def test_edge_batches_render_the_same_frames(engine, speech, stride, collector):
     """edge_batch: a small first batch and a tail of small batches; the networks see two shapes only,
     the first call is the small one, and the frames are those of the plain batches (fp32, CPU)."""
     a, sr = speech
@@ -300,7 +284,7 @@ def test_edge_batches_render_the_same_frames(engine, speech, stride):
         shapes, gen, dec = [], e.gen_fn, e.dec_fn
         e.gen_fn = lambda x, au, _g=gen: shapes.append(("unet", len(x))) or _g(x, au)
         e.dec_fn = lambda z, _d=dec: shapes.append(("dec", len(z))) or _d(z)
-        sink = _Collect()
+        sink = collector()
         r = mt.run(e, a, sr, None, n_frames=17, sink=sink)   # 17 = 2 + 3·4 + a tail of 3 frames: 2 + 1
         out[edge] = np.concatenate(sink.frames)
         assert r.n_frames == 17 == len(out[edge])

@@ -40,9 +40,19 @@ def test_hidden_states_rate_and_count(tiny):
     assert hs.shape == (50, 5, 64)  # 50 Hz, embedding + 4 layers
 
 
-def test_log_mel_on_the_encoders_device_by_default(tiny):
+def test_log_mel_on_the_encoders_device_by_default(tiny, monkeypatch):
+    import lab.models.whisper as W
+
+    seen = []
+    real = W.feature_extractor
+
+    def spy(*a):
+        fe = real(*a)
+        return lambda *x, **k: seen.append(k["device"]) or fe(*x, **k)
+    monkeypatch.setattr(W, "feature_extractor", spy)
     x = speechlike(31.0)
     mel = log_mel(tiny, x)
+    assert seen == [str(next(tiny.parameters()).device)]   # the encoder's device, handed to the extractor
     assert mel.shape == (2, 80, 3000) and mel.device.type == "cpu"  # two 30 s windows, the last zero-padded
     assert torch.equal(mel, log_mel(tiny, x, device="cpu"))
     # each window is scaled by its own maximum: the second equals the last second alone

@@ -802,14 +802,14 @@ def _run_sequential(engine: Engine, batches: list[tuple[int, int]], gpu_work, po
     waterfall's baseline). post_work must not keep the array it is handed (the sinks copy)."""
     from lab.progress import tqdm
 
-    cuda = engine.device.type == "cuda" and engine.cfg.host_copy == "pinned"
+    pinned = engine.device.type == "cuda" and engine.cfg.host_copy == "pinned"
     key, buf, gpu_busy = None, None, 0.0
     try:
         for s, t in tqdm(batches, desc="frames", unit="batch", disable=not progress):
             g0 = time.perf_counter()
             out = gpu_work(s, t, timer)
             with timer.stage("d2h"):
-                if cuda:
+                if pinned:
                     if buf is None:
                         key = _buffer_key(engine, (engine.cfg.batch_size, *out.shape[1:]), out.dtype)
                         buf = _take_buffers(engine, key, 1)[0]
