@@ -75,8 +75,13 @@ def test_exact_switches_keep_the_output(engine, avatar):
                                 async_writer=True),
                   avatar, a, SR, keep_faces=True)
     assert (ref.faces.int() - fused.faces.int()).abs().max() <= 1
+    low = P.run(P.reconfigure(engine, fold_spectral_norm=True, fuse_spade=True, lowres_seg=True), avatar, a, SR,
+                keep_faces=True)
+    assert (ref.faces.int() - low.faces.int()).abs().max() <= 1
     with pytest.raises(InputError, match="fold_spectral_norm"):
         P.reconfigure(engine, fuse_spade=True)
+    with pytest.raises(InputError, match="lowres_seg needs fuse_spade"):
+        P.reconfigure(engine, fold_spectral_norm=True, lowres_seg=True)
 
 
 def test_cpu_and_gpu_putback_agree(engine, avatar):

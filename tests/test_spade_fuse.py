@@ -29,3 +29,19 @@ def test_fused_decoder_is_the_same_function():
     assert torch.allclose(out, ref, atol=1e-5)
     with pytest.raises(InputError, match="SPADEDecoder"):
         fuse_spade(torch.nn.Conv2d(1, 1, 1))
+
+
+def test_lowres_segmap_convs_are_the_same_function():
+    torch.manual_seed(0)
+    dec, _ = D.load_component("decoder", "random", "tiny", seed=3)
+    d = D.dims("tiny")
+    dec = dec.double()
+    fold_spectral_norm(dec)
+    x = torch.randn(2, d.warp_out, d.feature_hw, d.feature_hw, dtype=torch.float64)
+    low = fuse_spade(dec, lowres_seg=True)
+    with torch.no_grad():
+        ref, out = dec(x), low(x)
+    assert (out - ref).abs().max() < 1e-10
+    # a segmap whose size the decoder's upsampling does not match is refused, not misread
+    with pytest.raises(InputError, match="lowres_seg"):
+        low._seg(x, torch.zeros(1, 1, 3 * d.feature_hw, 3 * d.feature_hw), 2)

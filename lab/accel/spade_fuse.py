@@ -8,8 +8,14 @@ one input and can be one conv with the output channels of all of them stacked (2
 map, so they become one conv with 2c outputs. A block with a learned shortcut normalizes the same
 x twice (for the shortcut and for the main branch): the instance norm is computed once.
 
-Exact up to floating-point summation order (the weights are copied, not changed). Takes the
-spectral norm folded (plain `weight` parameters): fold first.
+With `lowres_seg`, the shared convs of the 128² and 256² norms read the 64² map itself: their input
+is the map upsampled by nearest neighbour, ×2 and ×4, so `lab.accel.nearest_conv` computes the same
+conv on the map before the upsample with 16/36 and 36/144 of the taps (145 → 43 GFLOP per frame at
+the released shapes; the 256² one alone was 116, a tenth of the renderer).
+
+Exact up to floating-point summation order (the weights are copied, not changed; the low-resolution
+kernels sum taps in fp32 before the cast). Takes the spectral norm folded (plain `weight`
+parameters): fold first.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lab.accel.nearest_conv import NearestConv
 from lab.errors import InputError
 from lab.models.ditto import SPADE, SPADEDecoder, SPADEResnetBlock
 
@@ -78,8 +85,9 @@ class FusedBlock(nn.Module):
 class FusedSPADEDecoder(nn.Module):
     """SPADEDecoder's function: warped feature (B, 256, 64, 64) → RGB (B, 3, 512, 512)."""
 
-    def __init__(self, dec: SPADEDecoder):
+    def __init__(self, dec: SPADEDecoder, lowres_seg: bool = False):
         super().__init__()
+        self.lowres_seg = lowres_seg
         self.fc = dec.fc
         self.n_middle = dec.n_middle
         self.middle = nn.ModuleList([FusedBlock(getattr(dec, f"G_middle_{i}")) for i in range(dec.n_middle)])
@@ -96,6 +104,8 @@ class FusedSPADEDecoder(nn.Module):
         self.shared_lo = shared([getattr(dec, f"G_middle_{i}") for i in range(dec.n_middle)])
         self.shared_0 = shared([dec.up_0])
         self.shared_1 = shared([dec.up_1])
+        if lowres_seg:   # the decoder doubles twice from the segmap's size
+            self.shared_0, self.shared_1 = NearestConv(self.shared_0, 2), NearestConv(self.shared_1, 4)
 
     @staticmethod
     def _split(h: torch.Tensor, blocks: list[FusedBlock]) -> list[list[torch.Tensor]]:
@@ -106,22 +116,30 @@ class FusedSPADEDecoder(nn.Module):
             k += b.n_norms
         return out
 
+    def _seg(self, seg: torch.Tensor, x: torch.Tensor, scale: int) -> torch.Tensor:
+        """The segmap as the shared conv at x's resolution takes it: resized, or as it is for a NearestConv."""
+        if not self.lowres_seg:
+            return F.interpolate(seg, size=x.shape[-2:], mode="nearest")
+        if tuple(x.shape[-2:]) != (scale * seg.shape[-2], scale * seg.shape[-1]):
+            raise InputError(f"lowres_seg: the decoder's {tuple(x.shape[-2:])} map is not {scale}× the segmap's "
+                             f"{tuple(seg.shape[-2:])}; build the decoder with lowres_seg=False for this input")
+        return seg
+
     def forward(self, feature: torch.Tensor) -> torch.Tensor:
         seg = feature
         x = self.fc(feature)
         for blk, hs in zip(self.middle, self._split(self.shared_lo(seg), list(self.middle))):
             x = blk(x, hs)
         x = F.interpolate(x, scale_factor=2)
-        seg0 = F.interpolate(seg, size=x.shape[-2:], mode="nearest")
-        x = self.up_0(x, self._split(self.shared_0(seg0), [self.up_0])[0])
+        x = self.up_0(x, self._split(self.shared_0(self._seg(seg, x, 2)), [self.up_0])[0])
         x = F.interpolate(x, scale_factor=2)
-        seg1 = F.interpolate(seg, size=x.shape[-2:], mode="nearest")
-        x = self.up_1(x, self._split(self.shared_1(seg1), [self.up_1])[0])
+        x = self.up_1(x, self._split(self.shared_1(self._seg(seg, x, 4)), [self.up_1])[0])
         return torch.sigmoid(self.conv_img(F.leaky_relu(x, 0.2)))
 
 
-def fuse_spade(decoder: SPADEDecoder) -> FusedSPADEDecoder:
-    """The decoder with merged modulation convs (shares the other convs' parameters with `decoder`)."""
+def fuse_spade(decoder: SPADEDecoder, lowres_seg: bool = False) -> FusedSPADEDecoder:
+    """The decoder with merged modulation convs (shares the other convs' parameters with `decoder`);
+    `lowres_seg`: the 128² and 256² shared convs computed on the 64² segmap."""
     if not isinstance(decoder, SPADEDecoder):
         raise InputError(f"fuse_spade takes a SPADEDecoder, got {type(decoder).__name__}")
-    return FusedSPADEDecoder(decoder).eval()
+    return FusedSPADEDecoder(decoder, lowres_seg).eval()

@@ -68,10 +68,11 @@ TARGETS = {"renderer_fps": 360.0, "renderer_psnr_db": 50.0, "e2e_fps": 150.0, "e
 # seconds per step at full size on an H200, for the deadline (the motion table: ~100 s for six variants, measured)
 ESTIMATE_S = {"motion": 120, "final": 100, "renderer": 30, "stages": 15, "waterfall": 60, "strides": 60, "encoder": 10, "memory": 60, "compiled": 60}
 def _variant(precision: str, fold: bool, channels_last: bool, pad: bool, compile: str, graphs: bool,
-             cl3d: bool = False, fuse: bool = False, fft: bool = False, tap: bool = False, mix: bool = False) -> dict:
+             cl3d: bool = False, fuse: bool = False, fft: bool = False, tap: bool = False, mix: bool = False,
+             lowseg: bool = False) -> dict:
     return dict(precision=precision, fold_spectral_norm=fold, channels_last=channels_last, pad_channels=pad,
                 compile=compile, cuda_graphs=graphs, channels_last_3d=cl3d, fuse_spade=fuse, fft_mask=fft,
-                tap_occlusion=tap, fused_mix=mix)
+                tap_occlusion=tap, fused_mix=mix, lowres_seg=lowseg)
 
 
 VARIANTS = {
@@ -94,6 +95,8 @@ VARIANTS = {
     "compile+graph+pad8+fuse+fft+tap": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True, tap=True),
     "compile+graph+pad8+fuse+fft+tap+mix": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True, tap=True,
                                                     mix=True),
+    "compile+graph+pad8+fuse+fft+tap+mix+lowseg": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True,
+                                                           tap=True, mix=True, lowseg=True),
     "compile+graph+pad8+fuse+fft+tap+mix+cl3d": _variant("fp16", True, False, True, "default", True, cl3d=True, fuse=True,
                                                          fft=True, tap=True, mix=True),
     "compile+graph+pad8+fuse+fft+cl": _variant("fp16", True, True, True, "default", True, fuse=True, fft=True),
@@ -118,6 +121,9 @@ VARIANT_TEXT = {
     "compile+graph+pad8+fuse+fft+tap": "compile+graph+pad8+fuse+fft with the 1-channel occlusion conv as one matmul + shifted sum "
                                        "(lab.accel.tap_conv)",
     "compile+graph+pad8+fuse+fft+tap+mix": "the same with the 22-way motion mix as multiply + sum (fused with the softmax)",
+    "compile+graph+pad8+fuse+fft+tap+mix+lowseg": "compile+graph+pad8+fuse+fft+tap+mix with the 128² and 256² SPADE shared "
+                                                   "convs computed on the 64² segmap they are upsampled from (lab.accel."
+                                                   "nearest_conv: 16/36 and 36/144 of the taps, the same function)",
     "compile+graph+pad8+fuse+fft+tap+mix+cl3d": "the same with the dense motion's 3-D convs channels-last (NDHWC)",
     "compile+graph+pad8+fuse+fft+cl": "compile+graph+pad8+fuse+fft with the decoder's 2-D convs channels-last",
 }
@@ -153,7 +159,8 @@ class Profile:
 # 364.9 FPS; a channels-last decoder slower, 320.3 vs 321.1)
 FULL_VARIANTS = ["upstream", "fp16+fold-nchw", "fp16+fold+graph", "fp16+pad8+graph", "fp16+pad8+fuse+graph",
                  "fp16+pad8+fuse+fft+graph", "compile+graph", "compile+graph+pad8+fuse", "compile+graph+pad8+fuse+fft",
-                 "compile+graph+pad8+fuse+fft+tap", "compile+graph+pad8+fuse+fft+tap+mix"]
+                 "compile+graph+pad8+fuse+fft+tap", "compile+graph+pad8+fuse+fft+tap+mix",
+                 "compile+graph+pad8+fuse+fft+tap+mix+lowseg"]
 
 
 def profile(quick: bool, device: torch.device) -> Profile:

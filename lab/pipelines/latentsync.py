@@ -74,6 +74,7 @@ class Config:
     guided_shortcuts: bool = False      # exact: null-audio cross-attention = bias, shared prefix (sampling.GuidedShortcuts)
     fused_qkv: bool = False             # exact: self-attention q, k, v as one GEMM
     fused_norms: bool = False           # exact: the ResNet norms over the block's frames + SiLU as Triton passes (lab.accel.block_norm)
+    folded_upsamplers: bool = False     # exact: nearest ×2 + 3×3 conv as one 2×2 conv on the low-res map (lab.accel.nearest_conv)
     pdl: bool = False                   # exact: the fast runner's Triton kernels with programmatic dependent launch (sm_90+)
     cache_encodes: bool = False         # exact: VAE moments kept per source frame when the video loops
     vae_fast: str = "eager"             # VAE encode + decode: "eager" | "cudagraph" | "compile" | "compile+cudagraph"
@@ -156,6 +157,10 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
         from lab.accel.block_norm import fuse_block_norms
 
         fuse_block_norms(unet.model)
+    if cfg.folded_upsamplers:
+        from lab.accel.nearest_conv import fold_upsamplers
+
+        fold_upsamplers(unet.model)
     from lab.accel import short_attention
 
     if short_attention.available(dev)[0]:
