@@ -145,9 +145,12 @@ def test_exact_switches_keep_the_output_and_the_encode_cache_hits(clip, frames):
     job = P.prepare(eng, frames, *clip)                 # 3 source frames looped to 10
     ref = P.run(eng, job)
     fast_eng = P.build(P.Config(size="tiny", mode="ddim2", block=4, keep_faces=True, guided_shortcuts=True,
-                                fused_qkv=True, cache_encodes=True,
+                                fused_qkv=True, cache_encodes=True, folded_upsamplers=True,
                                 attention_kernels={"spatial 8²": "math+pad", "temporal 4²": "flash+pad"}))
     assert fast_eng.unet.model.down_blocks[0].attentions[0].transformer_blocks[0].attn1.kernel == "math+pad"
+    from lab.accel.nearest_conv import FoldedUpsample
+
+    assert sum(isinstance(m, FoldedUpsample) for m in fast_eng.unet.model.modules()) == 3
     calls = []
     enc = fast_eng.vae.model.encode
     fast_eng.vae.model.encode = lambda x: calls.append(len(x)) or enc(x)

@@ -50,23 +50,29 @@ def fold_weight(weight: torch.Tensor, scale: int) -> torch.Tensor:
     return k.reshape(-1, w.shape[1], 2, 2)
 
 
-def _index(scale: int, n: int, device: torch.device) -> torch.Tensor:
-    """For each output row 0 … s·n-1: its row in the (P, n+1) grid of phase outputs, flattened."""
+def _index(scale: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each output row 0 … s·n-1: its phase pattern and its row in the (n+1)-row grid of phase outputs."""
     r = torch.arange(scale * n, device=device)
     j, a = r // scale, r % scale
     last = len(patterns(scale)) - 1
     pattern = torch.where(a == 0, 0, torch.where(a == scale - 1, last, 1))
-    return pattern * (n + 1) + j + (a == scale - 1).long()
+    return pattern, j + (a == scale - 1).long()
 
 
 def nearest_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: int) -> torch.Tensor:
-    """The conv of x upsampled ×scale, from `fold_weight`'s kernel (and the bias repeated P·P times)."""
+    """The conv of x upsampled ×scale, from `fold_weight`'s kernel (and the bias repeated P·P times).
+
+    The result is channels-last: each output pixel is one contiguous run of channels copied from the phase
+    grid (a gather that reads and writes whole pixels), and the convs after it take NHWC as it is."""
     n, _, h, w = x.shape
     p = len(patterns(scale))
     c = weight.shape[0] // (p * p)
-    y = F.conv2d(x, weight, bias, padding=1)          # (n, P·P·c, h+1, w+1)
-    y = y.view(n, p, p, c, h + 1, w + 1).permute(0, 3, 1, 4, 2, 5).reshape(n, c, p * (h + 1), p * (w + 1))
-    return y.index_select(2, _index(scale, h, x.device)).index_select(3, _index(scale, w, x.device))
+    y = F.conv2d(x.contiguous(memory_format=torch.channels_last), weight, bias, padding=1)   # (n, P·P·c, h+1, w+1)
+    y = y.permute(0, 2, 3, 1).reshape(n, h + 1, w + 1, p, p, c)
+    rp, rj = _index(scale, h, x.device)
+    cp, ck = _index(scale, w, x.device)
+    out = y[:, rj[:, None], ck[None, :], rp[:, None], cp[None, :]]          # (n, s·h, s·w, c)
+    return out.permute(0, 3, 1, 2)
 
 
 def _check(conv: nn.Module, scale: int) -> None:

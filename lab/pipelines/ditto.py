@@ -241,7 +241,7 @@ def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last
     tap = tap and name == "warp_network"
     mix = mix and name == "warp_network"
     lowres = lowres and fuse and name == "decoder"
-    key = ("module", name, precision, fold, channels_last, pad, cl3d, fuse and name == "decoder", tap, mix, fft, lowres)
+    key = ("module", name, precision, fold, channels_last, pad, cl3d, fuse and name == "decoder", lowres, tap, mix, fft)
     if key not in engine.variants:
         m = engine.nets[name]
         if fold or precision == "fp16" or channels_last or pad or cl3d or fuse or fft or tap or mix:

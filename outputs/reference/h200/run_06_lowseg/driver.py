@@ -6,7 +6,7 @@
 2. The motion table, then notebook 06's short final step on the 31-s clip (775 frames, medians of 3) with the new
    renderer; output strides 3 / 2, bf16 motion.
 3. The encoder ceiling through the same writer on the dense frames and on stride 3's (medians of 3).
-Usage: python3 driver.py WORK_DIR OUT_DIR"""
+Usage: python3 driver.py WORK_DIR OUT_DIR   (RENDERER_ONLY=1: steps 1 only, results in OUT_DIR/renderer.json)"""
 import json, os, shutil, sys, time
 
 T0 = time.perf_counter()
@@ -49,6 +49,13 @@ if dev == "cuda":
         print(name, json.dumps(prof_rows[name], indent=1), flush=True)
     ctx.res.metrics["renderer_profile_lowseg"] = prof_rows
     log("profiles done")
+    if os.environ.get("RENDERER_ONLY"):
+        keep = {"renderer": ctx.res.tables["renderer"], "profile": prof_rows,
+                "provenance": ctx.res.provenance if hasattr(ctx.res, "provenance") else None}
+        with open(os.path.join(out, "renderer.json"), "w") as f:
+            json.dump(keep, f, indent=1, default=str)
+        log("saved (renderer only)")
+        sys.exit(0)
 ctx.res.params["renderer"] = AFTER if dev == "cuda" else None
 X.motion_costs(ctx)
 log(f"motion table done; attention row helps: {X.motion_attention_helps(ctx)}, PDL helps: {X.motion_pdl_helps(ctx)}")
