@@ -59,6 +59,12 @@ def test_latentsync_upsamplers_fold_and_unfold():
     assert (folded[0](x) - ref).abs().max() < 1e-12
     sd = model.state_dict()   # the checkpoint's keys and tensors, nothing added
     assert sd.keys() == keys.keys() and all(torch.equal(sd[k], keys[k]) for k in keys)
+    weights = [m.folded_weight for m in folded]
     assert fold_upsamplers(model) == len(ups)          # folding twice changes nothing
     assert fold_upsamplers(model, on=False) == 0
-    assert sum(isinstance(m, Upsample) for m in model.modules()) == len(ups)
+    # unfolded, the same modules run upsample + conv, and their folded kernels stay allocated: a graph
+    # captured while folded keeps reading live memory
+    after = [m for m in model.modules() if isinstance(m, FoldedUpsample)]
+    assert after == folded and all(m.folded_weight is w for m, w in zip(after, weights))
+    assert torch.equal(after[0](x), ref)
+    assert fold_upsamplers(model) == len(ups)

@@ -118,34 +118,35 @@ class NearestConv(nn.Module):
 
 
 class FoldedUpsample(nn.Module):
-    """A LatentSync `Upsample` (nearest ×2, then its 3×3 `conv`) run as `nearest_conv`: the same state-dict
-    keys (the conv is kept; the folded kernel is a buffer outside the state dict, built from it once)."""
+    """A LatentSync `Upsample` (nearest ×2, then its 3×3 `conv`) run as `nearest_conv` while `folded`, as the
+    upsample + conv otherwise: the same state-dict keys (the conv is kept; the folded kernel is a buffer
+    outside the state dict, built from it once and kept while the module lives, so a CUDA graph captured
+    either way never reads freed memory)."""
 
     def __init__(self, up: nn.Module):
         super().__init__()
         self.conv = up.conv
+        self.folded = True
         w, b = _folded(up.conv, 2)
         self.register_buffer("folded_weight", w, persistent=False)
         self.register_buffer("folded_bias", b, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.folded:
+            return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
         return nearest_conv(x, self.folded_weight, self.folded_bias, 2)
 
 
 def fold_upsamplers(model: nn.Module, on: bool = True) -> int:
-    """Every LatentSync `Upsample` in `model` swapped for a `FoldedUpsample` (on) or back (off); returns how
-    many are folded now. Call it once the model has its weights, device, dtype and memory format."""
+    """Every LatentSync `Upsample` in `model` folded (on) or run as upsample + conv again (off); returns how
+    many are folded now. The first fold swaps each `Upsample` for a `FoldedUpsample`; later calls only flip
+    its flag. Call it once the model has its weights, device, dtype and memory format."""
     from lab.models.latentsync import Upsample
 
-    kind = Upsample if on else FoldedUpsample
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is kind:
-                if on:
-                    new = FoldedUpsample(child)
-                else:
-                    new = Upsample.__new__(Upsample)
-                    nn.Module.__init__(new)
-                    new.conv = child.conv
-                setattr(parent, name, new.train(child.training))
-    return sum(isinstance(m, FoldedUpsample) for m in model.modules())
+            if type(child) is Upsample and on:
+                setattr(parent, name, FoldedUpsample(child).train(child.training))
+            elif isinstance(child, FoldedUpsample):
+                child.folded = on
+    return sum(isinstance(m, FoldedUpsample) and m.folded for m in model.modules())

@@ -48,8 +48,8 @@ ANCHOR_H200 = {"eager_ms_per_step": 175.5, "compile_ms_per_step": 119.9, "vae_s_
 # compiled runners 44 s; run_07_loop_fp8: FP8 eager + its compiled build 240 s)
 ESTIMATE_S = {"attention": 40, "compile": 120, "vae_compile": 50, "modes": 100, "loop": 15, "memory": 100, "fp8": 260}
 # exact switches of the model, in the order the waterfall adds them (each alone, then together)
-LEVERS = ("null_audio", "shared_prefix", "guided_shortcuts", "fused_qkv", "fused_norms", "folded_upsamplers",
-          "attention_kernels")
+# measured and left out: folded_upsamplers (lab.accel.nearest_conv; the compiled step 89.4–90.0 vs 89.6–91.2 ms)
+LEVERS = ("null_audio", "shared_prefix", "guided_shortcuts", "fused_qkv", "fused_norms", "attention_kernels")
 TARGETS = {"exact_s_per_s": 2.5, "exact_cosine": 0.9999, "dpm8_s_per_s": 1.0, "memory_growth": 0.10}
 
 
@@ -220,14 +220,13 @@ LEVER_NOTES = {"null_audio": "null half of each audio cross-attention = to_out b
                "guided_shortcuts": "null_audio and shared_prefix together",
                "fused_qkv": "self-attention q, k, v as one GEMM",
                "fused_norms": "ResNet GroupNorm over the block's frames (+ time embedding) + SiLU as three Triton passes",
-               "folded_upsamplers": "each upsampler's nearest ×2 + 3×3 conv as one 2×2 conv on the low-res map (16/36 taps)",
                "attention_kernels": "per attention shape the fastest kernel of the attention table"}
 
 
 def step_waterfall(ctx: Context) -> list[dict]:
     """Each switch alone on top of eager, then together: one guided UNet call at the block shape, on
     inputs in the loop's layout (equal halves, null audio first: what the guided shortcuts rely on)."""
-    from lab.accel import block_norm, nearest_conv
+    from lab.accel import block_norm
     from lab.accel.backends import accelerate
     from lab.models.latentsync import fuse_qkv, set_attention_kernels
     from lab.timing import bench, count_flops, matmul_ceiling
@@ -282,13 +281,8 @@ def step_waterfall(ctx: Context) -> list[dict]:
     levers = [x for x in LEVERS if x in prof.fast]
     rewrites: list[str] = []   # the model rewrites so far: each row keeps the ones before it
     for lever in [x for x in levers if x != "attention_kernels"]:
-        if lever in ("fused_qkv", "fused_norms", "folded_upsamplers"):
-            if lever == "fused_qkv":
-                fuse_qkv(model)
-            elif lever == "fused_norms":
-                block_norm.fuse_block_norms(model)
-            else:
-                nearest_conv.fold_upsamplers(model)
+        if lever in ("fused_qkv", "fused_norms"):
+            fuse_qkv(model) if lever == "fused_qkv" else block_norm.fuse_block_norms(model)
             rewrites.append(lever)
             fn = sampling.GuidedShortcuts(model) if "guided_shortcuts" in levers else model
         else:
@@ -861,11 +855,9 @@ def _run(ctx: Context, mode: str, fast: str, keep: bool = True, job: Any = None,
     eng.cfg.cache_encodes = fast != "eager"
     eng.vae_decode = ctx.vae_runner if fast != "eager" else None
     eng.vae_encode = ctx.vae_encoder if fast != "eager" else None
-    from lab.accel import block_norm, nearest_conv
+    from lab.accel import block_norm
 
     block_norm.set_triton(eng.unet.model, fast != "eager")   # the eager reference: BlockGroupNorm's own code
-    # the eager reference upsamples as upstream does; a graph-captured runner keeps what it was built with
-    nearest_conv.fold_upsamplers(eng.unet.model, fast != "eager" and "folded_upsamplers" in levers)
     if fast == "eager":
         P.set_attention_kernels(eng, None)
         P.set_fast(eng, "eager")
@@ -973,7 +965,7 @@ def cache_runners(ctx: Context, name: str, runner: Any) -> tuple[Any, Any] | Non
     that metric, when the deadline leaves no room for the compile or the build fails."""
     if name in ctx.cache_runners:
         return ctx.cache_runners[name]
-    from lab.accel import block_norm, nearest_conv
+    from lab.accel import block_norm
     from lab.models.latentsync import set_attention_kernels
     from lab.timing import bench
 
@@ -988,7 +980,6 @@ def cache_runners(ctx: Context, name: str, runner: Any) -> tuple[Any, Any] | Non
     levers = [x for x in LEVERS if x in ctx.prof.fast]
     ex = sampling.guided_example(model, ctx.prof.block, (eng.cfg.face // 8,) * 2, ctx.dev, eng.dtype, seed=ctx.seed)
     block_norm.set_triton(model, True)
-    nearest_conv.fold_upsamplers(model, "folded_upsamplers" in levers)   # the stack the exact runner was built on
     set_attention_kernels(model, per_shape=ctx.runner_kernels.get(name) or None, latent=eng.cfg.face // 8)
     try:
         t0 = time.perf_counter()
