@@ -78,10 +78,15 @@ def test_exact_switches_keep_the_output(engine, avatar):
     low = P.run(P.reconfigure(engine, fold_spectral_norm=True, fuse_spade=True, lowres_seg=True), avatar, a, SR,
                 keep_faces=True)
     assert (ref.faces.int() - low.faces.int()).abs().max() <= 1
+    sc = P.run(P.reconfigure(engine, fold_spectral_norm=True, fuse_spade=True, lowres_seg=True, fold_shortcut=True),
+               avatar, a, SR, keep_faces=True)
+    assert (ref.faces.int() - sc.faces.int()).abs().max() <= 1
     with pytest.raises(InputError, match="fold_spectral_norm"):
         P.reconfigure(engine, fuse_spade=True)
     with pytest.raises(InputError, match="lowres_seg needs fuse_spade"):
         P.reconfigure(engine, fold_spectral_norm=True, lowres_seg=True)
+    with pytest.raises(InputError, match="fold_shortcut needs fuse_spade"):
+        P.reconfigure(engine, fold_spectral_norm=True, fold_shortcut=True)
 
 
 def test_cpu_and_gpu_putback_agree(engine, avatar):

@@ -45,3 +45,20 @@ def test_lowres_segmap_convs_are_the_same_function():
     # a segmap whose size the decoder's upsampling does not match is refused, not misread
     with pytest.raises(InputError, match="lowres_seg"):
         low._seg(x, torch.zeros(1, 1, 3 * d.feature_hw, 3 * d.feature_hw), 2)
+
+
+def test_shortcut_folded_into_beta_is_the_same_function():
+    torch.manual_seed(0)
+    dec, _ = D.load_component("decoder", "random", "tiny", seed=3)
+    d = D.dims("tiny")
+    dec = dec.double()
+    fold_spectral_norm(dec)
+    x = torch.randn(2, d.warp_out, d.feature_hw, d.feature_hw, dtype=torch.float64)
+    both = fuse_spade(dec, lowres_seg=True, fold_shortcut=True)
+    with torch.no_grad():
+        ref, out = dec(x), both(x)
+    assert (out - ref).abs().max() < 1e-10
+    # the shortcut norm's β conv makes the shortcut's fout channels instead of its fin
+    for blk, fin, fout in ((both.up_0, 2 * d.dec_ic, d.dec_ic), (both.up_1, d.dec_ic, d.dec_oc)):
+        assert blk.fold_shortcut and blk.gb[0].out_channels == fin + fout
+    assert not any(b.fold_shortcut for b in both.middle)   # no learned shortcut there

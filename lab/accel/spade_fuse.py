@@ -8,6 +8,11 @@ one input and can be one conv with the output channels of all of them stacked (2
 map, so they become one conv with 2c outputs. A block with a learned shortcut normalizes the same
 x twice (for the shortcut and for the main branch): the instance norm is computed once.
 
+With `fold_shortcut`, a learned shortcut's 1×1 conv (fin → fout, no bias) is composed into its norm's β
+conv: conv_s(n·(1+γ) + β) = conv_s(n·(1+γ)) + (W_s ∘ W_β)(hidden), so the β half of that norm's γβ conv
+makes fout channels instead of fin (fin − fout of them never computed: 39 of the 892 GFLOP per frame at
+the released shapes, in the 128² and 256² blocks). Composed in float64 at build time.
+
 With `lowres_seg`, the shared convs of the 128² and 256² norms read the 64² map itself: their input
 is the map upsampled by nearest neighbour, ×2 and ×4, so `lab.accel.nearest_conv` computes the same
 conv on the map before the upsample with 16/36 and 36/144 of the taps (145 → 43 GFLOP per frame at
@@ -32,12 +37,25 @@ def _stack_convs(convs: list[nn.Conv2d]) -> nn.Conv2d:
     """Convs of the same input and kernel → one conv with their outputs concatenated in order."""
     c0 = convs[0]
     out = sum(c.out_channels for c in convs)
-    m = nn.Conv2d(c0.in_channels, out, c0.kernel_size, padding=c0.padding, bias=c0.bias is not None)
+    m = nn.Conv2d(c0.in_channels, out, c0.kernel_size, padding=c0.padding, bias=c0.bias is not None,
+                  dtype=c0.weight.dtype)
     with torch.no_grad():
         m.weight.copy_(torch.cat([c.weight for c in convs]))
         if c0.bias is not None:
             m.bias.copy_(torch.cat([c.bias for c in convs]))
     return m.to(c0.weight.device, c0.weight.dtype)
+
+
+def _compose_1x1(outer: nn.Conv2d, inner: nn.Conv2d) -> nn.Conv2d:
+    """outer(inner(h)) as one conv, for a bias-free 1×1 `outer`: its matrix applied to every tap of `inner`."""
+    w = outer.weight.detach().double().flatten(1)                                   # (fout, fin)
+    m = nn.Conv2d(inner.in_channels, outer.out_channels, inner.kernel_size, padding=inner.padding,
+                  bias=inner.bias is not None, dtype=torch.float64)
+    with torch.no_grad():
+        m.weight.copy_(torch.einsum("oc,cikl->oikl", w, inner.weight.detach().double()))
+        if inner.bias is not None:
+            m.bias.copy_(w @ inner.bias.detach().double())
+    return m.to(inner.weight.device, inner.weight.dtype)
 
 
 def _plain(conv: nn.Module) -> nn.Module:
@@ -50,9 +68,10 @@ def _plain(conv: nn.Module) -> nn.Module:
 class FusedBlock(nn.Module):
     """One SPADE resnet block reading its norms' hidden maps from a shared tensor."""
 
-    def __init__(self, blk: SPADEResnetBlock):
+    def __init__(self, blk: SPADEResnetBlock, fold_shortcut: bool = False):
         super().__init__()
         self.learned_shortcut = blk.learned_shortcut
+        self.fold_shortcut = fold_shortcut and blk.learned_shortcut
         self.conv_0, self.conv_1 = _plain(blk.conv_0), _plain(blk.conv_1)
         norms = ([blk.norm_s] if blk.learned_shortcut else []) + [blk.norm_0, blk.norm_1]
         self.hidden = norms[0].mlp_gamma.in_channels
@@ -60,6 +79,9 @@ class FusedBlock(nn.Module):
         self.chans = [n.mlp_gamma.out_channels for n in norms]
         if blk.learned_shortcut:
             self.conv_s = _plain(blk.conv_s)
+        if self.fold_shortcut:
+            self.gb[0] = _stack_convs([norms[0].mlp_gamma, _compose_1x1(self.conv_s, norms[0].mlp_beta)])
+            self.split_s = [norms[0].mlp_gamma.out_channels, self.conv_s.out_channels]
 
     @property
     def n_norms(self) -> int:
@@ -72,7 +94,11 @@ class FusedBlock(nn.Module):
     def forward(self, x: torch.Tensor, hiddens: list[torch.Tensor]) -> torch.Tensor:
         nx = F.instance_norm(x, eps=1e-5)
         j = 0
-        if self.learned_shortcut:
+        if self.fold_shortcut:
+            gamma, beta_s = self.gb[0](hiddens[0]).split(self.split_s, dim=1)
+            xs = self.conv_s(nx * (1 + gamma)) + beta_s
+            j = 1
+        elif self.learned_shortcut:
             xs = self.conv_s(self._mod(nx, 0, hiddens[0]))
             j = 1
         else:
@@ -85,14 +111,15 @@ class FusedBlock(nn.Module):
 class FusedSPADEDecoder(nn.Module):
     """SPADEDecoder's function: warped feature (B, 256, 64, 64) → RGB (B, 3, 512, 512)."""
 
-    def __init__(self, dec: SPADEDecoder, lowres_seg: bool = False):
+    def __init__(self, dec: SPADEDecoder, lowres_seg: bool = False, fold_shortcut: bool = False):
         super().__init__()
         self.lowres_seg = lowres_seg
         self.fc = dec.fc
         self.n_middle = dec.n_middle
-        self.middle = nn.ModuleList([FusedBlock(getattr(dec, f"G_middle_{i}")) for i in range(dec.n_middle)])
-        self.up_0 = FusedBlock(dec.up_0)
-        self.up_1 = FusedBlock(dec.up_1)
+        self.middle = nn.ModuleList([FusedBlock(getattr(dec, f"G_middle_{i}"), fold_shortcut)
+                                     for i in range(dec.n_middle)])
+        self.up_0 = FusedBlock(dec.up_0, fold_shortcut)
+        self.up_1 = FusedBlock(dec.up_1, fold_shortcut)
         self.conv_img = dec.conv_img
 
         def shared(blocks: list[SPADEResnetBlock]) -> nn.Conv2d:
@@ -137,9 +164,10 @@ class FusedSPADEDecoder(nn.Module):
         return torch.sigmoid(self.conv_img(F.leaky_relu(x, 0.2)))
 
 
-def fuse_spade(decoder: SPADEDecoder, lowres_seg: bool = False) -> FusedSPADEDecoder:
+def fuse_spade(decoder: SPADEDecoder, lowres_seg: bool = False, fold_shortcut: bool = False) -> FusedSPADEDecoder:
     """The decoder with merged modulation convs (shares the other convs' parameters with `decoder`);
-    `lowres_seg`: the 128² and 256² shared convs computed on the 64² segmap."""
+    `lowres_seg`: the 128² and 256² shared convs computed on the 64² segmap; `fold_shortcut`: each learned
+    shortcut's 1×1 conv composed into its norm's β conv."""
     if not isinstance(decoder, SPADEDecoder):
         raise InputError(f"fuse_spade takes a SPADEDecoder, got {type(decoder).__name__}")
-    return FusedSPADEDecoder(decoder, lowres_seg).eval()
+    return FusedSPADEDecoder(decoder, lowres_seg, fold_shortcut).eval()

@@ -69,10 +69,10 @@ TARGETS = {"renderer_fps": 360.0, "renderer_psnr_db": 50.0, "e2e_fps": 150.0, "e
 ESTIMATE_S = {"motion": 120, "final": 100, "renderer": 30, "stages": 15, "waterfall": 60, "strides": 60, "encoder": 10, "memory": 60, "compiled": 60}
 def _variant(precision: str, fold: bool, channels_last: bool, pad: bool, compile: str, graphs: bool,
              cl3d: bool = False, fuse: bool = False, fft: bool = False, tap: bool = False, mix: bool = False,
-             lowseg: bool = False) -> dict:
+             lowseg: bool = False, sc: bool = False) -> dict:
     return dict(precision=precision, fold_spectral_norm=fold, channels_last=channels_last, pad_channels=pad,
                 compile=compile, cuda_graphs=graphs, channels_last_3d=cl3d, fuse_spade=fuse, fft_mask=fft,
-                tap_occlusion=tap, fused_mix=mix, lowres_seg=lowseg)
+                tap_occlusion=tap, fused_mix=mix, lowres_seg=lowseg, fold_shortcut=sc)
 
 
 VARIANTS = {
@@ -97,6 +97,8 @@ VARIANTS = {
                                                     mix=True),
     "compile+graph+pad8+fuse+fft+tap+mix+lowseg": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True,
                                                            tap=True, mix=True, lowseg=True),
+    "compile+graph+pad8+fuse+fft+tap+mix+lowseg+sc": _variant("fp16", True, False, True, "default", True, fuse=True,
+                                                              fft=True, tap=True, mix=True, lowseg=True, sc=True),
     "compile+graph+pad8+fuse+fft+tap+mix+cl3d": _variant("fp16", True, False, True, "default", True, cl3d=True, fuse=True,
                                                          fft=True, tap=True, mix=True),
     "compile+graph+pad8+fuse+fft+cl": _variant("fp16", True, True, True, "default", True, fuse=True, fft=True),
@@ -124,6 +126,8 @@ VARIANT_TEXT = {
     "compile+graph+pad8+fuse+fft+tap+mix+lowseg": "compile+graph+pad8+fuse+fft+tap+mix with the 128² and 256² SPADE shared "
                                                    "convs computed on the 64² segmap they are upsampled from (lab.accel."
                                                    "nearest_conv: 16/36 and 36/144 of the taps, the same function)",
+    "compile+graph+pad8+fuse+fft+tap+mix+lowseg+sc": "the same with each learned shortcut's 1×1 conv composed into its "
+                                                      "norm's β conv (fin − fout of its channels never computed)",
     "compile+graph+pad8+fuse+fft+tap+mix+cl3d": "the same with the dense motion's 3-D convs channels-last (NDHWC)",
     "compile+graph+pad8+fuse+fft+cl": "compile+graph+pad8+fuse+fft with the decoder's 2-D convs channels-last",
 }
@@ -160,7 +164,7 @@ class Profile:
 FULL_VARIANTS = ["upstream", "fp16+fold-nchw", "fp16+fold+graph", "fp16+pad8+graph", "fp16+pad8+fuse+graph",
                  "fp16+pad8+fuse+fft+graph", "compile+graph", "compile+graph+pad8+fuse", "compile+graph+pad8+fuse+fft",
                  "compile+graph+pad8+fuse+fft+tap", "compile+graph+pad8+fuse+fft+tap+mix",
-                 "compile+graph+pad8+fuse+fft+tap+mix+lowseg"]
+                 "compile+graph+pad8+fuse+fft+tap+mix+lowseg", "compile+graph+pad8+fuse+fft+tap+mix+lowseg+sc"]
 
 
 def profile(quick: bool, device: torch.device) -> Profile:

@@ -98,6 +98,7 @@ class Config:
     channels_last_3d: bool = False    # the warp network's 3-D convs in NDHWC (cuDNN's tensor-core layout)
     fuse_spade: bool = False          # the decoder's SPADE modulation convs merged (exact; lab.accel.spade_fuse)
     lowres_seg: bool = False          # with fuse_spade: the 128²/256² shared SPADE convs on the 64² segmap (exact; lab.accel.nearest_conv)
+    fold_shortcut: bool = False       # with fuse_spade: each learned shortcut's 1×1 conv composed into its norm's β conv (exact)
     fft_mask: bool = False            # the dense motion's 7³ mask conv through FFTs in fp32 (same function; lab.accel.fft_conv)
     tap_occlusion: bool = False       # the 1-channel 7×7 occlusion conv as one matmul + shifted sum (same function; lab.accel.tap_conv)
     fused_mix: bool = False           # the 22-way motion mix as multiply + sum, fused by the compiler (same products)
@@ -164,6 +165,8 @@ class Config:
             raise InputError("Config.fuse_spade needs fold_spectral_norm=True (the merged convs take plain weights)")
         if self.lowres_seg and not self.fuse_spade:
             raise InputError("Config.lowres_seg needs fuse_spade=True (it rewrites the merged decoder's shared convs)")
+        if self.fold_shortcut and not self.fuse_spade:
+            raise InputError("Config.fold_shortcut needs fuse_spade=True (it rewrites the merged decoder's γβ convs)")
         unknown = set(self.weights) - set(D.COMPONENTS) - {"hubert"}
         if unknown:
             raise InputError(f"Config.weights has unknown components {sorted(unknown)}; expected {D.COMPONENTS + ('hubert',)}")
@@ -225,11 +228,11 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
 
 def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last: bool,
             pad: bool = False, cl3d: bool = False, fuse: bool = False, fft: bool = False,
-            tap: bool = False, mix: bool = False, lowres: bool = False) -> torch.nn.Module:
+            tap: bool = False, mix: bool = False, lowres: bool = False, shortcut: bool = False) -> torch.nn.Module:
     """The warp or decoder at a precision, spectral norm folded or not, channels-last (2-D convs;
     `cl3d`: 3-D convs) or not, conv channels padded or not, SPADE convs merged or not, the mask conv
     through FFTs or not, the occlusion conv in tap form or not, the motion mix fused or not, the decoder's
-    upsampled-segmap convs on the 64² map or not (cached copies;
+    upsampled-segmap convs on the 64² map or not, its shortcuts folded into β or not (cached copies;
     the loaded network itself is never changed)."""
     import copy
 
@@ -241,7 +244,9 @@ def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last
     tap = tap and name == "warp_network"
     mix = mix and name == "warp_network"
     lowres = lowres and fuse and name == "decoder"
-    key = ("module", name, precision, fold, channels_last, pad, cl3d, fuse and name == "decoder", lowres, tap, mix, fft)
+    shortcut = shortcut and fuse and name == "decoder"
+    key = ("module", name, precision, fold, channels_last, pad, cl3d, fuse and name == "decoder", lowres, shortcut, tap,
+           mix, fft)
     if key not in engine.variants:
         m = engine.nets[name]
         if fold or precision == "fp16" or channels_last or pad or cl3d or fuse or fft or tap or mix:
@@ -262,7 +267,7 @@ def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last
             if pad:
                 pad_conv_channels(m)
             if fuse and name == "decoder":
-                m = fuse_spade(m, lowres_seg=lowres)
+                m = fuse_spade(m, lowres_seg=lowres, fold_shortcut=shortcut)
             if precision == "fp16":
                 m = m.half()
             for sub in m.modules():
@@ -284,7 +289,7 @@ def stage_fn(engine: Engine, kind: str, batch: int):
     cfg = engine.cfg
     precision = cfg.precision if engine.device.type == "cuda" else "fp32"
     key = (kind, precision, cfg.fold_spectral_norm, cfg.channels_last, cfg.pad_channels, cfg.channels_last_3d,
-           cfg.fuse_spade, cfg.lowres_seg, cfg.fft_mask, cfg.tap_occlusion, cfg.fused_mix, cfg.compile, cfg.cuda_graphs,
+           cfg.fuse_spade, cfg.lowres_seg, cfg.fold_shortcut, cfg.fft_mask, cfg.tap_occlusion, cfg.fused_mix, cfg.compile, cfg.cuda_graphs,
            batch)
     if key in engine.variants:
         return engine.variants[key]
@@ -311,7 +316,7 @@ def stage_fn(engine: Engine, kind: str, batch: int):
     warp = _module(engine, "warp_network", precision, cfg.fold_spectral_norm, False, cfg.pad_channels,
                    cfg.channels_last_3d, fft=cfg.fft_mask, tap=cfg.tap_occlusion, mix=cfg.fused_mix)
     dec = _module(engine, "decoder", precision, cfg.fold_spectral_norm, cfg.channels_last, cfg.pad_channels,
-                  fuse=cfg.fuse_spade, lowres=cfg.lowres_seg)
+                  fuse=cfg.fuse_spade, lowres=cfg.lowres_seg, shortcut=cfg.fold_shortcut)
     module = {"render": D.Renderer(warp, dec), "warp": warp, "decode": dec}[kind]
     if cfg.compile != "none":
         mode = None if cfg.compile == "default" else cfg.compile
@@ -963,7 +968,7 @@ def _rest(engine: Engine, avatar: Avatar, kind: str, i: int) -> torch.Tensor:
     """The render (or warped feature) of source frame i at rest: kp_d = its own keypoints, stitched."""
     c = engine.cfg
     key = (kind, i, c.precision, c.fold_spectral_norm, c.pad_channels, c.channels_last, c.channels_last_3d,
-           c.fuse_spade, c.lowres_seg, c.fft_mask, c.tap_occlusion, c.fused_mix, c.compile)
+           c.fuse_spade, c.lowres_seg, c.fold_shortcut, c.fft_mask, c.tap_occlusion, c.fused_mix, c.compile)
     if key not in avatar.rest:
         kp = avatar.kp_s[i:i + 1]
         kd = _stitch(engine, kp, kp)
