@@ -208,7 +208,7 @@ def _ditto_cfg(setting: Setting, clip: Clip, size: str, seed: int, dev: torch.de
     """On a GPU with the exact renderer and motion switches notebook 06 adopted (channel padding in NCHW,
     merged SPADE convs, the FFT mask conv, the motion model streamed beside the renderer with an early
     start; compiled backends add the tap-form occlusion conv, the fused motion mix, the SPADE convs of the
-    upsampled segmap computed on the 64² map and the compiled
+    upsampled segmap computed on the 64² map, the learned shortcuts folded into the SPADE β convs and the compiled
     motion step with its fp32 GEMMs and attention as split-TF32 products): the same function as the
     plain modules, at fp16 rounding (the motion model at fp32 rounding). Not `putback_box`: it hands
     the writer yuv420p planes, and the families compare at the same RGB output."""
@@ -218,7 +218,8 @@ def _ditto_cfg(setting: Setting, clip: Clip, size: str, seed: int, dev: torch.de
     prec = {"fp16": "fp16", "bf16": "fp16", "fp32": "fp32", "fp8": "fp16"}[setting.precision]
     compiled = setting.backend in ("compile", "compile+cudagraph")
     fast = dict(pad_channels=True, channels_last=False, fuse_spade=True, fft_mask=True, stream_motion=True,
-                early_start=True, tap_occlusion=compiled, fused_mix=compiled, lowres_seg=compiled, motion_compile=compiled,
+                early_start=True, tap_occlusion=compiled, fused_mix=compiled, lowres_seg=compiled, fold_shortcut=compiled,
+                motion_compile=compiled,
                 **(dict(motion_precision="tf32x3", motion_attention="triton") if compiled else {})) if cuda \
         else dict(channels_last=False)
     return P.Config(size=size, precision=prec if cuda else "fp32", batch_size=setting.batch, hubert_batch=setting.batch,
