@@ -60,9 +60,11 @@ def test_gpu_settings_carry_the_notebooks_exact_switches(clip):
     assert d.compile == "default" and d.cuda_graphs and d.pad_channels and d.fuse_spade and d.fft_mask
     assert d.tap_occlusion and d.fused_mix and d.motion_compile and d.stream_motion and d.early_start and not d.channels_last
     assert d.motion_precision == "tf32x3" and d.motion_attention == "triton" and not d.putback_box
+    assert d.lowres_seg and d.fold_shortcut
     g = F._ditto_cfg(F.Setting("ditto", "cudagraph", batch=16), clip, "tiny", 0, gpu)
     assert g.cuda_graphs and g.compile == "none" and g.pad_channels and not (g.tap_occlusion or g.fused_mix or g.motion_compile)
     assert g.motion_precision == "fp32" and g.motion_attention == "sdpa"
+    assert not (g.lowres_seg or g.fold_shortcut)
     c = F._ditto_cfg(F.Setting("ditto", "eager", batch=4), clip, "tiny", 0, cpu)
     assert not (c.pad_channels or c.stream_motion or c.cuda_graphs) and c.compile == "none"
     ls = F._latentsync_cfg(F.Setting("latentsync", "compile+cudagraph", batch=16), "tiny", 0, gpu)
