@@ -62,3 +62,25 @@ def test_shortcut_folded_into_beta_is_the_same_function():
     for blk, fin, fout in ((both.up_0, 2 * d.dec_ic, d.dec_ic), (both.up_1, d.dec_ic, d.dec_oc)):
         assert blk.fold_shortcut and blk.gb[0].out_channels == fin + fout
     assert not any(b.fold_shortcut for b in both.middle)   # no learned shortcut there
+
+
+def test_lowres_hidden_maps_reach_their_convs_packed():
+    """The low-res shared conv's output is channels-last; its per-norm slices are handed on as packed NHWC
+    tensors (cuDNN would copy a strided slice before every γβ conv), with the same values."""
+    torch.manual_seed(0)
+    dec, _ = D.load_component("decoder", "random", "tiny", seed=3)
+    d = D.dims("tiny")
+    fold_spectral_norm(dec)
+    low = fuse_spade(dec, lowres_seg=True)
+    seg = torch.randn(2, d.warp_out, d.feature_hw, d.feature_hw)
+    h = low.shared_1(seg)
+    assert h.is_contiguous(memory_format=torch.channels_last) and not h.is_contiguous()
+    parts = low._split(h, [low.up_1])[0]
+    assert len(parts) == 3
+    for i, p in enumerate(parts):
+        assert p.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(p, torch.relu(h[:, i * d.dec_hidden:(i + 1) * d.dec_hidden]))
+    # the 64² map is NCHW: its slices stay views of one relu output (strided NCHW is what cuDNN takes)
+    lo = low.shared_lo(seg)
+    views = [p for g in low._split(lo, list(low.middle)) for p in g]
+    assert len({p.untyped_storage().data_ptr() for p in views}) == 1

@@ -63,7 +63,8 @@ def nearest_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """The conv of x upsampled ×scale, from `fold_weight`'s kernel (and the bias repeated P·P times).
 
     The result is channels-last: each output pixel is one contiguous run of channels copied from the phase
-    grid (a gather that reads and writes whole pixels), and the convs after it take NHWC as it is."""
+    grid (a gather that reads and writes whole pixels), and a conv after it takes NHWC as it is (a channel
+    slice of it is not packed NHWC: `spade_fuse` writes its slices packed)."""
     n, _, h, w = x.shape
     p = len(patterns(scale))
     c = weight.shape[0] // (p * p)
