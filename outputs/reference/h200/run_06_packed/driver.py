@@ -6,7 +6,7 @@
    time per batch of both by kernel kind.
 2. The motion table, then notebook 06's short final step on the 31-s clip (775 frames, medians of 3) with the new
    renderer; output strides 3 / 2, bf16 motion; the encoder ceiling on the dense frames and on stride 3's.
-Usage: python3 driver.py WORK_DIR OUT_DIR"""
+Usage: python3 driver.py WORK_DIR OUT_DIR   (E2E_ONLY=1: step 2 alone, with the packed write)"""
 import json, os, shutil, sys, time
 from collections import defaultdict
 
@@ -71,17 +71,18 @@ def kinds(name: str) -> dict:
     return res
 
 
-fresh(views_split)
-X.renderer_table(ctx, ["upstream", BEFORE])
-prof = {BEFORE: kinds(BEFORE)}
-fresh(packed_split)
-X.renderer_table(ctx, [BEST])
-prof[BEST] = kinds(BEST)
-ctx.res.metrics["renderer_profile_packed"] = prof
-for r in ctx.res.tables["renderer"]:
-    print({k: r.get(k) for k in ("variant", "batch", "fps", "ms_per_frame", "psnr_vs_upstream_db", "build_s", "status")},
-          flush=True)
-log("renderer A/B done")
+if not os.environ.get("E2E_ONLY"):
+    fresh(views_split)
+    X.renderer_table(ctx, ["upstream", BEFORE])
+    prof = {BEFORE: kinds(BEFORE)}
+    fresh(packed_split)
+    X.renderer_table(ctx, [BEST])
+    prof[BEST] = kinds(BEST)
+    ctx.res.metrics["renderer_profile_packed"] = prof
+    for r in ctx.res.tables["renderer"]:
+        print({k: r.get(k) for k in ("variant", "batch", "fps", "ms_per_frame", "psnr_vs_upstream_db", "build_s", "status")},
+              flush=True)
+    log("renderer A/B done")
 ctx.res.params["renderer"] = BEST
 X.motion_costs(ctx)
 log(f"motion table done; attention row helps: {X.motion_attention_helps(ctx)}, PDL helps: {X.motion_pdl_helps(ctx)}")
