@@ -214,5 +214,17 @@ def test_dense_budget_sets_renderer_and_motion_work_against_the_encoder():
     assert b["dense ms per frame allowed (90 % of the encoder)"] == round(1e3 / 360, 2)
     assert b["renderer alone ms per frame"] == 2.5 and b["motion model ms per new frame"] == 0.6
     assert b["renderer + motion ms per frame"] == 3.1
+    assert "final run render stage ms per frame" not in b   # no end-to-end row yet
     tables["motion"] = [{"variant": X.ATTENTION_ROW, "ms_per_window": 42.0, "status": "ok"}]   # a Result from before the column
     assert "motion model ms per new frame" not in X.dense_budget(ctx, 400.0)
+    # the last ok end-to-end row's stages per clip frame; its per-frame stages alone against the encoder
+    tables["e2e_final"] = [{"step": "a", "fps": 300.0, "render_ms": 3.0, "putback_encode_ms": 0.5, "writer_close_ms": 0.2},
+                           {"step": "b", "fps": 350.0, "render_ms": 2.3, "putback_encode_ms": 0.2, "writer_close_ms": 0.1},
+                           {"step": "c", "status": "failed", "reason": "x"}]
+    b = X.dense_budget(ctx, 400.0)
+    assert b["final run render stage ms per frame"] == 2.3 and b["final run putback + hand-off ms per frame"] == 0.2
+    assert b["final run writer drain ms per frame"] == 0.1
+    assert b["final run per-frame stages alone / encoder ceiling"] == round(1e3 / 2.5 / 400.0, 3)
+    tables["waterfall"] = [{"step": "w", "fps": 200.0, "render_ms": 4.0, "putback_encode_ms": 1.0}]   # the notebook's own rows first
+    b = X.dense_budget(ctx, 400.0)
+    assert b["final run render stage ms per frame"] == 4.0 and "final run writer drain ms per frame" not in b

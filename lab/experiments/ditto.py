@@ -1260,7 +1260,9 @@ def finish(ctx: Context) -> Any:
 def dense_budget(ctx: Context, encoder_fps: float) -> dict:
     """GPU work per dense output frame against what 90 % of the encoder ceiling allows per frame: the best renderer's
     ms per frame alone and the motion model's (the fastest exact window over the frames it adds, offline). Both run
-    on the one GPU and, measured, barely overlap, so their sum is what the dense run needs."""
+    on the one GPU and, measured, barely overlap, so their sum is what the dense run needs. Then where the last
+    end-to-end row's time went per clip frame (render stage, putback and hand-off, the writer's drain), and the rate
+    of its per-frame stages alone against the encoder: what a longer clip of the same make-up would approach."""
     out = {"dense ms per frame allowed (90 % of the encoder)": round(1e3 / (TARGETS["encoder_share"] * encoder_fps), 2)}
     _, _, best = best_variant(ctx)
     if best:
@@ -1273,6 +1275,17 @@ def dense_budget(ctx: Context, encoder_fps: float) -> dict:
         out["motion model ms per new frame"] = round(w["ms_per_window"] / w["new_frames_per_window"], 2)
     if best and exact:
         out["renderer + motion ms per frame"] = round(out["renderer alone ms per frame"] + out["motion model ms per new frame"], 2)
+    # the last end-to-end row's main loop per clip frame: the per-frame stages bound a clip of any length (the start
+    # and the writer's drain after the last frame are the parts a longer clip shrinks)
+    rows = ok_rows(ctx.res.tables.get("waterfall", [])) or ok_rows(ctx.res.tables.get("e2e_final", []))
+    last = rows[-1] if rows else {}
+    if last.get("render_ms") and last.get("putback_encode_ms") is not None:
+        per_frame = last["render_ms"] + last["putback_encode_ms"]
+        out["final run render stage ms per frame"] = round(last["render_ms"], 2)
+        out["final run putback + hand-off ms per frame"] = round(last["putback_encode_ms"], 2)
+        if last.get("writer_close_ms") is not None:
+            out["final run writer drain ms per frame"] = round(last["writer_close_ms"], 2)
+        out["final run per-frame stages alone / encoder ceiling"] = round(1e3 / per_frame / encoder_fps, 3)
     return out
 
 
