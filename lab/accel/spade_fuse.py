@@ -137,8 +137,7 @@ class FusedSPADEDecoder(nn.Module):
     @staticmethod
     def _split(h: torch.Tensor, blocks: list[FusedBlock]) -> list[list[torch.Tensor]]:
         parts = F.relu(h).split(blocks[0].hidden, dim=1)
-        if h.dim() == 4 and h.shape[1] > blocks[0].hidden and not h.is_contiguous() \
-                and h.is_contiguous(memory_format=torch.channels_last):
+        if not h.is_contiguous() and h.is_contiguous(memory_format=torch.channels_last):
             # a channel slice of an NHWC map is not a packed NHWC tensor, and cuDNN takes only packed ones:
             # written packed here, the compiler folds the relu and the low-res conv's gather into the write
             # instead of copying each slice before its conv (1.2 ms per batch of 16 at full size on an H200)

@@ -351,6 +351,11 @@ def ok_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "fps" in r]
 
 
+def e2e_rows(ctx: Context) -> list[dict]:
+    """The end-to-end rows that measured something: the waterfall's, or the short final step's where no waterfall ran."""
+    return ok_rows(ctx.res.tables.get("waterfall", [])) or ok_rows(ctx.res.tables.get("e2e_final", []))
+
+
 def best_variant(ctx: Context) -> tuple[str, int, dict]:
     ok = [r for r in ctx.res.tables.get("renderer", []) if r.get("status") == "ok"]
     forced = ctx.res.params.get("renderer")
@@ -1277,7 +1282,7 @@ def dense_budget(ctx: Context, encoder_fps: float) -> dict:
         out["renderer + motion ms per frame"] = round(out["renderer alone ms per frame"] + out["motion model ms per new frame"], 2)
     # the last end-to-end row's main loop per clip frame: the per-frame stages bound a clip of any length (the start
     # and the writer's drain after the last frame are the parts a longer clip shrinks)
-    rows = ok_rows(ctx.res.tables.get("waterfall", [])) or ok_rows(ctx.res.tables.get("e2e_final", []))
+    rows = e2e_rows(ctx)
     last = rows[-1] if rows else {}
     if last.get("render_ms") and last.get("putback_encode_ms") is not None:
         per_frame = last["render_ms"] + last["putback_encode_ms"]
@@ -1306,9 +1311,8 @@ def headline(ctx: Context) -> dict:
     for name in ("eager", "CUDA graph", "compiled + CUDA graph"):
         if name in mot:
             h[f"LMDM window ms ({name})"] = round(mot[name]["ms_per_window"], 1)
-    wf = ok_rows(ctx.res.tables.get("waterfall", []))
-    if not wf and ctx.res.tables.get("e2e_final"):
-        wf = ok_rows(ctx.res.tables["e2e_final"])
+    wf = e2e_rows(ctx)
+    if not ok_rows(ctx.res.tables.get("waterfall", [])) and ctx.res.tables.get("e2e_final"):
         h["e2e rows from"] = "the short final step (no baseline rows in this run)"
     if wf:
         h["e2e baseline FPS"] = round(wf[0]["fps"], 1)
