@@ -53,6 +53,12 @@ def test_early_start_and_transport_keep_the_frames_on_the_gpu(tmp_path):
     box = P.run(P.reconfigure(e, putback_box=True), avatar, audio, 16000, tmp_path / "box.mp4", keep_faces=True)
     assert torch.equal(box.faces, ref.faces)
     assert (tmp_path / "box.mp4").read_bytes() == (tmp_path / "ref.mp4").read_bytes()
+    # each batch's device→host copy on its own stream (the planes freed while their copy may still run): the same file
+    for i in range(2):
+        cs = P.run(P.reconfigure(e, putback_box=True, copy_stream=True), avatar, audio, 16000, tmp_path / f"cs{i}.mp4",
+                   keep_faces=True)
+        assert torch.equal(cs.faces, ref.faces)
+        assert (tmp_path / f"cs{i}.mp4").read_bytes() == (tmp_path / "ref.mp4").read_bytes()
 
 
 def test_hubert_graph_gives_the_eager_features():

@@ -214,6 +214,27 @@ def test_feature_cache_schedule(tiny_pair):
     assert smp.parse_mode("deepcache3") == smp.Mode("deepcache3", "ddim", 20, 3)
 
 
+def test_feature_cache_under_dpm_solver(tiny_pair):
+    from lab.accel import sampling as smp
+
+    ours = tiny_pair[0]
+    f = 2
+    lat = smp.initial_noise((1, 4, 8, 8), f, seed=0)
+    cond = torch.randn(1, 9, f, 8, 8)
+    audio = torch.randn(f, 50, ls.TINY.cross_attention_dim)
+    with torch.no_grad():
+        plain = smp.denoise(ours, lat, cond, audio, "dpm8")
+        for k, calls in ((2, 4), (3, 3)):                      # steps 0, 2, 4, 6 / 0, 3, 6 of 8
+            cache = smp.feature_cache(ours, k)
+            a = smp.denoise(cache, lat, cond, audio, f"dpm8+deepcache{k}")
+            assert cache.full_calls == calls
+            b = smp.denoise(cache, lat, cond, audio, f"dpm8+deepcache{k}")   # the solver's history reset per block
+            assert cache.full_calls == 2 * calls and torch.equal(a, b)
+            assert 1e-6 < _rel(a, plain) < 0.5
+        one = smp.feature_cache(ours, 1)                       # every step full: the plain sampler, bit for bit
+        assert torch.equal(smp.denoise(one, lat, cond, audio, "dpm8+deepcache1"), plain)
+
+
 def test_feature_cache_steps_with_the_guided_shortcuts_compute_the_same():
     from lab.accel import sampling as smp
 

@@ -122,6 +122,9 @@ def test_bad_modes_and_shapes():
         with pytest.raises(InputError, match="sampling mode"):
             smp.parse_mode(bad)
     assert smp.parse_mode("dpm12") == smp.Mode("dpm12", "dpm", 12)
+    for bad in ("deepcache3+deepcache2", "dpm8+deepcache0", "dpm8+", "dpm8+cache3", "dpm0+deepcache2", "exact12+deepcache3"):
+        with pytest.raises(InputError, match="sampling mode"):
+            smp.parse_mode(bad)
     lat, cond, audio = inputs()
     with pytest.raises(InputError, match="conditioning"):
         smp.denoise(toy_unet([]), lat, cond[:, :, :2], audio)
@@ -130,3 +133,10 @@ def test_bad_modes_and_shapes():
     with pytest.raises(InputError, match="fast path"):
         smp.fast_unet(torch.nn.Linear(1, 1), "tensorrt", (torch.zeros(1),))
     assert math.isclose(smp.GUIDANCE, 1.5)
+
+
+def test_a_sampler_combines_with_the_feature_cache():
+    assert smp.parse_mode("dpm8+deepcache3") == smp.Mode("dpm8+deepcache3", "dpm", 8, 3)
+    assert smp.parse_mode("ddim12+deepcache2") == smp.Mode("ddim12+deepcache2", "ddim", 12, 2)
+    assert smp.parse_mode("exact20+deepcache3") == smp.Mode("exact20+deepcache3", "ddim", 20, 3)
+    assert not smp.parse_mode("exact20+deepcache3").exact and smp.parse_mode("exact20").exact

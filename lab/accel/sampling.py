@@ -10,7 +10,8 @@
 Modes (`parse_mode`): "exact20" = LatentSync's DDIM, 20 steps (scaled_linear β 0.00085–0.012, 1000
 train steps, steps_offset 1, "leading" spacing, η 0); "ddim<N>" the same scheduler at N steps;
 "dpm<N>" DPM-Solver++ (2nd-order multistep) from the same config at N steps; "deepcache<K>" DDIM 20
-with the full UNet only every K-th step (`FeatureCache`; approximate). A multistep solver
+with the full UNet only every K-th step (`FeatureCache`; approximate), and any sampler with that cache
+as "<sampler>+deepcache<K>" (e.g. "dpm8+deepcache3"). A multistep solver
 keeps the previous model outputs, so the scheduler is reset (`set_timesteps`) at the start of every
 block: reusing it across blocks is what raises index-out-of-range in upstream's pipeline.
 
@@ -52,18 +53,21 @@ class Mode:
 
 
 def parse_mode(mode: str | Mode) -> Mode:
-    """"exact20" | "ddim<N>" | "dpm<N>" (N ≥ 1) | "deepcache<K>" (DDIM 20, full UNet every K-th step) → Mode."""
+    """"exact20" | "ddim<N>" | "dpm<N>" (N ≥ 1) | "deepcache<K>" (DDIM 20, full UNet every K-th step) → Mode.
+    A sampler and the feature cache combine as "<sampler>+deepcache<K>" (e.g. "dpm8+deepcache3": DPM-Solver++
+    at 8 steps, the full UNet on steps 0, 3 and 6 of each block)."""
     if isinstance(mode, Mode):
         return mode
-    if mode == "exact20":
-        return Mode("exact20", "ddim", 20)
-    m = re.fullmatch(r"(ddim|dpm|deepcache)(\d+)", str(mode))
-    if not m or int(m.group(2)) < 1 or int(m.group(2)) > 1000:
+    m = re.fullmatch(r"(?:(exact20)|(ddim|dpm|deepcache)(\d+))(?:\+deepcache(\d+))?", str(mode))
+    n = int(m.group(3)) if m and m.group(3) else 20
+    k = int(m.group(4)) if m and m.group(4) else None
+    if not m or not 1 <= n <= 1000 or (k is not None and (m.group(2) == "deepcache" or not 1 <= k <= 1000)):
         raise InputError(f"sampling mode {mode!r} not understood; expected 'exact20', 'ddim<N>', 'dpm<N>' "
-                         f"with 1 ≤ N ≤ 1000 (e.g. 'dpm8') or 'deepcache<K>' (e.g. 'deepcache3')")
-    if m.group(1) == "deepcache":
-        return Mode(str(mode), "ddim", 20, int(m.group(2)))
-    return Mode(str(mode), m.group(1), int(m.group(2)))
+                         f"with 1 ≤ N ≤ 1000 (e.g. 'dpm8'), 'deepcache<K>' (e.g. 'deepcache3'), or a sampler "
+                         f"with the feature cache as '<sampler>+deepcache<K>' (e.g. 'dpm8+deepcache3')")
+    if m.group(2) == "deepcache":
+        return Mode(str(mode), "ddim", 20, n)
+    return Mode(str(mode), m.group(2) or "ddim", n, k or 1)
 
 
 class DeepStep(torch.nn.Module):

@@ -597,6 +597,7 @@ MOTION_ATTENTION = "+ motion attention as one Triton kernel per call (split TF32
 # the sampler's Triton kernels with programmatic dependent launch (the same kernels and numbers): likewise a row only
 # where the motion table measured the window faster with it
 MOTION_PDL = "+ motion kernels with programmatic dependent launch"
+COPY_STREAM = "+ frames' device→host copy on its own stream"
 
 
 def _measured_faster(ctx: Context, row: str, than: str) -> bool:
@@ -661,6 +662,9 @@ def waterfall_steps(ctx: Context) -> list[tuple[str, dict]]:
             continue
         cur = cur | ch
         steps.append((name, dict(cur)))
+    if gpu and cur.get("putback") == "gpu":   # without a GPU there is no device copy to move
+        cur = cur | dict(copy_stream=True)
+        steps.append((COPY_STREAM, dict(cur)))
     return steps
 
 

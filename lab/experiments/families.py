@@ -39,7 +39,8 @@ TOGGLES: dict[str, dict[str, tuple[tuple, Any]]] = {
                  "mode": (("sequential", "async"), "sequential"), "subpixel": ((False, True), False)},
     "ditto": {"stride": ((1, 2, 3), 1), "stride_space": (("output", "feature", "motion"), "output"),
               "silence": (("off", "ease", "bypass"), "off"), "motion": (("lmdm", "rms"), "lmdm")},
-    "latentsync": {"mode": (("exact20", "ddim12", "ddim8", "dpm8", "dpm4", "deepcache3"), "exact20")},
+    "latentsync": {"mode": (("exact20", "ddim12", "ddim8", "dpm8", "dpm4", "deepcache3", "dpm8+deepcache3"),
+                            "exact20")},
 }
 # which switch values keep the output of the exact path (the rest trade quality for speed)
 EXACT = {"musetalk": {"decoder": "sd-vae", "stride": 1}, "ditto": {"stride": 1, "silence": "off", "motion": "lmdm"},

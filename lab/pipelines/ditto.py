@@ -134,6 +134,8 @@ class Config:
     zero_copy: bool = False           # ffmpeg writer: the frames' pages handed to the pipe (vmsplice), not copied into it
     host_wait: str = "spin"           # host threads waiting on the GPU: "spin" (CUDA's default busy-wait) | "sleep" (blocking events)
     early_start: bool = False         # audio features per motion window as the loop needs them (with stream_motion); first block one batch
+    copy_stream: bool = False         # each batch's device→host frame copy on its own CUDA stream, so the next batch's
+                                      # kernels need not wait behind it (the same bytes; the writer waits on the copy's event)
     frame_size: tuple[int, int] = (1080, 1920)   # (width, height) of the canvas for the default avatar
     fps: float = 25.0
     seed: int = 0
@@ -1186,6 +1188,9 @@ class Sink:
         self.first_write: float | None = None     # perf_counter when the first frames were handed to the writer
         self.register = engine.device.type == "cuda" and bool(getattr(inner, "zero_copy", False))
         self.blocking = engine.cfg.host_wait == "sleep"
+        # on the compute stream a 16-frame batch's copy (~50 MB over PCIe) holds back the next batch's kernels
+        self.copy_stream = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" and engine.cfg.copy_stream \
+            else None
         self.q: Any = None
         if background:
             self.q = queue.Queue(maxsize=maxsize)
@@ -1237,9 +1242,17 @@ class Sink:
             per = tuple(frames.shape[1:])
             buf = self._buffer((_ring_rows(self.engine, len(frames)), *per))
             host = buf[:len(frames)]
-            host.copy_(frames, non_blocking=True)
             ev = torch.cuda.Event(blocking=self.blocking)
-            ev.record()
+            if self.copy_stream is None:
+                host.copy_(frames, non_blocking=True)
+                ev.record()
+            else:
+                self.copy_stream.wait_stream(torch.cuda.current_stream(frames.device))   # the frames are written
+                with torch.cuda.stream(self.copy_stream):
+                    host.copy_(frames, non_blocking=True)
+                    ev.record()
+                # the caller drops `frames` now: its memory must not be handed out again before the copy has read it
+                frames.record_stream(self.copy_stream)
             item = (host.numpy(), ev)
         else:
             item = (frames.cpu().numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames), None)
