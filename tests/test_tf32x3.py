@@ -160,7 +160,11 @@ def test_waterfall_adds_the_attention_row_only_where_the_motion_table_measured_i
 
     gemm = {"variant": X.GEMM_ROW, "status": "ok", "ms_per_window": 57.0}
     faster = {"variant": X.ATTENTION_ROW, "status": "ok", "ms_per_window": 50.0}
-    last = lambda c: X.waterfall_steps(c)[-1][0]   # noqa: E731
+    # the copy-stream row closes every GPU waterfall (after the motion rows); off the GPU it is absent
+    last = lambda c: [n for n, _ in X.waterfall_steps(c) if n != X.COPY_STREAM][-1]   # noqa: E731
+    gpu_steps = X.waterfall_steps(ctx([gemm, faster]))
+    assert gpu_steps[-1][0] == X.COPY_STREAM and gpu_steps[-1][1]["copy_stream"]
+    assert not any(n == X.COPY_STREAM for n, _ in X.waterfall_steps(ctx([gemm, faster], "cpu")))
     assert X.motion_attention_helps(ctx([gemm, faster]))
     assert last(ctx([gemm, faster])) == X.MOTION_ATTENTION
     assert X.waterfall_steps(ctx([gemm, faster]))[-1][1]["motion_attention"] == "triton"
