@@ -347,3 +347,21 @@ def test_waterfall_builds_the_pdl_row_before_the_comparison_stack(tmp_path, monk
     assert late and all("attention kernels" not in s for s in late)   # the comparison stack was the one cut
     pinned = [r for r in rows if r["step"].startswith("compile +") and "attention kernels" in r["step"]]
     assert len(pinned) == 1 and pinned[0]["status"] == "ok"
+
+
+def test_job_costs_a_new_process_loads_the_checkpoint_and_keeps_its_engine(tmp_path, monkeypatch):
+    import subprocess
+
+    from lab.experiments import latentsync as X
+
+    ctx = X.setup("cpu", quick=True, out_dir=str(tmp_path / "run"))
+    rows = X.job_costs(ctx)
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    m = ctx.res.metrics["jobs"]
+    assert m["unet_weights"].startswith("local file") and m["unet_weights"].endswith("latentsync_unet.pt")
+    assert m["second_equals_first"] is True                      # the kept engine gives the first job's latents
+    assert rows[0]["wall_s"] > rows[1]["wall_s"] and rows[0]["x_kept"] > 1
+    assert abs(rows[0]["wall_s"] - (m["import_s"] + m["build_s"] + m["first_job_s"])) < 1e-9
+    # a child that fails is a row that says why, not a stack trace
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "Traceback …\nWeightsError: bad"))
+    assert X.job_costs(ctx) == [{"job": "a job in a new process", "status": "failed: WeightsError: bad"}]
