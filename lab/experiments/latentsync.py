@@ -47,7 +47,7 @@ ANCHOR_H200 = {"eager_ms_per_step": 175.5, "compile_ms_per_step": 119.9, "vae_s_
 # with the feature cache's two compiled step runners 97 s, 63 of it building them; run_07_vae_encoder: the VAE step with both
 # compiled runners 44 s; run_07_loop_fp8: FP8 eager + its compiled build 240 s)
 ESTIMATE_S = {"attention": 40, "compile": 120, "vae_compile": 50, "modes": 100, "loop": 15, "memory": 100, "fp8": 260,
-              "jobs": 240}   # jobs: not yet measured at full size; a new process's cold UNet + VAE compiles and a 5-GB checkpoint
+              "jobs": 180}   # jobs (run_07_jobs): 151 s, a new process's cold UNet + VAE compiles and a 5-GB checkpoint
 # exact switches of the model, in the order the waterfall adds them (each alone, then together)
 # measured and left out: folded_upsamplers (lab.accel.nearest_conv; the compiled step 89.4–90.0 vs 89.6–91.2 ms)
 LEVERS = ("null_audio", "shared_prefix", "guided_shortcuts", "fused_qkv", "fused_norms", "attention_kernels")
