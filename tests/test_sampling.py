@@ -140,3 +140,6 @@ def test_a_sampler_combines_with_the_feature_cache():
     assert smp.parse_mode("ddim12+deepcache2") == smp.Mode("ddim12+deepcache2", "ddim", 12, 2)
     assert smp.parse_mode("exact20+deepcache3") == smp.Mode("exact20+deepcache3", "ddim", 20, 3)
     assert not smp.parse_mode("exact20+deepcache3").exact and smp.parse_mode("exact20").exact
+    # full UNet calls per block: steps 0, k, 2k, … of N
+    assert [smp.parse_mode(m).full_calls for m in ("exact20", "dpm8", "deepcache3", "dpm8+deepcache3", "dpm8+deepcache2")] \
+        == [20, 8, 7, 3, 4]

@@ -51,6 +51,11 @@ class Mode:
     def exact(self) -> bool:
         return self.kind == "ddim" and self.steps == 20 and self.cache_interval == 1
 
+    @property
+    def full_calls(self) -> int:
+        """Full UNet calls per block (a feature cache's shallow steps, ~10 % of one each, not counted)."""
+        return -(-self.steps // self.cache_interval)
+
 
 def parse_mode(mode: str | Mode) -> Mode:
     """"exact20" | "ddim<N>" | "dpm<N>" (N ≥ 1) | "deepcache<K>" (DDIM 20, full UNet every K-th step) → Mode.

@@ -65,7 +65,7 @@ def _duty(family: str, choice: dict, n: int, batch: int | None = None) -> float:
     if family == "latentsync":
         from lab.accel import sampling
 
-        return sampling.parse_mode(choice["mode"]).steps / 20
+        return sampling.parse_mode(choice["mode"]).full_calls / 20
     k = int(choice.get("stride", 1))
     if k <= 1:
         return 1.0

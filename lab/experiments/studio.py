@@ -52,9 +52,7 @@ def planned_saved(setting: F.Setting) -> float | None:
         return None if k == "adaptive" else 1.0 - 1.0 / int(k)
     from lab.accel import sampling
 
-    m = sampling.parse_mode(setting.opt("mode"))
-    full = m.steps if m.cache_interval <= 1 else int(np.ceil(m.steps / m.cache_interval))
-    return 1.0 - full / 20
+    return 1.0 - sampling.parse_mode(setting.opt("mode")).full_calls / 20
 
 
 class Hud:
