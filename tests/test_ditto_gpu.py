@@ -54,6 +54,8 @@ def test_early_start_and_transport_keep_the_frames_on_the_gpu(tmp_path):
     assert torch.equal(box.faces, ref.faces)
     assert (tmp_path / "box.mp4").read_bytes() == (tmp_path / "ref.mp4").read_bytes()
     # each batch's device→host copy on its own stream (the planes freed while their copy may still run): the same file
+    assert P.Sink(P.reconfigure(e, copy_stream=True), None, False, 1).copy_stream is not None
+    assert P.Sink(e, None, False, 1).copy_stream is None
     for i in range(2):
         cs = P.run(P.reconfigure(e, putback_box=True, copy_stream=True), avatar, audio, 16000, tmp_path / f"cs{i}.mp4",
                    keep_faces=True)
