@@ -490,3 +490,52 @@ def test_runs_keep_whole_faces_only_while_they_are_references(tmp_path):
         X._shown(ctx, first, lo + X.SHOWN - 1, 2)
     with pytest.raises(ValueError, match="whole"):
         X._quality(first, ctx.runs[steps[0]])
+
+
+def _moving_loop(avatar, n=6):
+    return np.stack([np.roll(avatar.frames[0], i, axis=1) for i in range(n)])   # n distinct source frames
+
+
+def test_rest_renders_of_a_source_video_run_in_full_batches(engine, avatar, monkeypatch):
+    # each pause frame of a source video has a rest of its own: they run together, b distinct frames per call,
+    # and each equals the rest rendered alone
+    alone = P.prepare(engine, _moving_loop(avatar), "six-frame loop")
+    ref = [P._rest(engine, alone, "render", i) for i in range(6)]
+    av = P.prepare(engine, _moving_loop(avatar), "six-frame loop")
+    calls = []
+    real = P.stage_fn
+
+    def counted(e, kind, b):
+        fn = real(e, kind, b)
+        return lambda *a: (calls.append(len(a[0])), fn(*a))[1]
+
+    monkeypatch.setattr(P, "stage_fn", counted)
+    got = P._rests(engine, av, "render", [5, 0, 1, 2, 3, 4, 0, 5])
+    assert calls == [4, 4]                                  # six distinct rests in two padded batches of 4
+    assert all(torch.equal(g, ref[i]) for g, i in zip(got, [5, 0, 1, 2, 3, 4, 0, 5]))
+    P._rests(engine, av, "render", [3, 1])
+    assert calls == [4, 4]                                  # kept in the avatar: no further call
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(stream_motion=True, early_start=True), dict(stride=3),
+                                     dict(stride=3, stride_space="feature")])
+def test_source_video_rests_batched_change_no_frame(engine, avatar, changes):
+    # a run whose rests were rendered one by one beforehand (as every rest was before they were batched) and
+    # a run on a fresh avatar that renders them in batches give the same frames, dense, streamed and strided
+    a = _speech_with_pause()
+    e = P.reconfigure(engine, silence="bypass", **changes)
+    one = P.prepare(engine, _moving_loop(avatar), "six-frame loop")
+    for kind in ("render", "warp") if changes.get("stride_space") == "feature" else ("render",):
+        for i in range(6):
+            P._rest(e, one, kind, i)
+    ref = P.run(e, one, a, SR, keep_faces=True)
+    av = P.prepare(engine, _moving_loop(avatar), "six-frame loop")
+    got = P.run(e, av, a, SR, keep_faces=True)
+    assert 0 < got.bypassed_frames < got.n_frames
+    assert torch.equal(ref.faces, got.faces), changes
+    assert set(av.rest) <= set(one.rest) and len(av.rest) >= 4   # the pause's source frames, no other key
+    if "stride" not in changes:
+        # dense: the bypassed frames are what the renderer gives at rest, up to one level of rounding (the
+        # eased reference renders them in batches with other frames)
+        eased = P.run(P.reconfigure(e, silence="ease"), av, a, SR, keep_faces=True)
+        assert (eased.faces.int() - got.faces.int()).abs().max() <= 1
