@@ -78,3 +78,27 @@ def test_hubert_graph_gives_the_eager_features():
     torch.testing.assert_close(first, eager, rtol=1e-2, atol=2e-2)
     assert torch.equal(run(chunks), first)
 
+
+
+def test_source_video_rests_batched_on_the_gpu():
+    import numpy as np
+
+    from lab.experiments.ditto import speech_with_pauses
+
+    # a 24-frame source video: its rests go through the renderer's graph 16 distinct frames per replay, and each
+    # matches the rest rendered alone (a batch of 16 copies), to fp16 rounding; a dense run with a pause uses them
+    cfg = P.Config(size="full", batch_size=16, source_pool="vram", cuda_graphs=True, silence="bypass",
+                   putback="gpu", writer="null")
+    torch.backends.cudnn.benchmark = True
+    engine = P.build(cfg, "cuda")
+    still = P.default_source(cfg.frame_size)[0]
+    frames = np.stack([np.roll(still, i, axis=1) for i in range(24)])
+    box = lambda img, name: P.default_face_box(cfg.frame_size)   # noqa: E731
+    alone = P.prepare(engine, frames, "24-frame loop", detector=box)
+    batched = P.prepare(engine, frames, "24-frame loop", detector=box)
+    ref = torch.stack([P._rest(engine, alone, "render", i) for i in range(24)]).float()
+    got = torch.stack(P._rests(engine, batched, "render", range(24))).float()
+    assert got.shape == ref.shape and (got - ref).abs().max() < 2e-2
+    audio = speech_with_pauses(4.0, ((1.6, 2.8),))
+    r = P.run(engine, P.prepare(engine, frames, "24-frame loop", detector=box), audio, 16000)
+    assert r.n_frames == 100 and 0 < r.bypassed_frames < r.n_frames
