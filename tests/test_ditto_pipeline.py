@@ -501,6 +501,7 @@ def test_rest_renders_of_a_source_video_run_in_full_batches(engine, avatar, monk
     # and each equals the rest rendered alone
     alone = P.prepare(engine, _moving_loop(avatar), "six-frame loop")
     ref = [P._rest(engine, alone, "render", i) for i in range(6)]
+    assert not any(torch.equal(ref[0], r) for r in ref[1:])   # distinct rests: a mix-up of frames would show
     av = P.prepare(engine, _moving_loop(avatar), "six-frame loop")
     calls = []
     real = P.stage_fn
