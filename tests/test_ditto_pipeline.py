@@ -360,7 +360,10 @@ def test_output_stride_faces_do_not_depend_on_the_block_size(engine, avatar):
     ref = P.run(e, avatar, a, SR, keep_faces=True)
     for block in (7, 12, 40):
         got = P.run(e, avatar, a, SR, keep_faces=True, block_frames=block)
-        assert torch.equal(got.faces, ref.faces), block
+        # the keyframes land in other renderer batches per block size; oneDNN's CPU convs may round a sample
+        # differently in another batch, which can move a face by one level where the value sits on .5
+        diff = (got.faces.int() - ref.faces.int()).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3, block
         assert got.counts["rendered"] == ref.counts["rendered"] == ref.keyframes, block   # each keyframe once
 
 

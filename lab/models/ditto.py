@@ -118,7 +118,8 @@ class SameBlock2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(self.conv(x))
-        return F.leaky_relu(x, 0.2) if self.lrelu else F.relu(x)
+        # upstream's block uses nn.LeakyReLU() at its default slope, 0.01 (the SPADE blocks use 0.2)
+        return F.leaky_relu(x, 0.01) if self.lrelu else F.relu(x)
 
 
 class DownBlock2d(nn.Module):
@@ -848,6 +849,81 @@ def motion_to_keypoints(motion: torch.Tensor, kp_canonical: torch.Tensor) -> tor
     return x + t
 
 
+EYE_KP = (11, 13, 15, 16, 18)   # the keypoints whose expression offsets move the eyes
+LIP_KP = (6, 12, 14, 17, 19, 20)   # … and the lips
+GAZE_GAIN = (0.26, 0.28)           # yaw, pitch (degrees) → eye-ball shift
+
+
+def _kp_weight(kps: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    w = torch.zeros(NUM_KP, 3, device=device)
+    w[list(kps)] = 1
+    return w.reshape(-1)
+
+
+def drive_motion(m_d: torch.Tensor, m_d0: torch.Tensor, m_s: torch.Tensor, still: bool) -> torch.Tensor:
+    """Generated motion → the motion a frame is rendered with, as upstream's stitcher mixes them (defaults).
+
+    Relative to the first generated frame: source + (frame − first). A still source takes the driven
+    rotation bins and translation, lips and eyes of the expression (the rest of it and the scale stay the
+    source's) and shifts the eye balls with the head turn; a video source takes only the lips.
+    m_d (T, 265), m_d0 (265,) the first frame, m_s (T or 1, 265) the source frame(s) → (T, 265)."""
+    m_d, m_s = m_d.float(), m_s.float().reshape(-1, MOTION_DIM)
+    rel = m_s + (m_d - m_d0.float().reshape(1, MOTION_DIM))
+    out = m_s.expand_as(m_d).clone()
+    if still:
+        out[:, 1:202] = rel[:, 1:202]   # pitch, yaw, roll bins and t; the scale stays the source's
+    a = _kp_weight(LIP_KP + EYE_KP if still else LIP_KP, m_d.device)
+    out[:, M_EXP] = rel[:, M_EXP] * a + m_s[:, M_EXP].expand_as(rel[:, M_EXP]) * (1 - a)
+    if still:
+        dx = (bins_to_degrees(out[:, M_YAW]) - bins_to_degrees(m_s[:, M_YAW])) * GAZE_GAIN[0]
+        dy = (bins_to_degrees(out[:, M_PITCH]) - bins_to_degrees(m_s[:, M_PITCH])) * GAZE_GAIN[1]
+        e = M_EXP.start
+        right = dx > 0
+        out[:, e + 33] += dx * torch.where(right, 0.0007, 0.001)
+        out[:, e + 45] += dx * torch.where(right, 0.001, 0.0007)
+        out[:, e + 34] -= dy * 0.001
+        out[:, e + 46] -= dy * 0.001
+    return out
+
+
+# ----------------------------------------------------------------------------- LMDM windows → one motion track
+# Windows of L frames start every L − overlap frames while frames remain. Each new window's first `overlap`
+# frames are blended into the track's last ones (weights 0, 1/ov, …), the 202 pose dims (scale, rotation
+# bins, t) are averaged over 3 frames around the seam, and the next window is conditioned on the frame
+# before the new overlap. At the end, the whole track (cut to the clip) is averaged once more.
+
+def window_starts(n_frames: int, seq: int, overlap: int) -> list[int]:
+    """Start frames of the LMDM windows covering n_frames (at least one)."""
+    return list(range(0, max(1, n_frames), seq - overlap))
+
+
+def smoothed_rows(track: torch.Tensor, s: int, e: int, n: int, k: int = 3) -> torch.Tensor:
+    """Rows s … e−1 of `track` with the pose dims averaged over k frames, the window cut at 0 and n."""
+    h = k // 2
+    idx = torch.arange(s, e, device=track.device)
+    lo, hi = (idx - h).clamp_min(0), (idx + h + 1).clamp_max(n)
+    cs = torch.cat([torch.zeros(1, POSE_DIMS, dtype=torch.float64, device=track.device),
+                    track[:n, :POSE_DIMS].double().cumsum(0)])
+    rows = track[s:e].clone()
+    rows[:, :POSE_DIMS] = ((cs[hi] - cs[lo]) / (hi - lo)[:, None]).to(track.dtype)
+    return rows
+
+
+def add_window(track: torch.Tensor | None, x: torch.Tensor, overlap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(track so far or None, new window (L, 265)) → (longer track, the next window's conditioning frame)."""
+    L = x.shape[0]
+    if track is None:
+        track = smoothed_rows(x, 0, L, L)
+    else:
+        a = (torch.arange(overlap, device=x.device, dtype=x.dtype) / overlap)[:, None]
+        head = track[-overlap:] * (1 - a) + x[:overlap] * a
+        track = torch.cat([track[:-overlap], head, x[overlap:]])
+        n, valid = track.shape[0], L - overlap
+        s, e = n - valid - overlap, n - valid + 1
+        track = torch.cat([track[:s], smoothed_rows(track, s, e, n), track[e:]])
+    return track, track[track.shape[0] - overlap - 1]
+
+
 def extractor_to_motion(pitch, yaw, roll, t, exp, scale) -> torch.Tensor:
     """The motion extractor's outputs → the 265-d motion vector (scale stored as scale − 1)."""
     return torch.cat([scale - 1, pitch, yaw, roll, t, exp], dim=-1).float()
@@ -858,6 +934,7 @@ def extractor_to_motion(pitch, yaw, roll, t, exp, scale) -> torch.Tensor:
 HUBERT_CHUNK = 6480       # samples per streaming call: (3 past + 5 current + 2 look-ahead) · 640 + 80
 HUBERT_PAST = 3           # video frames of past context in a chunk
 HUBERT_NEW = 5            # video frames produced per call
+HUBERT_AHEAD = 2          # video frames of look-ahead
 SAMPLES_PER_FRAME = AUDIO_SR // FPS
 
 
@@ -873,11 +950,12 @@ def hubert_config(size: str = "full"):
 def hubert_chunks(audio16: torch.Tensor, n_frames: int) -> torch.Tensor:
     """Streaming chunking: one 6480-sample window per 5 output frames, (n_calls, 6480).
 
-    Window k covers video frames [5k − 3, 5k + 7) (3 past, 5 current, 2 look-ahead) plus 80
-    samples; the audio is zero-padded at both ends so the first and last windows are full.
+    Window k covers video frames [5k − 3, 5k + 7) (3 past, 5 current, 2 look-ahead) and the 80
+    samples before them; the audio is zero-padded at both ends so the first and last windows are full.
     """
     n_calls = max(1, math.ceil(n_frames / HUBERT_NEW))
-    pad_front = HUBERT_PAST * SAMPLES_PER_FRAME
+    # the 80 extra samples of a window sit in front: the audio starts after the 3 past frames and them
+    pad_front = HUBERT_CHUNK - (HUBERT_NEW + HUBERT_AHEAD) * SAMPLES_PER_FRAME
     need = (n_calls - 1) * HUBERT_NEW * SAMPLES_PER_FRAME + HUBERT_CHUNK
     a = torch.zeros(need, dtype=torch.float32, device=audio16.device)
     take = min(audio16.numel(), need - pad_front)

@@ -731,6 +731,51 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def unet_from_state_dict(sd: dict[str, torch.Tensor], size: str | UNet3DConfig = "full", source: str = "a state dict",
+                         seed: int = 0, allow_missing: bool = False) -> LatentSyncUNet:
+    """A state dict in the released key layout → the UNet (on the CPU, the tensors of `sd` assigned, not
+    copied), built on the meta device for `size` (a config name or a UNet3DConfig). Shapes must match
+    exactly; missing keys raise WeightsError unless `allow_missing` (then drawn under `seed` and listed),
+    except the fixed `pe` sinusoid tables, which are recomputed; extra keys are listed as unexpected."""
+    cfg = size if isinstance(size, UNet3DConfig) else CONFIGS.get(size)
+    if cfg is None:
+        raise InputError(f"size must be one of {tuple(CONFIGS)} or a UNet3DConfig, got {size!r}")
+    label = size if isinstance(size, str) else "custom"
+    with torch.device("meta"):
+        model = UNet3D(cfg)
+    own = model.state_dict()
+    bad = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+           for k, v in sd.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    if bad:
+        raise WeightsError(f"{source}: {len(bad)} tensors do not match the LatentSync UNet (size={label!r}), e.g. "
+                           f"{bad[:3]}; expected the stage2 / stage2_512 config (in 13, widths "
+                           f"{cfg.block_out_channels}, audio dim {cfg.cross_attention_dim})")
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    filled = [k for k in missing if k.endswith("pos_encoder.pe")]
+    missing = [k for k in missing if k not in filled]
+    if missing and not allow_missing:
+        raise WeightsError(f"{source}: {len(missing)} keys of the LatentSync UNet are missing (e.g. {missing[:3]}); "
+                           f"pass allow_missing=True to keep them random")
+    model.load_state_dict({k: v for k, v in sd.items() if k in own}, strict=False, assign=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name, mod in model.named_modules():  # leftovers still on meta: fill them
+            for pname, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+                if t.is_meta:
+                    key = f"{name}.{pname}" if name else pname
+                    if pname == "pe":
+                        val = sinusoid_table(t.shape[1], t.shape[2])
+                    else:
+                        val = torch.empty(t.shape).normal_(0, 0.02) if t.ndim > 1 else torch.zeros(t.shape)
+                    if isinstance(t, nn.Parameter):
+                        setattr(mod, pname, nn.Parameter(val, requires_grad=False))
+                    else:
+                        mod.register_buffer(pname, val)
+                    assert key in missing or key in filled
+    return LatentSyncUNet(model.eval().requires_grad_(False), source, label, missing, unexpected, filled)
+
+
 def load_latentsync_unet(weights: str = "random", size: str = "full", device: str | torch.device = "cpu",
                          dtype: torch.dtype = torch.float32, seed: int = 0, allow_missing: bool = False) -> LatentSyncUNet:
     """The LatentSync UNet3D. weights: "random" (default init under `seed`) or a path to
@@ -751,39 +796,7 @@ def load_latentsync_unet(weights: str = "random", size: str = "full", device: st
         out = LatentSyncUNet(model, f"random (seed {seed}{', drawn on ' + dev.type if dev.type != 'cpu' else ''})", size)
     else:
         p = Path(str(weights)).expanduser()
-        sd = read_checkpoint(p)
-        model = build_unet(size, device="meta")
-        own = model.state_dict()
-        bad = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
-               for k, v in sd.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
-        if bad:
-            raise WeightsError(f"{p}: {len(bad)} tensors do not match the LatentSync UNet (size={size!r}), e.g. "
-                               f"{bad[:3]}; expected the stage2 / stage2_512 config (in 13, widths "
-                               f"{CONFIGS[size].block_out_channels}, audio dim {CONFIGS[size].cross_attention_dim})")
-        missing = [k for k in own if k not in sd]
-        unexpected = [k for k in sd if k not in own]
-        filled = [k for k in missing if k.endswith("pos_encoder.pe")]
-        missing = [k for k in missing if k not in filled]
-        if missing and not allow_missing:
-            raise WeightsError(f"{p}: {len(missing)} keys of the LatentSync UNet are missing (e.g. {missing[:3]}); "
-                               f"pass allow_missing=True to keep them random")
-        model.load_state_dict({k: v for k, v in sd.items() if k in own}, strict=False, assign=True)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            for name, mod in model.named_modules():  # leftovers still on meta: fill them
-                for pname, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
-                    if t.is_meta:
-                        key = f"{name}.{pname}" if name else pname
-                        if pname == "pe":
-                            val = sinusoid_table(t.shape[1], t.shape[2])
-                        else:
-                            val = torch.empty(t.shape).normal_(0, 0.02) if t.ndim > 1 else torch.zeros(t.shape)
-                        if isinstance(t, nn.Parameter):
-                            setattr(mod, pname, nn.Parameter(val, requires_grad=False))
-                        else:
-                            mod.register_buffer(pname, val)
-                        assert key in missing or key in filled
-        out = LatentSyncUNet(model, f"local file {p}", size, missing, unexpected, filled)
+        out = unet_from_state_dict(read_checkpoint(p), size, f"local file {p}", seed, allow_missing)
     out.model = out.model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return out
 

@@ -761,17 +761,13 @@ def sample_window(engine: Engine, cond_frame: torch.Tensor, cond: torch.Tensor, 
 
 def motion_windows(n_frames: int, seq: int, overlap: int) -> list[int]:
     """Start frames of the LMDM windows covering n_frames, each overlapping the previous by `overlap`."""
-    step = seq - overlap
-    starts = [0]
-    while starts[-1] + seq < n_frames:
-        starts.append(starts[-1] + step)
-    return starts
+    return D.window_starts(n_frames, seq, overlap)
 
 
 def generate_motion(engine: Engine, cond: torch.Tensor, motion_s: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(T, cond_dim) → (T, 265) motion and the number of windows. Windows are generated in turn,
-    each conditioned on the last frame of the one before (the source's motion for the first);
-    overlaps are cross-faded linearly; scale, rotation and translation smoothed over 3 frames."""
+    """(T, cond_dim) → (T, 265) motion and the number of windows. Windows are generated in turn and
+    joined as upstream joins them (`D.add_window`: overlaps blended, pose dims smoothed over 3 frames,
+    each window conditioned on the frame before the next overlap; the source's motion for the first)."""
     cfg, d, dev = engine.cfg, engine.dims, engine.device
     n = cond.shape[0]
     L = d.seq_frames
@@ -781,25 +777,13 @@ def generate_motion(engine: Engine, cond: torch.Tensor, motion_s: torch.Tensor) 
     # upstream draws the per-step noise once and reuses it for every window
     noises = torch.randn(cfg.sampling_steps, 1, L, D.MOTION_DIM, generator=gen).to(dev)
     starts = motion_windows(n, L, ov)
-    out = torch.zeros(starts[-1] + L, D.MOTION_DIM, device=dev)
-    cond_frame = motion_s.float()
-    for w, s in enumerate(starts):
+    track, cond_frame = None, motion_s.float()
+    for s in starts:
         c = cond[s:s + L]
         if c.shape[0] < L:
             c = torch.cat([c, c[-1:].expand(L - c.shape[0], -1)])
-        x = sample_window(engine, cond_frame, c, sched, noises, gen)
-        if w == 0:
-            out[:L] = x
-        else:
-            fade = torch.linspace(0, 1, ov + 2, device=dev)[1:-1, None]
-            out[s:s + ov] = out[s:s + ov] * (1 - fade) + x[:ov] * fade
-            out[s + ov:s + L] = x[ov:]
-        cond_frame = x[-1]
-    out = out[:n]
-    if n >= 3:
-        pose = out[:, : D.POSE_DIMS].T[None]
-        out[:, : D.POSE_DIMS] = F.avg_pool1d(F.pad(pose, (1, 1), mode="replicate"), 3, 1)[0].T
-    return out, len(starts)
+        track, cond_frame = D.add_window(track, sample_window(engine, cond_frame, c, sched, noises, gen), ov)
+    return D.smoothed_rows(track, 0, n, n), len(starts)
 
 
 def _overlap(engine: Engine) -> int:
@@ -829,7 +813,8 @@ class MotionStream:
         self.starts = motion_windows(n, self.L, self.ov)
         # the per-window initial noise, drawn in generate_motion's order, uploaded once (no host wait later)
         self.inits = torch.stack([torch.randn(1, self.L, D.MOTION_DIM, generator=gen) for _ in self.starts]).to(dev)
-        self.out = torch.zeros(self.starts[-1] + self.L, D.MOTION_DIM, device=dev)
+        self.track: torch.Tensor | None = None     # the windows joined so far (before the final smoothing)
+        self.d0: torch.Tensor | None = None        # the first final frame: motion is driven relative to it
         self.kp_d = torch.empty(n, D.NUM_KP, 3, device=dev)
         self.src_dev = _index(dev, src)
         self.kp_rest = avatar.kp_s[self.src_dev].float()
@@ -856,26 +841,19 @@ class MotionStream:
         if c.shape[0] < L:
             c = torch.cat([c, c[-1:].expand(L - c.shape[0], -1)])
         x = sample_window(e, self.cond_frame, c, self.sched, self.noises, None, x=self.inits[w])
-        if w == 0:
-            self.out[:L] = x
-        else:
-            fade = torch.linspace(0, 1, ov + 2, device=x.device)[1:-1, None]
-            self.out[s:s + ov] = self.out[s:s + ov] * (1 - fade) + x[:ov] * fade
-            self.out[s + ov:s + L] = x[ov:]
-        self.cond_frame = x[-1]
+        self.track, self.cond_frame = D.add_window(self.track, x, ov)
         self.w += 1
         last = self.w == len(self.starts)
-        fin = n if last else min(n, s + L - ov) - (1 if n >= 3 else 0)   # smoothing reads one frame ahead
+        # rows before the next window's overlap are settled; the final smoothing reads one row ahead
+        fin = n if last else min(n, self.track.shape[0] - ov) - 1
         a = self.ready
         if fin <= a:
             return
-        m = self.out[a:fin].clone()
-        if n >= 3:
-            left = self.out[a - 1 if a > 0 else 0]
-            right = self.out[fin if fin < n else n - 1]
-            pose = torch.cat([left[None], self.out[a:fin], right[None]])[:, : D.POSE_DIMS].T[None]
-            m[:, : D.POSE_DIMS] = F.avg_pool1d(pose, 3, 1)[0].T
+        m = D.smoothed_rows(self.track, a, fin, n)
+        if self.d0 is None:
+            self.d0 = m[0].clone()
         idx = self.src_dev[a:fin]
+        m = D.drive_motion(m, self.d0, self.avatar.motion_s[idx], self.avatar.n == 1)
         kp = D.motion_to_keypoints(m, self.avatar.kp_c[idx])
         kp = sil.ease_keypoints(kp, self.kp_rest[a:fin], self.alpha[a:fin])
         self.kp_d[a:fin] = _stitch(e, self.kp_rest[a:fin], kp)
@@ -929,9 +907,11 @@ def rms_motion(engine: Engine, avatar: Avatar, a16: np.ndarray, n: int) -> torch
 
 @torch.no_grad()
 def driving_keypoints(engine: Engine, avatar: Avatar, motion: torch.Tensor, src: np.ndarray) -> torch.Tensor:
-    """(T, 265) motion → (T, 21, 3) driving keypoints with the canonical keypoints of each frame's source."""
-    kp_c = avatar.kp_c[torch.as_tensor(src, device=avatar.kp_c.device)]
-    return D.motion_to_keypoints(motion, kp_c)
+    """(T, 265) motion → (T, 21, 3) driving keypoints: driven relative to the first frame as upstream's stitcher
+    drives a still or a video source (`D.drive_motion`), with the canonical keypoints of each frame's source."""
+    idx = torch.as_tensor(src, device=avatar.kp_c.device)
+    m = D.drive_motion(motion, motion[0], avatar.motion_s[idx], avatar.n == 1)
+    return D.motion_to_keypoints(m, avatar.kp_c[idx])
 
 
 def _stitch(engine: Engine, kp_s: torch.Tensor, kp_d: torch.Tensor) -> torch.Tensor:

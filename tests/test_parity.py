@@ -1,0 +1,64 @@
+"""Every network and per-frame transform against the fixture made by upstream's code (see lab.parity)."""
+import math
+
+import pytest
+import torch
+
+from lab.parity import FAMILIES, load_checks, read_fixture, run_check, table
+from lab.parity.core import agreement, fill_tensor, fingerprint, sample_index, seeded
+
+CHECKS = load_checks(FAMILIES)
+FAST = [k for k, c in CHECKS.items() if not c.slow]
+
+
+@pytest.mark.parametrize("key", FAST, ids=["/".join(k) for k in FAST])
+def test_matches_upstream(key):
+    c = CHECKS[key]
+    fx = read_fixture(*key)
+    if "unavailable" in fx:
+        pytest.skip(f"upstream's {key[1]} cannot run here: {fx['unavailable']}")
+    torch.manual_seed(0)
+    rows = run_check(c)
+    assert rows, f"{key}: the fixture has no outputs"
+    bad = [r for r in rows if r.verdict != "equal"]
+    assert not bad, "\n" + table(bad)
+
+
+def test_every_fixture_has_a_check_and_an_upstream_commit():
+    from lab.parity.core import FIXTURES
+
+    files = sorted(FIXTURES.glob("*/*.json"))
+    assert files
+    for f in files:
+        key = (f.parent.name, f.stem)
+        assert key in CHECKS, f"{f.name}: fixture without a registered check"
+        fx = read_fixture(*key)
+        assert len(fx["upstream"]["commit"]) == 40, f"{f}: upstream commit not recorded"
+    for key in CHECKS:
+        assert (FIXTURES / key[0] / f"{key[1]}.json").is_file(), f"{key}: check without a fixture"
+
+
+def test_procedure_depends_only_on_key_and_shape():
+    a = fill_tensor("decoder.G_middle_0.conv_0.weight_orig", (8, 4, 3, 3))
+    assert torch.equal(a, fill_tensor("decoder.G_middle_0.conv_0.weight_orig", (8, 4, 3, 3)))
+    assert not torch.equal(a, fill_tensor("decoder.G_middle_0.conv_1.weight_orig", (8, 4, 3, 3)))
+    assert abs(float(a.std()) * math.sqrt(36) - 1) < 0.2           # 1/sqrt(fan_in)
+    var = fill_tensor("x.norm.running_var", (64,))
+    assert float(var.min()) >= 0.5 and float(var.max()) <= 1.5
+    u = fill_tensor("conv.weight_u", (32,))
+    assert abs(float(u.norm()) - 1) < 1e-6
+    assert float(fill_tensor("x.norm.weight", (64,)).mean()) == pytest.approx(1, abs=0.05)
+    assert torch.equal(seeded("kp", (2, 21, 3)), seeded("kp", (2, 21, 3)))
+
+
+def test_agreement_sees_a_small_change_and_a_bad_shape():
+    x = seeded("t", (4, 64, 32, 32))
+    fp = fingerprint(x)
+    assert len(fp["values"]) == 2048 and sample_index(x.numel()).max() < x.numel()
+    assert agreement(x, fp).ok(1e-6)
+    assert not agreement(x * 1.01, fp).ok(1e-3)                      # a 1 % gain
+    assert not agreement(torch.where(x > 0, x, 0.01 * x), fp).ok(1e-3)   # an activation
+    assert not agreement(x.reshape(4, 32, 64, 32), fp).ok(1)
+    nan = x.clone()
+    nan[0, 0, 0, 0] = float("nan")
+    assert not agreement(nan, fp).ok(1)
