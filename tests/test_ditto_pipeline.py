@@ -254,7 +254,9 @@ def test_putback_gpu_matches_cpu_reference():
     g = pb.putback_gpu(torch.from_numpy(bg), torch.from_numpy(render), torch.from_numpy(mask), grid)[0].numpy()
     c = pb.putback_cpu(bg[0], render[0].transpose(1, 2, 0) * 255, mask, m)
     assert np.abs(g.astype(int) - c.astype(int)).max() <= 1
-    assert mask.max() == 1 and mask[0, 0] < mask[0, 8] < 1
+    m64 = pb.feather_mask(64)   # 57 px inside, 3-px bands: 0, 0.5, 1 from the edge; corners by distance
+    assert m64.max() == 1 and m64[0, 32] == 0 and m64[1, 32] == 0.5 and m64[2, 32] == 1
+    assert m64[1, 1] == pytest.approx(1 - 0.5 ** 0.5) and m64[0, 0] == 0
     with pytest.raises(InputError):
         pb.feather_mask(16, ratio=1.2)
 

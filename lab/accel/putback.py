@@ -3,7 +3,7 @@
 Upstream does this on the CPU per frame: `warpAffine` of the render and of the mask to the
 frame size, then a per-pixel blend. `putback_gpu` does the same for a whole batch on the device:
 one `grid_sample` of render and mask together through the frame → crop affine, then the blend as
-one fused multiply-add, bg + m·(render − bg), straight to uint8. `putback_cpu` is the upstream
+one fused multiply-add, bg + m·(render − bg), truncated to uint8 as upstream's blend. `putback_cpu` is the upstream
 path (OpenCV when installed, else torch on the CPU with the same bilinear sampling).
 """
 from __future__ import annotations
@@ -16,18 +16,18 @@ from lab.errors import InputError
 
 
 def feather_mask(size: int = 512, ratio: float = 0.9) -> np.ndarray:
-    """(size, size) float32: 1 inside the central `ratio`, linear ramps over the borders, round corners."""
+    """(size, size) float32: 1 inside the central `ratio`, linear ramps over the border bands (0 at the
+    edge pixel, 1 at the band's last), corners fading with the distance into both bands (upstream's mask)."""
     if not 0 < ratio < 1:
         raise InputError(f"mask ratio must be in (0, 1), got {ratio}")
-    border = (1 - ratio) / 2 * size
-    c = np.arange(size, dtype=np.float64) + 0.5
-    edge = np.minimum(c, size - c)
-    r = np.clip(edge / border, 0, 1)
-    ry, rx = np.meshgrid(r, r, indexing="ij")
-    corner = (rx < 1) & (ry < 1)
-    m = np.minimum(rx, ry)
-    m[corner] = np.clip(1 - np.hypot(1 - rx[corner], 1 - ry[corner]), 0, 1)
-    return m.astype(np.float32)
+    inner = int(size * ratio)
+    lo = (size - inner) // 2
+    hi = lo + inner
+    ramp = np.ones(size, dtype=np.float64)
+    ramp[:lo] = np.linspace(0, 1, lo)
+    ramp[hi:] = np.linspace(1, 0, size - hi)
+    depth = 1 - ramp                                   # 0 inside, 1 at the outer pixel of a band
+    return (1 - np.clip(np.hypot(depth[:, None], depth[None, :]), 0, 1)).astype(np.float32)
 
 
 def sampling_grid(m_c2o: torch.Tensor, frame_hw: tuple[int, int], crop: int) -> torch.Tensor:
@@ -79,7 +79,8 @@ def putback_gpu(background: torch.Tensor, renders: torch.Tensor, mask: torch.Ten
     warped = F.grid_sample(src, grid.to(dt), mode="bilinear", padding_mode="zeros", align_corners=False)
     bg = background.permute(0, 3, 1, 2).to(dt)
     comp = bg + warped[:, 3:4] * (warped[:, :3] - bg)
-    return comp.clamp_(0, 255).round_().to(torch.uint8).permute(0, 2, 3, 1)
+    # truncated to uint8, as upstream's blend casts
+    return comp.clamp_(0, 255).floor_().to(torch.uint8).permute(0, 2, 3, 1)
 
 
 _GRIDS: dict[tuple, torch.Tensor] = {}  # CPU fallback: the frame→crop grid of a matrix, reused per frame
@@ -115,7 +116,7 @@ def putback_cpu(background: np.ndarray, render: np.ndarray, mask: np.ndarray, m_
         out = F.grid_sample(src, grid, mode="bilinear", padding_mode="zeros", align_corners=False)[0]
         r, a = out[:3].permute(1, 2, 0).numpy(), out[3][..., None].numpy()
     bg = background.astype(np.float32)
-    return np.clip(np.rint(bg + a * (r - bg)), 0, 255).astype(np.uint8)
+    return np.clip(bg + np.clip(a, 0, 1) * (r - bg), 0, 255).astype(np.uint8)   # truncated, as upstream's blend
 
 
 def putback_method() -> str:

@@ -159,7 +159,7 @@ def agreement(ours: torch.Tensor, fp: Mapping[str, Any]) -> Agreement:
     max_abs = float(diff.max()) if diff.numel() else 0.0
     span = float(ref.max() - ref.min()) if ref.numel() else 0.0
     mse = float((diff ** 2).mean()) if diff.numel() else 0.0
-    psnr = math.inf if mse == 0 else 10 * math.log10(max(span, 1e-12) ** 2 / mse)
+    psnr = math.inf if mse == 0 else math.nan if span == 0 else 10 * math.log10(span ** 2 / mse)
     cos = float(torch.nn.functional.cosine_similarity(got, ref, dim=0)) if ref.numel() > 1 else math.nan
     mean_err = abs(float(x.mean()) - fp["mean"])
     std_err = abs((float(x.std()) if x.numel() > 1 else 0.0) - fp["std"])
