@@ -21,6 +21,38 @@ def _banner(device: str, quick: bool) -> tuple[str, bool]:
     return device, quick
 
 
+def _parity(a: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from lab.env import pick_device
+    from lab.parity import run_checks, table
+    from lab.parity.page import page, read_record, run_record, to_json
+    from lab.results import atomic_write_text
+
+    if a.runs is not None:
+        if not a.page:
+            raise LabError("--from builds the page: give --page PATH too")
+        recs = [read_record(p) for p in a.runs]
+        atomic_write_text(a.page, page(recs), overwrite=True)
+        print(f"parity page: {a.page} ({len(recs)} runs)")
+        return 0
+    device = str(pick_device(a.device))
+    families = tuple(f.strip() for f in a.families.split(",") if f.strip())
+    t0 = time.perf_counter()
+    rows = run_checks(families, device, full=a.full, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    rec = run_record(rows, device, a.full, time.perf_counter() - t0)
+    print(table(rows))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(a.json, to_json(rec), overwrite=True)
+    if a.page:
+        atomic_write_text(a.page, page([rec]), overwrite=True)
+    bad = [r for r in rows if r.verdict == "DIFFERS"]
+    print(f"{len(rows) - len(bad)} of {len(rows)} outputs equal or not run here; {len(bad)} differ", file=sys.stderr)
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from lab import runner
 
@@ -44,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--frames", type=int, default=None, help="frames per render (default: the profile's)")
     c.add_argument("--out", default=None, help="write the JSON here (default: print it)")
     sub.add_parser("env", help="print the hardware/software fingerprint and backend availability")
+    pa = sub.add_parser("parity", help="check every network and transform against the fixtures made by the upstream code")
+    pa.add_argument("--families", default="ditto,latentsync,musetalk", help="comma-separated subset")
+    pa.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    pa.add_argument("--full", action="store_true", help="also the full-size checks (minutes on a CPU)")
+    pa.add_argument("--json", default=None, help="write the run (rows, machine, commit) to this JSON file")
+    pa.add_argument("--page", default=None, help="write the parity page (markdown) to this file")
+    pa.add_argument("--from", dest="runs", nargs="*", default=None,
+                    help="with --page: build it from these --json runs instead of running the checks")
     sub.add_parser("list", help="list the notebooks")
     t = sub.add_parser("tidy", help="put notebooks in their committed form (no outputs, the project's kernel metadata)")
     t.add_argument("paths", nargs="*", help="notebooks (default: every numbered notebook)")
@@ -54,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(json.dumps({"fingerprint": fingerprint(), "backends": backends()}, indent=2))
             return 0
+        if a.cmd == "parity":
+            return _parity(a)
         if a.cmd == "calibrate":
             from pathlib import Path
 

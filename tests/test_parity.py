@@ -62,3 +62,39 @@ def test_agreement_sees_a_small_change_and_a_bad_shape():
     nan = x.clone()
     nan[0, 0, 0, 0] = float("nan")
     assert not agreement(nan, fp).ok(1)
+
+
+def test_a_wrong_activation_is_caught(monkeypatch):
+    # the bug the fixtures were made for: the warp block's LeakyReLU at the SPADE slope instead of upstream's
+    from lab.models import ditto as D
+
+    def wrong(self, x):
+        return torch.nn.functional.leaky_relu(self.norm(self.conv(x)), 0.2 if self.lrelu else 0.0)
+
+    monkeypatch.setattr(D.SameBlock2d, "forward", wrong)
+    rows = {r.output: r for r in run_check(CHECKS[("ditto", "warp_network")])}
+    assert rows["deformation"].verdict == "equal"          # the dense motion does not use the block
+    assert rows["out"].verdict == "DIFFERS" and rows["out"].rel > 1e-2
+
+
+def test_cli_builds_the_page_from_runs_and_refuses_a_bad_run(tmp_path, capsys):
+    from lab.cli import main
+    from lab.parity import Row
+    from lab.parity.page import read_record, to_json
+
+    rows = [Row("ditto", "stitch_network", "kp_driving", "4 pairs", [4, 21, 3], 1e-7, 2e-7, 150.0, 1.0, "equal",
+                "e" * 40, 0.1), Row("ditto", "putback", "-", "blend", [], upstream_commit="e" * 40, note="no cv2")]
+    run = tmp_path / "cpu.json"
+    run.write_text(to_json({"machine": "test box", "device": "cpu", "full": False, "commit": "abc", "torch": "2",
+                            "seconds": 1.0, "rows": rows}))
+    assert read_record(run)["rows"][0] == rows[0]
+    page = tmp_path / "parity.md"
+    assert main(["parity", "--page", str(page), "--from", str(run)]) == 0
+    text = page.read_text()
+    assert "## test box (cpu)" in text and "1 outputs equal, 0 differ, 1 not run" in text and "no cv2" in text
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["parity", "--page", str(page), "--from", str(bad)]) == 2
+    assert "not a parity run" in capsys.readouterr().err
+    assert main(["parity", "--from", str(run)]) == 2          # --from without --page
+    assert main(["parity", "--families", "nope"]) == 2

@@ -7,6 +7,7 @@ one row per output — the table of `lab parity`, the tests and the parity page.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ class Check:
     inputs: Callable[[], dict[str, Any]]             # the seeded inputs both sides use
     what: str                                        # what is compared, at which shape
     rtol: float = 1e-4                               # max |ours − upstream| / std(upstream) on the samples
-    gpu_rtol: float = 2e-3                           # the same on a GPU (TF32 / kernel order)
+    gpu_rtol: float = 2e-3                           # the same on a GPU (fp32, TF32 off: kernel order)
     slow: bool = False                               # full size: run by `lab parity --full` and GPU tests
 
 
@@ -72,6 +73,17 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
+@contextlib.contextmanager
+def _strict_fp32():
+    """fp32 as fp32 on a GPU: TF32 off for convolutions and matmuls while a check runs (the function is compared)."""
+    conv, mm = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, mm
+
+
 def run_check(c: Check, device: str = "cpu", root: Path | None = None) -> list[Row]:
     """Compare one check's outputs with its fixture: one row per output ("equal" / "DIFFERS" / "skipped")."""
     fx = read_fixture(c.family, c.name, root)
@@ -79,7 +91,7 @@ def run_check(c: Check, device: str = "cpu", root: Path | None = None) -> list[R
     if "unavailable" in fx:
         return [Row(c.family, c.name, "-", c.what, [], upstream_commit=commit, note=fx["unavailable"])]
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), _strict_fp32():
         outs = c.run(device)
     dt = time.perf_counter() - t0
     rtol = c.rtol if torch.device(device).type == "cpu" else c.gpu_rtol
