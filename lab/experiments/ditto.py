@@ -167,6 +167,25 @@ FULL_VARIANTS = ["upstream", "fp16+fold-nchw", "fp16+fold+graph", "fp16+pad8+gra
                  "compile+graph+pad8+fuse+fft+tap+mix+lowseg", "compile+graph+pad8+fuse+fft+tap+mix+lowseg+sc"]
 
 
+# the renderer variants held against upstream's code (lab.parity.ditto.renderer_agreement): upstream's runtime,
+# the plain fp16 graph, the fastest eager graph and the fastest exact variant
+AGREEMENT_VARIANTS = ["upstream", "fp16+fold+graph", "fp16+pad8+fuse+fft+graph", "compile+graph+pad8+fuse+fft+tap+mix+lowseg+sc"]
+
+
+def upstream_agreement(ctx: "Context", batch: int | None = None) -> list[dict]:
+    """The renderer variants against upstream's code on the parity procedure's weights (full size; a GPU)."""
+    from lab.parity.ditto import renderer_agreement
+
+    if ctx.prof.size != "full":
+        rows = [{"variant": v, "status": "skipped", "reason": "full size only (the fixture is upstream's full-size "
+                 "renderer); on a CPU `lab parity --full` checks the eager model against it"} for v in AGREEMENT_VARIANTS]
+    else:
+        rows = renderer_agreement({v: VARIANTS[v] for v in AGREEMENT_VARIANTS}, str(ctx.dev), batch or ctx.prof.batch)
+    ctx.res.tables["upstream_agreement"] = rows
+    ctx.partial()
+    return rows
+
+
 def profile(quick: bool, device: torch.device) -> Profile:
     """Full size only on a GPU without quick; the CPU (quick or not) runs the tiny config."""
     gpu = device.type == "cuda"
@@ -1176,6 +1195,8 @@ def table(rows: list[dict], cols: list[str] | None = None, title: str = "") -> A
 
 # the columns each notebook section shows (the Result keeps every column)
 COLUMNS = {
+    "upstream_agreement": ["variant", "batch", "psnr_vs_upstream_code_db", "max_abs_vs_upstream_code", "psnr_vs_fp32_db",
+                           "psnr_vs_upstream_runtime_db", "status", "reason"],
     "renderer": ["variant", "batch", "fps", "ms_per_frame", "tflops", "pct_of_ceiling", "psnr_vs_upstream_db",
                  "build_s", "runs", "status", "reason"],
     "stages": ["stage", "ms_per_frame", "share_of_renderer", "ms_per_window", "new_frames_per_window", "batch", "runs"],
@@ -1205,6 +1226,12 @@ def renderer_section(ctx: Context) -> Any:
     text = "\n".join(f"- `{k}`: {v}" for k, v in VARIANT_TEXT.items() if k in ctx.prof.variants)
     return table(rows, COLUMNS["renderer"], f"warp + decode{ctx.suffix}\n\n"
                  f"{ctx.res.metrics['renderer_gflop_per_frame']:.1f} GFLOP per frame\n\n{text}")
+
+
+def agreement_section(ctx: Context) -> Any:
+    """Section 1b: the renderer variants against upstream's code (the parity fixture) on the procedure's weights."""
+    return table(upstream_agreement(ctx), COLUMNS["upstream_agreement"],
+                 f"renderer vs upstream's code (parity weights, fixture inputs in slot 0){ctx.suffix}")
 
 
 def stage_section(ctx: Context) -> Any:
@@ -1305,7 +1332,8 @@ def headline(ctx: Context) -> dict:
     rend = [r for r in ctx.res.tables.get("renderer", []) if r.get("status") == "ok"]
     if best:
         h[f"renderer best FPS ({name}, B={b})"] = round(best["fps"], 1)
-        h["renderer best PSNR vs upstream eager (dB)"] = round(best["psnr_vs_upstream_db"], 1) if math.isfinite(best["psnr_vs_upstream_db"]) else "inf"
+        p = best["psnr_vs_upstream_db"]
+        h["renderer best PSNR vs upstream's runtime (dB)"] = round(p, 1) if math.isfinite(p) else "inf" if p > 0 else "NaN"
         b1 = next((r for r in rend if r["variant"] == "upstream" and r["batch"] == 1), None)
         if b1:
             h["renderer upstream precision B=1 FPS"] = round(b1["fps"], 1)

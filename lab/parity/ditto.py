@@ -254,3 +254,47 @@ def putback(device: str) -> dict[str, torch.Tensor]:
     grid = pb.sampling_grid(x["m_c2o"][None], x["frame"].shape[:2], 512)
     render = x["render"].permute(2, 0, 1)[None] / 255
     return {"frame": pb.putback_gpu(x["frame"][None], render, mask, grid)[0]}
+
+
+# ----------------------------------------------------------------------------- renderer variants vs upstream's code
+
+def renderer_agreement(settings: dict[str, dict[str, Any]], device: str = "cuda", batch: int = 16,
+                       progress: Any = print) -> list[dict[str, Any]]:
+    """Each renderer variant (name → Config switches) on the procedure's weights at full size, batch `batch`
+    with the `renderer_full` fixture's inputs in slot 0, against three references: upstream's code (the
+    fixture, fp32 on a CPU), the fixture-certified eager model in fp32 (TF32 off, the whole batch) and upstream's
+    runtime (the certified model under fp16 autocast, as upstream runs it)."""
+    from lab import metrics
+    from lab.parity import _strict_fp32
+    from lab.parity.core import agreement, read_fixture
+    from lab.pipelines import ditto as P
+
+    fx = read_fixture(FAMILY, "renderer_full")["outputs"]["image"]
+    x = renderer_inputs()
+    rest = batch - 1
+    fs = torch.cat([x["feature_3d"], seeded("ditto.f_s64.batch", (rest, 32, 16, 64, 64))]).to(device)
+    ks = torch.cat([x["kp_source"], _kp("ditto.kp_s.batch", rest)]).to(device)
+    kd = torch.cat([x["kp_driving"], _kp("ditto.kp_d.batch", rest)]).to(device)
+    nets = {"warp_network": _net("warp_network", device), "decoder": _net("decoder", device)}
+    engine = P.Engine(P.Config(size="full", batch_size=batch), torch.device(device), D.FULL, nets, None, {})
+    with torch.inference_mode(), _strict_fp32():
+        ref32 = D.Renderer(nets["warp_network"], nets["decoder"])(fs, ks, kd).float()
+    rows, runtime = [], None
+    for name, switches in [("fp32 eager", {"precision": "fp32"}), *settings.items()]:
+        if device != "cuda" and (switches.get("cuda_graphs") or switches.get("compile", "none") != "none"):
+            rows.append({"variant": name, "status": "skipped", "reason": "needs a CUDA device"})
+            continue
+        e = P.reconfigure(engine, batch_size=batch, **switches)
+        fn = P.stage_fn(e, "render", batch)
+        with torch.inference_mode():
+            out = fn(*(t.to(P._in_dtype(e)) for t in (fs, ks, kd))).float().clone()
+        if name == "upstream":
+            runtime = out
+        a = agreement(out[:1], fx)
+        rows.append({"variant": name, "batch": batch, "psnr_vs_upstream_code_db": a.psnr_db,
+                     "max_abs_vs_upstream_code": a.max_abs,
+                     "psnr_vs_fp32_db": metrics.psnr(out.clamp(0, 1), ref32.clamp(0, 1), data_range=1.0),
+                     "psnr_vs_upstream_runtime_db": (metrics.psnr(out.clamp(0, 1), runtime.clamp(0, 1), data_range=1.0)
+                                                     if runtime is not None else None), "status": "ok"})
+        progress(f"  {name:48s} vs upstream's code {a.psnr_db:6.1f} dB, vs fp32 {rows[-1]['psnr_vs_fp32_db']:6.1f} dB")
+    return rows

@@ -1,0 +1,43 @@
+"""Parity on the GPU host (pytest -m gpu): every check at full size on CUDA (fp32, TF32 off), and the Ditto
+renderer's variants against upstream's code. With LAB_PARITY_OUT set, the runs are written there as JSON."""
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lab.parity import FAMILIES, run_checks, table
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+OUT = os.environ.get("LAB_PARITY_OUT")
+
+
+def test_every_check_on_the_gpu():
+    from lab.parity.page import run_record, to_json
+
+    t0 = time.perf_counter()
+    rows = run_checks(FAMILIES, "cuda", full=True, progress=lambda m: print(m, flush=True))
+    if OUT:
+        Path(OUT).mkdir(parents=True, exist_ok=True)
+        (Path(OUT) / "parity_cuda.json").write_text(to_json(run_record(rows, "cuda", True, time.perf_counter() - t0)))
+    print(table(rows))
+    bad = [r for r in rows if r.verdict == "DIFFERS"]
+    assert not bad, "\n" + table(bad)
+
+
+def test_ditto_renderer_variants_agree_with_upstream_code():
+    from lab.experiments.ditto import AGREEMENT_VARIANTS, VARIANTS
+    from lab.parity.ditto import renderer_agreement
+
+    torch.backends.cudnn.benchmark = True
+    rows = renderer_agreement({v: VARIANTS[v] for v in AGREEMENT_VARIANTS}, "cuda", 16)
+    if OUT:
+        Path(OUT).mkdir(parents=True, exist_ok=True)
+        (Path(OUT) / "renderer_agreement.json").write_text(json.dumps(rows, indent=1, default=str))
+    by = {r["variant"]: r for r in rows}
+    assert by["fp32 eager"]["psnr_vs_upstream_code_db"] > 80          # the certified function, fp32 on the GPU
+    best = by[AGREEMENT_VARIANTS[-1]]
+    # the fastest exact variant against upstream's runtime (fp16 autocast of the same function): the lab's target
+    assert best["psnr_vs_upstream_runtime_db"] >= 50, best
