@@ -180,7 +180,8 @@ def upstream_agreement(ctx: "Context", batch: int | None = None) -> list[dict]:
         rows = [{"variant": v, "status": "skipped", "reason": "full size only (the fixture is upstream's full-size "
                  "renderer); on a CPU `lab parity --full` checks the eager model against it"} for v in AGREEMENT_VARIANTS]
     else:
-        rows = renderer_agreement({v: VARIANTS[v] for v in AGREEMENT_VARIANTS}, str(ctx.dev), batch or ctx.prof.batch)
+        sel = {v: VARIANTS[v] for v in AGREEMENT_VARIANTS}
+        rows = [r for w in ("parity", "seeded") for r in renderer_agreement(sel, str(ctx.dev), batch or ctx.prof.batch, w)]
     ctx.res.tables["upstream_agreement"] = rows
     ctx.partial()
     return rows
@@ -1195,7 +1196,7 @@ def table(rows: list[dict], cols: list[str] | None = None, title: str = "") -> A
 
 # the columns each notebook section shows (the Result keeps every column)
 COLUMNS = {
-    "upstream_agreement": ["variant", "batch", "psnr_vs_upstream_code_db", "max_abs_vs_upstream_code", "psnr_vs_fp32_db",
+    "upstream_agreement": ["variant", "weights", "batch", "psnr_vs_upstream_code_db", "max_abs_vs_upstream_code", "psnr_vs_fp32_db",
                            "psnr_vs_upstream_runtime_db", "status", "reason"],
     "renderer": ["variant", "batch", "fps", "ms_per_frame", "tflops", "pct_of_ceiling", "psnr_vs_upstream_db",
                  "build_s", "runs", "status", "reason"],

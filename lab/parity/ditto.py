@@ -2,10 +2,12 @@
 motion → keypoint → stitching transform and the putback, each on the procedure's weights and inputs."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
+from lab.errors import InputError
 from lab.models import ditto as D
 from lab.parity import check
 from lab.parity.core import fill_module, fill_state_dict, seeded
@@ -87,6 +89,42 @@ def renderer_full(device: str) -> dict[str, torch.Tensor]:
     x = _dev(renderer_inputs(), device)
     warped = _net("warp_network", device)(x["feature_3d"], x["kp_source"], x["kp_driving"])
     return {"warped": warped, "image": _net("decoder", device)(warped)}
+
+
+def avatar_image(side: int = 256) -> torch.Tensor:
+    """The bundled avatar's face crop (1, 3, side, side) in [0, 1], as the pipeline crops and resizes it."""
+    import torch.nn.functional as F
+
+    from lab.pipelines import ditto as P
+
+    size = (384, 384)
+    frame = P.default_source(size, 0)
+    m = P.crop_matrix(P.default_face_box(size), 512)
+    return F.interpolate(P._crop(frame, m[None], 512), size=(side, side), mode="area")
+
+
+def chain_inputs() -> dict[str, Any]:
+    """The avatar photo and, per driven frame, offsets to its motion: head turns, lips, translation."""
+    off = 0.5 * seeded("ditto.chain.offsets", (4, D.MOTION_DIM))
+    off[:, D.M_SCALE], off[:, D.M_T], off[:, D.M_EXP] = 0, 0.02 * off[:, D.M_T], 0.05 * off[:, D.M_EXP]
+    return {"image": avatar_image(), "offsets": off}
+
+
+@check(FAMILY, "renderer_chain", chain_inputs,
+       "full weights and size, the bundled avatar photo → extractors → keypoints of 4 driven motions → warp → RGB 512²",
+       slow=True, rtol=1e-3)  # 4 networks in a chain at full size: fp32 summation order of the conv backends
+def renderer_chain(device: str) -> dict[str, torch.Tensor]:
+    x = _dev(chain_inputs(), device)
+    me, app = _net("motion_extractor", device), _net("appearance_extractor", device)
+    pitch, yaw, roll, t, exp, scale, kp_c = me(x["image"])
+    f_s = app(x["image"])
+    m_s = D.extractor_to_motion(pitch, yaw, roll, t, exp, scale)
+    kp_s = D.motion_to_keypoints(m_s, kp_c)
+    kp_d = D.motion_to_keypoints(m_s + x["offsets"], kp_c)
+    n = kp_d.shape[0]
+    img = D.Renderer(_net("warp_network", device), _net("decoder", device))(f_s.expand(n, -1, -1, -1, -1),
+                                                                            kp_s.expand(n, -1, -1), kp_d)
+    return {"f_s": f_s, "kp_s": kp_s, "kp_d": kp_d, "image": img}
 
 
 def stitch_inputs() -> dict[str, Any]:
@@ -259,26 +297,37 @@ def putback(device: str) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- renderer variants vs upstream's code
 
 def renderer_agreement(settings: dict[str, dict[str, Any]], device: str = "cuda", batch: int = 16,
-                       progress: Any = print) -> list[dict[str, Any]]:
-    """Each renderer variant (name → Config switches) on the procedure's weights at full size, batch `batch`
-    with the `renderer_full` fixture's inputs in slot 0, against three references: upstream's code (the
-    fixture, fp32 on a CPU), the fixture-certified eager model in fp32 (TF32 off, the whole batch) and upstream's
-    runtime (the certified model under fp16 autocast, as upstream runs it)."""
+                       weights: str = "parity", progress: Any = print) -> list[dict[str, Any]]:
+    """Each renderer variant (name → Config switches) at full size on the bundled avatar: its f_s and keypoints
+    from the extractors, `batch` driven frames of which the first 4 are the `renderer_chain` fixture's. Three
+    references: upstream's code (the fixture, fp32 on a CPU; only with the procedure's weights,
+    `weights="parity"`), the fixture-certified eager model in fp32 (TF32 off, the whole batch) and upstream's
+    runtime (the certified model under fp16 autocast, as upstream runs it). `weights="seeded"`: the lab's
+    seeded random networks (what the notebooks render with)."""
     from lab import metrics
     from lab.parity import _strict_fp32
     from lab.parity.core import agreement, read_fixture
     from lab.pipelines import ditto as P
 
-    fx = read_fixture(FAMILY, "renderer_full")["outputs"]["image"]
-    x = renderer_inputs()
-    rest = batch - 1
-    fs = torch.cat([x["feature_3d"], seeded("ditto.f_s64.batch", (rest, 32, 16, 64, 64))]).to(device)
-    ks = torch.cat([x["kp_source"], _kp("ditto.kp_s.batch", rest)]).to(device)
-    kd = torch.cat([x["kp_driving"], _kp("ditto.kp_d.batch", rest)]).to(device)
-    nets = {"warp_network": _net("warp_network", device), "decoder": _net("decoder", device)}
-    engine = P.Engine(P.Config(size="full", batch_size=batch), torch.device(device), D.FULL, nets, None, {})
+    if weights not in ("parity", "seeded"):
+        raise InputError(f"weights must be 'parity' or 'seeded', got {weights!r}")
+    if batch < 4:
+        raise InputError(f"batch must be at least 4 (the fixture's driven frames), got {batch}")
+    fx = read_fixture(FAMILY, "renderer_chain")["outputs"]["image"]
+    x = _dev(chain_inputs(), device)
+    net = (lambda c: _net(c, device)) if weights == "parity" else (lambda c: D.build(c, "full", device))
+    nets = {c: net(c) for c in ("warp_network", "decoder")}
     with torch.inference_mode(), _strict_fp32():
+        pitch, yaw, roll, t, exp, scale, kp_c = net("motion_extractor")(x["image"])
+        f_s = net("appearance_extractor")(x["image"])
+        m_s = D.extractor_to_motion(pitch, yaw, roll, t, exp, scale)
+        more = 0.5 * seeded("ditto.chain.more", (batch - 4, D.MOTION_DIM)).to(device)
+        more[:, D.M_SCALE], more[:, D.M_T], more[:, D.M_EXP] = 0, 0.02 * more[:, D.M_T], 0.05 * more[:, D.M_EXP]
+        fs = f_s.expand(batch, -1, -1, -1, -1).contiguous()
+        ks = D.motion_to_keypoints(m_s, kp_c).expand(batch, -1, -1).contiguous()
+        kd = D.motion_to_keypoints(m_s + torch.cat([x["offsets"], more]), kp_c)
         ref32 = D.Renderer(nets["warp_network"], nets["decoder"])(fs, ks, kd).float()
+    engine = P.Engine(P.Config(size="full", batch_size=batch), torch.device(device), D.FULL, nets, None, {})
     rows, runtime = [], None
     for name, switches in [("fp32 eager", {"precision": "fp32"}), *settings.items()]:
         if device != "cuda" and (switches.get("cuda_graphs") or switches.get("compile", "none") != "none"):
@@ -286,15 +335,18 @@ def renderer_agreement(settings: dict[str, dict[str, Any]], device: str = "cuda"
             continue
         e = P.reconfigure(engine, batch_size=batch, **switches)
         fn = P.stage_fn(e, "render", batch)
-        with torch.inference_mode():
+        strict = _strict_fp32() if switches.get("precision") == "fp32" else contextlib.nullcontext()
+        with torch.inference_mode(), strict:
             out = fn(*(t.to(P._in_dtype(e)) for t in (fs, ks, kd))).float().clone()
         if name == "upstream":
             runtime = out
-        a = agreement(out[:1], fx)
-        rows.append({"variant": name, "batch": batch, "psnr_vs_upstream_code_db": a.psnr_db,
-                     "max_abs_vs_upstream_code": a.max_abs,
+        a = agreement(out[:4], fx) if weights == "parity" else None
+        rows.append({"variant": name, "batch": batch, "weights": weights,
+                     "psnr_vs_upstream_code_db": a.psnr_db if a else None,
+                     "max_abs_vs_upstream_code": a.max_abs if a else None,
                      "psnr_vs_fp32_db": metrics.psnr(out.clamp(0, 1), ref32.clamp(0, 1), data_range=1.0),
                      "psnr_vs_upstream_runtime_db": (metrics.psnr(out.clamp(0, 1), runtime.clamp(0, 1), data_range=1.0)
                                                      if runtime is not None else None), "status": "ok"})
-        progress(f"  {name:48s} vs upstream's code {a.psnr_db:6.1f} dB, vs fp32 {rows[-1]['psnr_vs_fp32_db']:6.1f} dB")
+        progress(f"  {name:48s} vs upstream's code {a.psnr_db if a else float('nan'):6.1f} dB, "
+                 f"vs fp32 {rows[-1]['psnr_vs_fp32_db']:6.1f} dB")
     return rows

@@ -51,6 +51,26 @@ def renderer_full(checkout: Path, x: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {"warped": warped, "image": fill_module(_modules().SPADEDecoder())(warped)}
 
 
+def renderer_chain(checkout: Path, x: dict[str, Any]) -> dict[str, torch.Tensor]:
+    from core.atomic_components.audio2motion import _cvt_LP_motion_info
+    from core.atomic_components.motion_stitch import transform_keypoint
+
+    m = _modules()
+    outs = fill_module(m.MotionExtractor())(x["image"])
+    info = {k: v.detach().numpy() for k, v in zip(("pitch", "yaw", "roll", "t", "exp", "scale", "kp"), outs)}
+    f_s = fill_module(m.AppearanceFeatureExtractor())(x["image"])
+    kp_s = transform_keypoint(info)
+    arr = _cvt_LP_motion_info(info, "dic2arr", ignore_keys={"kp"})
+    kp_d = []
+    for off in x["offsets"].numpy():
+        d = _cvt_LP_motion_info((arr + off).astype(np.float32), "arr2dic")
+        kp_d.append(transform_keypoint({**d, "kp": info["kp"]}))
+    kp_s, kp_d = torch.from_numpy(kp_s), torch.from_numpy(np.concatenate(kp_d))
+    n = kp_d.shape[0]
+    warped = fill_module(m.WarpingNetwork())(f_s.expand(n, -1, -1, -1, -1), kp_s.expand(n, -1, -1), kp_d)
+    return {"f_s": f_s, "kp_s": kp_s, "kp_d": kp_d, "image": fill_module(m.SPADEDecoder())(warped)}
+
+
 def stitch_network(checkout: Path, x: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {"kp_driving": fill_module(_modules().StitchingNetwork())(x["kp_source"], x["kp_driving"])}
 
@@ -184,6 +204,6 @@ def putback(checkout: Path, x: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {"frame": torch.from_numpy(out)}
 
 
-MAKERS = {f.__name__: f for f in (appearance_extractor, motion_extractor, warp_network, decoder, renderer_full,
+MAKERS = {f.__name__: f for f in (appearance_extractor, motion_extractor, warp_network, decoder, renderer_full, renderer_chain,
                                   stitch_network, lmdm, motion_to_keypoints, motion_stitch_still, motion_stitch_video,
                                   lmdm_sampling, hubert_chunking, putback_mask, putback)}
