@@ -85,13 +85,15 @@ def test_blend_only_touches_the_face_box(engine, speech):
     got = []
     orig = mt._blend_cpu
     mt._blend_cpu = lambda eng, faces, idx, _o=orig: got.append((_o(eng, faces, idx), idx)) or got[-1][0]
+    # the detector box and its geometric mask: random FAN landmarks may give a jaw mask that is zero in the box
+    e = mt.reconfigure(engine, writer="null", landmarks="none")
     try:
-        mt.run(mt.reconfigure(engine, writer="null"), a, sr, None, n_frames=4)
+        mt.run(e, a, sr, None, n_frames=4)
     finally:
         mt._blend_cpu = orig
     out, idx = got[0]
-    src = engine.avatar.frames[mt.pingpong(idx, len(engine.avatar.frames))]
-    x0, y0, x1, y1 = engine.avatar.boxes[0]
+    src = e.avatar.frames[mt.pingpong(idx, len(e.avatar.frames))]
+    x0, y0, x1, y1 = e.avatar.boxes[0]
     outside = np.ones(out.shape[1:3], bool)
     outside[y0:y1, x0:x1] = False
     assert np.array_equal(out[:, outside], src[:, outside])

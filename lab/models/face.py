@@ -199,7 +199,7 @@ def detect_face_or_raise(image: np.ndarray, source_name: str) -> Box:
 
 # ---------------------------------------------------------------- avatar vault
 
-CACHE_VERSION = 1  # bump when the crop/mask recipe changes so old cache files are not reused
+CACHE_VERSION = 2  # bump when the crop/mask recipe changes so old cache files are not reused
 
 
 @dataclass
@@ -426,21 +426,26 @@ def _fan_crop(image: np.ndarray, centre: np.ndarray, scale: float, res: int = FA
 def upstream_face_box(landmarks: np.ndarray, image_hw: tuple[int, int], extra_margin: int = 10) -> Box | None:
     """MuseTalk v1.5's UNet input box from 68 landmarks, or None when it is unusable.
 
-    x spans the landmarks' min to max; the top is as far above landmark 29 (the nose) as the
-    chin (the lowest landmark) is below it; the bottom is the chin plus `extra_margin` pixels,
-    clipped to the image. Not square. None (use the detector box) when the box is empty or
-    leaves the image at the left, top or right.
+    As upstream computes it from its landmark model's points: the points truncated to whole pixels
+    (int32); x spans their min to max; the top is as far above landmark 29 (the nose) as the chin
+    (the lowest point) is below it, but not above the image's top; the bottom is the chin plus
+    `extra_margin` pixels, clipped to the image. Not square; it may reach past the image's right
+    edge (the crop then takes the part inside, as upstream's slicing does). None (use the detector
+    box) when the box is empty or starts left of the image, as upstream falls back; also when it
+    holds no pixel of the image (where upstream's crop would fail).
     """
     lm = np.asarray(landmarks, dtype=np.float64)
     if lm.shape != (68, 2) or not np.isfinite(lm).all():
         raise InputError(f"landmarks of shape {lm.shape}; expected 68 finite (x, y) points")
     h, w = image_hw
-    chin = lm[:, 1].max()
-    nose = lm[NOSE, 1]
-    x0, x1 = int(lm[:, 0].min()), int(lm[:, 0].max())
-    y0 = int(nose - (chin - nose))
-    y1 = min(int(chin) + int(extra_margin), h)
-    if x1 <= x0 or y1 <= y0 or x0 < 0 or y0 < 0 or x1 > w:
+    p = lm.astype(np.int32)  # upstream casts its keypoints before any arithmetic (truncation toward zero)
+    chin, nose = int(p[:, 1].max()), int(p[NOSE, 1])
+    x0, x1 = int(p[:, 0].min()), int(p[:, 0].max())
+    y0 = max(0, nose - (chin - nose))
+    if chin - y0 <= 0 or x1 - x0 <= 0 or x0 < 0:
+        return None
+    y1 = min(chin + int(extra_margin), h)
+    if x0 >= w or y0 >= y1:
         return None
     return x0, y0, x1, y1
 
@@ -467,32 +472,54 @@ def blend_square(box: Box, expand: float = 1.5) -> Box:
     return cx - s, cy - s, cx + s, cy + s
 
 
+def region_blend_mask(region: np.ndarray, box: Box, expand: float = 1.5,
+                      upper_boundary_ratio: float = 0.5) -> np.ndarray:
+    """The blend mask over the `expand`× blending square (uint8, the square's shape) from a face region
+    given over that square (0/255), as upstream v1.5 builds it: the region kept inside the face box and
+    below `upper_boundary_ratio` of the square, then Gaussian-blurred with a kernel of 5 % of its width."""
+    import cv2
+
+    x0, y0, x1, y1 = box
+    sx0, sy0, sx1, sy1 = blend_square(box, expand)
+    side = sx1 - sx0
+    m = np.asarray(region, np.uint8)
+    if m.shape != (sy1 - sy0, side):
+        raise InputError(f"region of shape {m.shape}; expected the blending square's {(sy1 - sy0, side)}")
+    keep = np.zeros_like(m)
+    keep[y0 - sy0:y1 - sy0, x0 - sx0:x1 - sx0] = 1   # the face box only
+    keep[: int(m.shape[0] * upper_boundary_ratio)] = 0  # the lower part of the square only
+    k = int(0.05 * side // 2 * 2) + 1
+    return cv2.GaussianBlur(m * keep, (k, k), 0)
+
+
+def box_mask(square_mask: np.ndarray, box: Box, size: int = 256, expand: float = 1.5) -> np.ndarray:
+    """The face box's part of a blending-square mask (uint8), as float in [0, 1] resized to (size, size):
+    the mask in the crop's coordinates, which the blend resizes to the box."""
+    import cv2
+
+    x0, y0, x1, y1 = box
+    sx0, sy0, _, _ = blend_square(box, expand)
+    inbox = square_mask[y0 - sy0:y1 - sy0, x0 - sx0:x1 - sx0].astype(np.float32) / 255.0
+    return cv2.resize(inbox, (size, size), interpolation=cv2.INTER_LINEAR)
+
+
 def jaw_blend_mask(landmarks: np.ndarray | None, box: Box, size: int = 256, expand: float = 1.5,
                    upper_boundary_ratio: float = 0.5) -> np.ndarray:
     """Blend mask (size, size) in the face box's coordinates, built as upstream v1.5 builds its
-    "jaw" mask, with the region taken from the landmarks instead of a face-parsing network
-    (BiSeNet is not available here): the polygon of the jaw contour (landmarks 0–16, closed
-    across the top), kept inside the face box and below `upper_boundary_ratio` of the 1.5×
-    blending square, then Gaussian-blurred over the square with a kernel of 5 % of its width.
-    Without landmarks (detector-box path) the geometric `lower_face_mask` is returned.
+    "jaw" mask (`region_blend_mask`), with the region taken from the landmarks instead of a
+    face-parsing network (BiSeNet is not available here): the polygon of the jaw contour
+    (landmarks 0–16, closed across the top). Without landmarks (detector-box path) the geometric
+    `lower_face_mask` is returned.
     """
     import cv2
 
     if landmarks is None:
         return lower_face_mask(size)
-    x0, y0, x1, y1 = box
     sx0, sy0, sx1, sy1 = blend_square(box, expand)
-    side = sx1 - sx0
-    m = np.zeros((sy1 - sy0, side), np.uint8)
+    region = np.zeros((sy1 - sy0, sx1 - sx0), np.uint8)
     poly = np.round(np.asarray(landmarks, np.float64)[JAW] - [sx0, sy0]).astype(np.int32)
-    cv2.fillPoly(m, [poly], 255)
-    keep = np.zeros_like(m)
-    keep[y0 - sy0:y1 - sy0, x0 - sx0:x1 - sx0] = 1   # the face box only
-    keep[: int(m.shape[0] * upper_boundary_ratio)] = 0  # the lower part of the square only
-    k = int(0.05 * side // 2 * 2) + 1
-    m = cv2.GaussianBlur(m * keep, (k, k), 0)
-    inbox = m[y0 - sy0:y1 - sy0, x0 - sx0:x1 - sx0].astype(np.float32) / 255.0
-    return cv2.resize(inbox, (size, size), interpolation=cv2.INTER_LINEAR)
+    cv2.fillPoly(region, [poly], 255)
+    return box_mask(region_blend_mask(region, box, expand, upper_boundary_ratio), box, size, expand)
 
 
 def fan_label(weights: str, seed: int = 0) -> str:

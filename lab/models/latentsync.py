@@ -54,6 +54,7 @@ class UNet3DConfig:
     norm_eps: float = 1e-5
     motion_heads: int = 8
     motion_max_len: int = 24          # temporal positional encoding length = most frames per call
+    motion_norm_groups: int = 32      # upstream's motion modules keep 32 groups whatever norm_num_groups says
     freq_shift: int = 0
     flip_sin_to_cos: bool = True
 
@@ -345,7 +346,7 @@ class TemporalTransformer3DModel(nn.Module):
 
     def __init__(self, dim: int, cfg: UNet3DConfig):
         super().__init__()
-        self.norm = nn.GroupNorm(cfg.norm_groups, dim, eps=1e-6)
+        self.norm = nn.GroupNorm(cfg.motion_norm_groups, dim, eps=1e-6)
         self.proj_in = nn.Linear(dim, dim)
         self.transformer_blocks = nn.ModuleList([TemporalTransformerBlock(dim, cfg.motion_heads, cfg.motion_max_len)])
         self.proj_out = nn.Linear(dim, dim)

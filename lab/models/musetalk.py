@@ -91,11 +91,16 @@ def load_musetalk_unet(weights: str = "random", size: str = "full", device: str 
     return MuseTalkUNet(unet, source)
 
 
+def lower_half_masked(faces: torch.Tensor) -> torch.Tensor:
+    """Faces (B,3,H,W) in [0,1] with the lower half of the rows zeroed: the UNet's masked input image."""
+    masked = faces.clone()
+    masked[:, :, faces.shape[2] // 2:] = 0
+    return masked
+
+
 def masked_latent_input(vae, faces: torch.Tensor, ref_latents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Faces (B,3,256,256) in [0,1] → (masked latents, reference latents) as upstream prepares them:
     the lower half of the face is zeroed before encoding; the reference is the whole face."""
-    masked = faces.clone()
-    masked[:, :, faces.shape[2] // 2:] = 0
-    m = vae.encode(masked)
+    m = vae.encode(lower_half_masked(faces))
     r = vae.encode(faces) if ref_latents is None else ref_latents
     return m, r

@@ -21,9 +21,11 @@ CUDA graph can replay it).
 
 Without a landmark model the three alignment points (brow centres, nose) come from the detected
 face box, so the transform is a scale and shift; `prepare(points=...)` takes per-frame landmarks
-(e.g. from InsightFace's 106-point model, which upstream uses) instead. The template and the fixed
-lower-face mask are the lab's own, matched to upstream's crop (420×560 resized to 512²) and mask
-rows (95–242 of 256, ≈ 41 % of the face regenerated).
+(e.g. from InsightFace's 106-point model, which upstream uses) instead. The frame → face affine is
+upstream's (`face_transforms`: its template, similarity and smoothed nose bias, its 420×560 crop
+resized to 512²); the face is then sampled in one bilinear warp, where upstream warps into the crop,
+rounds to 8 bits and resizes with Lanczos. The fixed lower-face mask is the lab's own, drawn to
+upstream's mask rows (95–242 of 256) but not its outline (upstream's also spares the nose tip).
 """
 from __future__ import annotations
 
@@ -44,9 +46,11 @@ from lab.timing import StageTimer
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MAX_BLOCK = 24              # the temporal positional encoding's length
 SAMPLE_RATE = 16000
-# template in 512² output pixels: left brow centre, right brow centre, nose (ours; see the docstring)
-TEMPLATE = np.array([[181.0, 140.0], [331.0, 140.0], [256.0, 234.0]])  # eyes sit just above the mask
-CROP_WH = (420, 560)        # upstream's aligned crop (w × h) at 512, resized to 512² (non-uniform)
+# upstream's alignment (3 points): left brow centre, right brow centre, nose in a 75 × 100 crop grid, both
+# scaled by 2.8·face/256 — at 512 the template below in a 420 × 560 crop, then resized to 512² (non-uniform)
+CROP_GRID = (75, 100)
+TEMPLATE = np.array([[17.0, 20.0], [58.0, 20.0], [37.5, 40.0]]) * 5.6
+CROP_WH = (420, 560)
 MOUTH = (0.52, 0.80, 0.30, 0.70)  # rows, cols (fractions) of the mouth in an aligned face
 
 
@@ -133,8 +137,6 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
     """Load the UNet, SD-VAE and Whisper-tiny (weights per cfg.weights) and the fast UNet runner."""
     from lab.models.latentsync import load_latentsync_unet
     from lab.models.vae import load_vae
-    from lab.models.whisper import load_whisper
-
     cfg.check()
     dev = torch.device(device)
     dt = DTYPES[cfg.dtype]
@@ -145,7 +147,7 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
     w = {"unet": "random", "vae": "random", "whisper": "random", **cfg.weights}
     unet = load_latentsync_unet(w["unet"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
     vae = load_vae("sd-vae", w["vae"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
-    whisper, w_src = load_whisper(w["whisper"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
+    whisper, w_src = load_audio_encoder(w["whisper"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
     if cfg.channels_last:
         unet.model.to(memory_format=torch.channels_last)
         vae.model.to(memory_format=torch.channels_last)
@@ -298,6 +300,120 @@ def _with_attention(fn: Callable, backend: str) -> Callable:
     return call
 
 
+# ----------------------------------------------------------------------------- audio
+
+AUDIO_CONTEXT = 2           # video frames of audio context each side (upstream's audio_feat_length [2, 2])
+MEL_CHUNK = 3000            # mel frames per encoder call (30 s)
+
+
+def whisper_keys_from_openai(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """OpenAI's Whisper layout (LatentSync's checkpoints/whisper/tiny.pt) → transformers' WhisperEncoder
+    keys; the decoder's keys are dropped."""
+    import re
+
+    subs = [(r"^encoder\.positional_embedding$", "embed_positions.weight"), (r"^encoder\.ln_post\.", "layer_norm."),
+            (r"^encoder\.blocks\.(\d+)\.attn\.query\.", r"layers.\1.self_attn.q_proj."),
+            (r"^encoder\.blocks\.(\d+)\.attn\.key\.", r"layers.\1.self_attn.k_proj."),
+            (r"^encoder\.blocks\.(\d+)\.attn\.value\.", r"layers.\1.self_attn.v_proj."),
+            (r"^encoder\.blocks\.(\d+)\.attn\.out\.", r"layers.\1.self_attn.out_proj."),
+            (r"^encoder\.blocks\.(\d+)\.attn_ln\.", r"layers.\1.self_attn_layer_norm."),
+            (r"^encoder\.blocks\.(\d+)\.mlp\.0\.", r"layers.\1.fc1."), (r"^encoder\.blocks\.(\d+)\.mlp\.2\.", r"layers.\1.fc2."),
+            (r"^encoder\.blocks\.(\d+)\.mlp_ln\.", r"layers.\1.final_layer_norm."), (r"^encoder\.", "")]
+    out = {}
+    for k, v in sd.items():
+        if not k.startswith("encoder."):
+            continue
+        for pat, rep in subs:
+            new, n = re.subn(pat, rep, k)
+            if n:
+                out[new] = v
+                break
+    return out
+
+
+def load_audio_encoder(weights: str = "random", size: str = "full", device: str | torch.device = "cpu",
+                       dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.nn.Module, str]:
+    """Whisper's encoder as `lab.models.whisper.load_whisper` loads it, and also from OpenAI's own
+    checkpoint format (a .pt holding "dims" and "model_state_dict": what LatentSync ships as
+    checkpoints/whisper/tiny.pt), its keys renamed to transformers' and loaded strictly."""
+    from pathlib import Path
+
+    from lab.errors import WeightsError
+    from lab.models.whisper import load_whisper
+
+    p = Path(str(weights)).expanduser()
+    ck = None
+    if weights != "random" and p.is_file() and p.suffix in (".pt", ".pth"):
+        try:
+            ck = torch.load(str(p), map_location="cpu", weights_only=True)
+        except Exception:
+            ck = None  # not this format: load_whisper names the problem
+    if not (isinstance(ck, dict) and "model_state_dict" in ck and "dims" in ck):
+        return load_whisper(weights, size=size, device=device, dtype=dtype, seed=seed)
+    enc, _ = load_whisper("random", size=size, seed=seed)
+    try:
+        enc.load_state_dict(whisper_keys_from_openai(ck["model_state_dict"]), strict=True)
+    except RuntimeError as e:
+        raise WeightsError(f"{p}: an OpenAI Whisper checkpoint that does not match the encoder (size={size!r}): "
+                           f"{str(e).splitlines()[-1].strip()[:300]}") from None
+    return enc.to(device=device, dtype=dtype).eval().requires_grad_(False), f"local file {p}"
+
+
+def log_mel(audio_16k: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """(80, n // 160) log-mel of the whole clip, as upstream's Whisper computes it: one STFT over all of the
+    audio (no padding to 30 s first), and the dynamic range clipped to 8 decades below the clip's peak."""
+    from lab.models.whisper import feature_extractor
+
+    a = torch.as_tensor(np.asarray(audio_16k, dtype=np.float32))
+    spec = torch.stft(a, 400, 160, window=torch.hann_window(400), center=True, pad_mode="reflect",
+                      return_complex=True)[:, :-1].abs() ** 2
+    mel = torch.from_numpy(feature_extractor(80, 30).mel_filters.T.astype(np.float32)) @ spec
+    logm = mel.clamp_min(1e-10).log10()
+    return (torch.maximum(logm, logm.max() - 8.0) + 4.0) / 4.0
+
+
+@torch.inference_mode()
+def encoder_states(encoder: torch.nn.Module, mel: torch.Tensor, batch: int = 4) -> torch.Tensor:
+    """Log-mel (80, M) → (M // 2, 5, D) at 50 Hz: the embedding and each layer's output, the last one before
+    the final LayerNorm (upstream reads the blocks' outputs, not the normed encoder output). The mel runs in
+    30 s pieces, each zero-padded in the log-mel domain, as upstream's transcribe loop feeds them."""
+    p = next(encoder.parameters())
+    pieces = [mel[:, i:i + MEL_CHUNK] for i in range(0, mel.shape[1], MEL_CHUNK)]
+    keep = [x.shape[1] // 2 for x in pieces]
+    padded = torch.stack([torch.nn.functional.pad(x, (0, MEL_CHUNK - x.shape[1])) for x in pieces])
+    outs = []
+    for i in range(0, len(padded), batch):
+        got: list[torch.Tensor] = []
+        hooks = [encoder.layers[0].register_forward_pre_hook(lambda m, a: got.append(a[0]))]
+        hooks += [layer.register_forward_hook(lambda m, a, o: got.append(o[0] if isinstance(o, tuple) else o))
+                  for layer in encoder.layers]
+        try:
+            encoder(padded[i:i + batch].to(p.device, p.dtype))
+        finally:
+            for h in hooks:
+                h.remove()
+        outs.append(torch.stack(got, dim=2))                  # (b, 1500, L + 1, D)
+    states = torch.cat(outs)
+    return torch.cat([states[j, :k] for j, k in enumerate(keep)])
+
+
+def audio_windows(states: torch.Tensor, n_frames: int, fps: float = 25.0) -> torch.Tensor:
+    """(F, S, D) states → (n_frames, 10·S, D): frame i reads the 10 feature frames from ⌊50·i/fps⌋ − 4,
+    indices clamped to the clip (the edge frame repeated), time-major (token = S·t + state)."""
+    i = torch.arange(n_frames, dtype=torch.float64)
+    start = torch.floor(i * 50 / fps).long() - 2 * AUDIO_CONTEXT
+    idx = (start[:, None] + torch.arange(2 * (2 * AUDIO_CONTEXT + 1))[None]).clamp(0, len(states) - 1)
+    return states[idx.to(states.device)].flatten(1, 2)
+
+
+def audio_features(encoder: torch.nn.Module, audio_16k: np.ndarray, fps: float = 25.0) -> torch.Tensor:
+    """LatentSync's per-frame audio tokens (T, 50, D), T = the whole video frames the audio covers."""
+    from lab.audio import n_video_frames
+
+    n = n_video_frames(len(audio_16k), SAMPLE_RATE, fps)
+    return audio_windows(encoder_states(encoder, log_mel(audio_16k)), n, fps)
+
+
 # ----------------------------------------------------------------------------- face geometry
 
 def fixed_mask(size: int) -> torch.Tensor:
@@ -309,17 +425,28 @@ def fixed_mask(size: int) -> torch.Tensor:
     return (~inside).float()[None, None]
 
 
+def _procrustes(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Similarity src → dst as upstream computes it (fp32): both point sets centred and divided by the
+    std of all their coordinates, the rotation from the SVD of their covariance (no reflection), the
+    scale the ratio of the stds. Returns the (2, 3) matrix and the third point's residual in those
+    normalised units (what upstream's smoothing adds to the translation)."""
+    p1, p2 = torch.tensor(np.asarray(src), dtype=torch.float32), torch.tensor(np.asarray(dst), dtype=torch.float32)
+    c1, c2 = p1.mean(0), p2.mean(0)
+    s1, s2 = (p1 - c1).std(), (p2 - c2).std()
+    n1, n2 = (p1 - c1) / s1, (p2 - c2) / s2
+    u, _, vh = torch.linalg.svd(n1.T @ n2)
+    v = vh.T.clone()
+    r = v @ u.T
+    if torch.det(r) < 0:
+        v[:, -1] = -v[:, -1]
+        r = v @ u.T
+    t = c2[:, None] - (s2 / s1) * (r @ c1[:, None])
+    return torch.cat([(s2 / s1) * r, t], 1).numpy().astype(np.float64), (n2[2] - n1[2]).numpy().astype(np.float64)
+
+
 def similarity(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    """Least-squares similarity transform (rotation, uniform scale, shift; no reflection) src → dst, (2, 3)."""
-    mu_s, mu_d = src.mean(0), dst.mean(0)
-    s, d = src - mu_s, dst - mu_d
-    u, sig, vt = np.linalg.svd(d.T @ s)
-    r = u @ vt
-    if np.linalg.det(r) < 0:
-        u[:, -1] *= -1
-        r = u @ vt
-    scale = sig.sum() / max((s ** 2).sum(), 1e-12)
-    return np.hstack([scale * r, (mu_d - scale * r @ mu_s)[:, None]])
+    """Similarity transform (rotation, uniform scale, shift; no reflection) src → dst, (2, 3), upstream's way."""
+    return _procrustes(src, dst)[0]
 
 
 def box_points(box: tuple[int, int, int, int]) -> np.ndarray:
@@ -329,15 +456,30 @@ def box_points(box: tuple[int, int, int, int]) -> np.ndarray:
     return np.array([[x0 + 0.3 * w, y0 + 0.3 * h], [x0 + 0.7 * w, y0 + 0.3 * h], [x0 + 0.5 * w, y0 + 0.55 * h]])
 
 
-def face_transforms(points: np.ndarray, face: int, smooth: float = 0.2) -> np.ndarray:
-    """Per-frame (N, 3, 2) points → (N, 2, 3) frame→face affines onto the template, translation smoothed
-    over time (smooth·previous + (1 − smooth)·current, as upstream)."""
-    scale = face / 512
+def crop_geometry(face: int) -> tuple[np.ndarray, tuple[int, int], np.ndarray]:
+    """Upstream's crop at face size `face`: the template (3, 2), the crop (w, h), and the (3, 3) matrix of
+    its resize to face² (pixel centres scale by face / side)."""
+    ratio = face / 256 * 2.8
+    w, h = (int(CROP_GRID[0] * ratio), int(CROP_GRID[1] * ratio))
+    sx, sy = face / w, face / h
+    resize = np.array([[sx, 0, 0.5 * sx - 0.5], [0, sy, 0.5 * sy - 0.5], [0, 0, 1]])
+    return TEMPLATE / 5.6 * ratio, (w, h), resize
+
+
+def face_transforms(points: np.ndarray, face: int, smooth: bool = True) -> np.ndarray:
+    """Per-frame (N, 3, 2) points → (N, 2, 3) frame → face affines, as upstream aligns: points rounded to
+    whole pixels, `similarity` onto the template in the crop, and (smooth) the nose's normalised
+    residual, averaged 0.2·previous + 0.8·current over the frames, added to the translation; then the
+    crop's resize to face²."""
+    template, _, resize = crop_geometry(face)
     out = np.zeros((len(points), 2, 3))
+    bias = None
     for i, p in enumerate(points):
-        out[i] = similarity(np.asarray(p, float), TEMPLATE * scale)
-        if i and smooth:
-            out[i, :, 2] = smooth * out[i - 1, :, 2] + (1 - smooth) * out[i, :, 2]
+        m, resid = _procrustes(np.round(np.asarray(p, float)), template)
+        if smooth:
+            bias = resid if bias is None else 0.2 * bias + 0.8 * resid
+            m[:, 2] += bias
+        out[i] = (resize @ np.vstack([m, [0, 0, 1]]))[:2]
     return out
 
 
@@ -423,8 +565,6 @@ def prepare(engine: Engine, frames: np.ndarray, audio: np.ndarray, sr: int = SAM
     unless per-frame `points` (N, 3, 2) are given)."""
     from lab import audio as lab_audio
     from lab.models.face import detect_face_or_raise
-    from lab.models.whisper import musetalk_audio_features
-
     cfg = engine.cfg
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
@@ -439,7 +579,7 @@ def prepare(engine: Engine, frames: np.ndarray, audio: np.ndarray, sr: int = SAM
         raise InputError(f"the audio is silent throughout (peak RMS {20 * np.log10(max(float(rms.max()), 1e-12)):.1f} "
                          f"dBFS < -40 dBFS): nothing to lip-sync. Pass allow_silence=True to render a closed mouth anyway.")
     with torch.inference_mode():
-        tokens = musetalk_audio_features(engine.whisper, a16, fps=cfg.fps)
+        tokens = audio_features(engine.whisper, a16, fps=cfg.fps)
     if points is None:
         box = detect_face_or_raise(frames[0], f"{source_name} (frame 0)")
         points = np.repeat(box_points(box)[None], len(frames), 0)

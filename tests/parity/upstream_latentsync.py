@@ -173,4 +173,111 @@ def initial_noise(checkout: Path, x: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {"latents": lat}
 
 
-MAKERS = {f.__name__: f for f in (unet, unet_tiny, unet_full, unet_full_shape, vae, initial_noise)}
+def block(checkout: Path, x: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """LipsyncPipeline.__call__ itself, on faces already aligned (identity alignment), per-frame audio
+    windows given, restore and the video/audio writers stubbed: its noise, mask and reference latents,
+    DDIM 20 with guidance 1.5 on null audio, decode and paste, over blocks of `block` frames (the video
+    ping-ponged to the audio's length). Upstream's own tiny-config UNet and tiny SD-VAE, procedure weights."""
+    import numpy as np
+    from diffusers import DDIMScheduler
+
+    lp = _pipeline_class()
+    from latentsync.utils.image_processor import ImageProcessor
+    from latentsync.whisper.audio2feature import Audio2Feature
+
+    size = x["faces_u8"].shape[-1]
+    mask3 = x["mask"][0].expand(3, -1, -1).double()
+    audio = object.__new__(Audio2Feature)               # its loader reads a checkpoint; the windows are given
+    audio.audio2feat = lambda path: None
+    audio.feature2chunks = lambda feature_array, fps: list(x["audio"])
+    pipe = lp.LipsyncPipeline(vae=_vae(x["vae_config"]), audio_encoder=audio, unet=_unet(checkout, x["overrides"]),
+                              scheduler=DDIMScheduler.from_pretrained(str(checkout / "configs")))
+    video = x["faces_u8"].permute(0, 2, 3, 1).numpy()  # the source frames are the aligned faces themselves
+    got: dict[str, list[torch.Tensor]] = {"latents": [], "faces": []}
+    decode = pipe.decode_latents
+
+    def decode_latents(latents):
+        got["latents"].append(latents)
+        return decode(latents)
+
+    def affine_transform_video(frames):
+        return torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2), [None] * len(frames), \
+            [None] * len(frames)
+
+    def restore_video(faces, frames, boxes, matrices):
+        got["faces"].append(faces)
+        return frames[: len(faces)]
+
+    pipe.decode_latents, pipe.affine_transform_video, pipe.restore_video = decode_latents, affine_transform_video, \
+        restore_video
+    patches = {"check_ffmpeg_installed": lambda: None, "load_fixed_mask": lambda res, path: mask3,
+               "ImageProcessor": lambda res, device, mask_image: ImageProcessor(res, "cpu", mask_image),
+               "read_audio": lambda path: torch.zeros(16000), "read_video": lambda path, use_decord=False: video,
+               "write_video": lambda *a, **k: None, "sf": types.SimpleNamespace(write=lambda *a, **k: None),
+               "subprocess": types.SimpleNamespace(run=lambda *a, **k: None)}
+    saved = {k: getattr(lp, k) for k in patches}
+    import tempfile
+
+    try:
+        for k, v in patches.items():
+            setattr(lp, k, v)
+        with tempfile.TemporaryDirectory() as tmp:
+            pipe(video_path="video.mp4", audio_path="audio.wav", video_out_path=f"{tmp}/out.mp4",
+                 num_frames=x["block"], video_fps=25, height=size, width=size, num_inference_steps=20,
+                 guidance_scale=x["guidance"], weight_dtype=torch.float32, temp_dir=f"{tmp}/temp",
+                 generator=torch.Generator().manual_seed(x["seed"]))
+    finally:
+        for k, v in saved.items():
+            setattr(lp, k, v)
+    # restore_img maps the pasted face from [-1, 1] to pixels with (x / 2 + 0.5).clamp(0, 1)
+    return {"latents": torch.cat(got["latents"], dim=2), "faces": (torch.cat(got["faces"]) / 2 + 0.5).clamp(0, 1)}
+
+
+MAKERS = {f.__name__: f for f in (unet, unet_tiny, unet_full, unet_full_shape, vae, initial_noise, block)}
+MAKERS["block_exact"] = block   # the same upstream function; the project's side runs its exact switches
+
+
+def whisper(checkout: Path, x: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Audio2Feature: transcribe's encoder embeddings per 30 s piece, then feature2chunks' windows (the first
+    T frames, T = the whole video frames of the audio; feature2chunks runs two past the end)."""
+    _prepare()
+    from latentsync.whisper.audio2feature import Audio2Feature
+    from latentsync.whisper.whisper.model import ModelDimensions, Whisper
+
+    model = Whisper(ModelDimensions(**x["dims"]))
+    model.load_state_dict(fill_state_dict(model.state_dict()), strict=True)
+    a2f = object.__new__(Audio2Feature)          # its __init__ loads a checkpoint file; the model is given
+    a2f.model, a2f.embedding_dim, a2f.audio_feat_length = model.eval(), x["dims"]["n_audio_state"], [2, 2]
+    a2f.audio_embeds_cache_dir, a2f.num_frames = None, 16
+    with torch.no_grad():
+        feats = a2f._audio2feat(x["audio"])     # transcribe() takes the samples as well as a path
+    chunks = a2f.feature2chunks(feature_array=feats, fps=x["fps"])
+    frames = len(x["audio"]) * x["fps"] // 16000
+    return {"tokens": torch.stack(chunks[:frames])}
+
+
+MAKERS["whisper"] = whisper
+
+
+def affine(checkout: Path, x: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """ImageProcessor.affine_transform's geometry: the three landmarks rounded, AlignRestore's similarity onto
+    its template in the 75:100 crop with the smoothed nose bias carried frame to frame, then the crop resized
+    to the face size (cv2.resize: pixel centres scale by face / crop side), as one frame → face matrix."""
+    import numpy as np
+
+    _prepare()
+    from latentsync.utils.affine_transform import AlignRestore
+
+    face = x["face"]
+    restorer = AlignRestore(resolution=face, device="cpu")
+    (cw, ch) = restorer.face_size
+    sx, sy = face / cw, face / ch
+    resize = np.array([[sx, 0, 0.5 * sx - 0.5], [0, sy, 0.5 * sy - 0.5], [0, 0, 1]])
+    out, bias = [], None
+    for p in x["points"].numpy():
+        m, bias = restorer.transformation_from_points(np.round(p), restorer.face_template, True, bias)
+        out.append(torch.from_numpy(resize @ np.vstack([m, [0, 0, 1]]))[:2])
+    return {"affine": torch.stack(out).float()}
+
+
+MAKERS["affine"] = affine
