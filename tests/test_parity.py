@@ -91,7 +91,8 @@ def test_cli_builds_the_page_from_runs_and_refuses_a_bad_run(tmp_path, capsys):
     page = tmp_path / "parity.md"
     assert main(["parity", "--page", str(page), "--from", str(run)]) == 0
     text = page.read_text()
-    assert "## test box (cpu)" in text and "1 outputs equal, 0 differ, 1 not run" in text and "no cv2" in text
+    assert "**1** · test box (cpu)" in text and "1 outputs equal, 0 differ, 1 not run" in text and "no cv2" in text
+    assert "| ditto | putback | - | blend — no cv2 | skipped: no cv2 |" in text
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert main(["parity", "--page", str(page), "--from", str(bad)]) == 2

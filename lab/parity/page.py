@@ -70,15 +70,45 @@ def page(records: list[dict[str, Any]]) -> str:
            "",
            "Run the checks on your own machine before trusting a speed figure: `lab parity` (CPU, about a minute), "
            "`lab parity --full --device cuda` (adds the full-size checks; fp32 with TF32 off)."]
+    runs = [rec for rec in records if "rows" in rec]
+    if runs:
+        out += ["", "## Runs", ""]
+        out += [f"- **{i + 1}** · {rec['machine']} ({rec['device']}{', full sizes' if rec['full'] else ''}), commit "
+                f"`{(rec.get('commit') or 'unknown')[:12]}`, torch {rec.get('torch')}, {rec.get('seconds')} s: "
+                f"{_summary(rec['rows'])}." for i, rec in enumerate(runs)]
+        out += ["", "## Checks", "", combined(runs)]
     for rec in records:
         if "agreement" in rec:
             out += _agreement(rec["agreement"])
-            continue
-        rows = rec["rows"]
-        out += ["", f"## {rec['machine']} ({rec['device']}{', full sizes' if rec['full'] else ''})", "",
-                f"Commit `{(rec.get('commit') or 'unknown')[:12]}`, torch {rec.get('torch')}, {rec.get('seconds')} s. "
-                f"{_summary(rows)}.", "", table(rows)]
     return "\n".join(out) + "\n"
+
+
+def combined(runs: list[dict[str, Any]]) -> str:
+    """One table for several runs: each check's output once, each run's error (max |Δ| / std, PSNR) and verdict."""
+    keys: dict[tuple, Row] = {}
+    for rec in runs:
+        for r in rec["rows"]:
+            keys.setdefault((r.family, r.name, r.output), r)
+    by = [{(r.family, r.name, r.output): r for r in rec["rows"]} for rec in runs]
+    head = "| family | check | output | compared | " + " | ".join(
+        f"run {i + 1}: max abs / std, PSNR dB, verdict" for i in range(len(runs))) + " | upstream |"
+    lines = [head, "|" + "---|" * (5 + len(runs))]
+    last = None
+    for k, r in keys.items():
+        what = "" if (r.family, r.name) == last else (r.what + (f" — {r.note}" if r.note else "")).replace("|", "/")
+        last = (r.family, r.name)
+        cells = []
+        for b in by:
+            x = b.get(k)
+            if x is None:
+                cells.append("not run")
+            elif x.verdict == "skipped":
+                cells.append(f"skipped: {x.note}")
+            else:
+                psnr = "inf" if x.psnr_db == float("inf") else "—" if x.psnr_db != x.psnr_db else f"{x.psnr_db:.0f}"
+                cells.append(f"{x.rel:.1e}, {psnr}, {x.verdict}")
+        lines.append(f"| {r.family} | {r.name} | {r.output} | {what} | " + " | ".join(cells) + f" | {r.upstream_commit[:8]} |")
+    return "\n".join(lines)
 
 
 def _agreement(rows: list[dict[str, Any]]) -> list[str]:

@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             path = write_unavailable(args.family, name, upstream, str(e))
             print(f"{name}: upstream piece cannot run here ({e}) → {path.name}")
             continue
-        path = write_fixture(args.family, name, {k: v.detach().float().cpu() for k, v in outs.items()}, upstream,
+        # a maker may name another repository it ran (set while it ran), e.g. a piece the family borrows
+        up = getattr(mod.MAKERS[name], "upstream", upstream)
+        path = write_fixture(args.family, name, {k: v.detach().float().cpu() for k, v in outs.items()}, up,
                              {"what": c.what}, upstream_code=getattr(mod.MAKERS[name], "upstream_code", ""))
         print(f"{name}: {', '.join(f'{k} {tuple(v.shape)}' for k, v in outs.items())} → {path.name} "
               f"({path.stat().st_size // 1024} KB, {time.perf_counter() - t0:.1f} s)")

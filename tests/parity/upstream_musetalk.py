@@ -176,6 +176,7 @@ def taesd(checkout: Path, x: dict[str, Any]) -> dict[str, torch.Tensor]:
         part.load_state_dict(sd, strict=True)
     commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     taesd.upstream_code = f"madebyollin/taesd@{commit or 'unknown'} taesd.py (Encoder, Decoder)"
+    taesd.upstream = {"repo": "madebyollin/taesd", "commit": commit or "unknown"}   # MuseTalk has no TAESD
     faces = x["face_rgb"].permute(0, 3, 1, 2).float() / 255
     with torch.no_grad():
         return {"latents": net.encoder(faces), "image": net.decoder(x["latents"]).clamp(0, 1)}
