@@ -142,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
                 params["device"] = a.device
             if a.quick:
                 params["quick"] = True
+            params = runner.resolve_paths(params)  # relative paths are the caller's, not the kernel's
             runner.check_parameters(nb, params)
-            out = a.out or OUTPUTS / new_run_id() / nb.stem
+            out = runner.out_folder(a.out, params, OUTPUTS / new_run_id() / nb.stem)  # --out = -p out_dir
+            params.pop("out_dir", None)
             e = runner.run_notebook(nb, out, params, progress=True)
             print(f"{e.notebook}: {e.status} in {e.wall_s:.1f} s → {e.out_dir}" + (f"\n  {e.error}" if e.error else ""))
             return 0 if e.status == "ok" else 1

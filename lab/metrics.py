@@ -54,6 +54,29 @@ def _default_range(x: np.ndarray | torch.Tensor) -> float:
                      f"or pass data_range")
 
 
+def _nonfinite(x: Any) -> int:
+    """How many NaN / inf values x holds (0 for integer data)."""
+    t = torch.from_numpy(np.asarray(x)) if isinstance(x, np.ndarray) else x.detach()
+    if not (t.is_floating_point() or t.is_complex()):
+        return 0
+    return int((~torch.isfinite(t)).sum())
+
+
+def _range_or_raise(data_range: float | None, a: Any, b: Any, names: tuple[str, str] = ("a", "b")) -> float:
+    """The value range to score in; a non-finite or non-positive range is refused, and when it came
+    from non-finite data the message names that input rather than the range."""
+    rng = float(data_range) if data_range is not None else _default_range(a)
+    if rng > 0 and np.isfinite(rng):
+        return rng
+    for x, name in zip((a, b), names):
+        n = _nonfinite(x)
+        if n:
+            raise InputError(f"{name} holds {n} non-finite values (NaN or inf) of {x.size if isinstance(x, np.ndarray) else x.numel()}, "
+                             f"so no value range can be taken from it (data_range={rng}): the model that made it "
+                             f"produced non-finite output (check its weights and precision)")
+    raise InputError(f"data_range must be positive and finite, got {data_range}")
+
+
 def _pair(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Both as float64 tensors of one shape, on a's device (element-wise measures)."""
     _check_kind(a, "a")
@@ -149,12 +172,13 @@ def cosine(a: Any, b: Any) -> float:
 def psnr(a: Any, b: Any, data_range: float | None = None) -> float:
     """Peak signal-to-noise ratio in dB over all elements: 10·log10(range² / MSE).
 
-    data_range defaults to 255 for uint8 and 1.0 for floats; identical inputs give inf.
+    data_range defaults to 255 for uint8 and 1.0 for floats; identical inputs give inf. An input
+    holding NaN or inf gives NaN (never inf: broken output must not read as a perfect match).
     """
     ta, tb = _pair(a, b)
-    rng = float(data_range) if data_range is not None else _default_range(a)
-    if not rng > 0:
-        raise InputError(f"data_range must be positive, got {data_range}")
+    rng = _range_or_raise(data_range, a, b)
+    if _nonfinite(ta) or _nonfinite(tb):
+        return float("nan")
     mse = float(((ta - tb) ** 2).mean())
     if mse == 0:
         return float("inf")
@@ -178,9 +202,9 @@ def ssim(a: Any, b: Any, data_range: float | None = None, crop_border: bool = Tr
         raise InputError(f"a {tuple(ta.shape)} and b {tuple(tb.shape)} must be the same size (after layout)")
     if min(ta.shape[-2:]) < 11:
         raise InputError(f"SSIM needs images of at least 11×11 pixels, got {tuple(ta.shape[-2:])}")
-    rng = float(data_range) if data_range is not None else _default_range(a)
-    if not rng > 0:
-        raise InputError(f"data_range must be positive, got {data_range}")
+    rng = _range_or_raise(data_range, a, b)
+    if _nonfinite(ta) or _nonfinite(tb):
+        return float("nan")  # never a score for broken output
     # float32 on [0, range/range]: the 11×11 depthwise convolution is ~4× slower in float64 on CPU,
     # and SSIM moves by ~1e-5
     ta, tb = (ta / rng).float(), (tb.to(ta.device) / rng).float()
@@ -413,6 +437,8 @@ def seam_energy(image: Any, mask: int | np.ndarray | None = None, band: int = 4,
     ny, nx = ny / norm, nx / norm
     energy = np.stack([(ndimage.sobel(g, axis=0) * ny + ndimage.sobel(g, axis=1) * nx) ** 2 for g in grey])
     e_near, e_beside = energy[:, near].mean(), energy[:, beside].mean()
+    if not (np.isfinite(e_near) and np.isfinite(e_beside)):
+        return float("nan")  # non-finite pixels: no score (never inf)
     if e_beside == 0:
         return 1.0 if e_near == 0 else float("inf")
     return float(e_near / e_beside)
@@ -474,7 +500,10 @@ def flicker(frames: Any, roi: Roi | None = None) -> float:
 def drift(ref: torch.Tensor, out: torch.Tensor, data_range: float | None = None) -> dict[str, float]:
     """Output drift against the reference: MAE, max abs, PSNR (dB), cosine similarity.
 
-    data_range: 1.0 for [0, 1] images; None for latents → the reference's own range (max − min)."""
+    data_range: 1.0 for [0, 1] images; None for latents → the reference's own range (max − min).
+    A reference holding NaN or inf is refused by name; a non-finite `out` scores NaN, never inf."""
+    if data_range is None and _nonfinite(ref):
+        _range_or_raise(float("nan"), ref, out, names=("ref (the reference output)", "out"))
     rng = data_range if data_range is not None else (float(ref.max() - ref.min()) or 1.0)
     return {"mae": mae(out, ref), "max_abs": max_abs(out, ref),
             "psnr_db": psnr(out, ref, data_range=rng), "cosine": cosine(out, ref)}

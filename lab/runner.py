@@ -110,6 +110,69 @@ def check_parameters(notebook: str | Path, parameters: dict[str, Any]) -> dict[s
     return parameters
 
 
+# parameters that name a file or folder; any `weights*` parameter and `landmarks` may (else a name:
+# "random", "none", a hub id)
+PATH_PARAMS = ("out_dir", "audio_path", "avatar_path", "source", "cache_dir")
+MAYBE_PATH_PARAMS = ("landmarks",)
+
+
+def _absolute(v: Any, base: Path, only_existing: bool) -> Any:
+    """A relative path → absolute against `base`; `~` expanded. With `only_existing`, a value that is no
+    existing path under `base` is kept as given ("random", a hub id such as owner/name)."""
+    import os
+
+    if not isinstance(v, (str, Path)) or str(v) in ("", "random"):
+        return v
+    p = Path(v).expanduser()
+    if not p.is_absolute():
+        q = base / p
+        if only_existing and not q.exists():
+            return v
+        p = q
+    return os.path.normpath(p)
+
+
+def resolve_paths(parameters: dict[str, Any], cwd: str | Path | None = None) -> dict[str, Any]:
+    """Path parameters given relative to the caller's folder (`cwd`, default the current one) made
+    absolute, so that the kernel, which runs in notebooks/, reads and writes the same files the caller
+    named. Weights are resolved only where such a file or folder exists (else a name: "random", a hub
+    id), per model in a dict too. Returns a new dict; absolute values pass unchanged."""
+    import os
+
+    base = Path(cwd) if cwd is not None else Path(os.getcwd())
+    out = dict(parameters)
+    for k, v in parameters.items():
+        if k in PATH_PARAMS:
+            out[k] = _absolute(v, base, only_existing=False)
+        elif k.startswith("weights") or k in MAYBE_PATH_PARAMS:
+            out[k] = ({m: _absolute(w, base, True) for m, w in v.items()} if isinstance(v, dict)
+                      else _absolute(v, base, True))
+    return out
+
+
+def out_folder(out: str | Path | None, parameters: dict[str, Any], default: str | Path) -> Path:
+    """The run folder, absolute: `--out` and `-p out_dir` are one setting (both given and different is
+    refused), else `default`. Checked before anything runs: a folder that already holds files, a file,
+    or a place that cannot be written is refused naming it (nothing is created here)."""
+    import os
+
+    given = resolve_paths({"out_dir": parameters.get("out_dir")})["out_dir"]
+    o = resolve_paths({"out_dir": out})["out_dir"] if out is not None else None
+    if o is not None and given is not None and Path(o) != Path(given):
+        raise InputError(f"--out {out} and -p out_dir {parameters['out_dir']} name different folders; they are one "
+                         f"setting: give one")
+    p = Path(o or given or resolve_paths({"out_dir": default})["out_dir"])
+    if p.exists() and (not p.is_dir() or any(p.iterdir())):
+        raise InputError(f"out_dir {p} already holds a run (or is a file); run folders are never shared "
+                         "between runs: name a new folder, or leave out_dir unset for a fresh outputs/<run-id>/")
+    probe = p
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise InputError(f"cannot create the run folder {p}: {probe} is not a writable folder (choose a writable out_dir)")
+    return p
+
+
 def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str, Any] | None = None,
                  kernel: str | None = None, progress: bool = False) -> Entry:
     """Execute one notebook with papermill into the new folder `out_dir`; never raises for a failing
@@ -120,10 +183,11 @@ def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str
     import papermill as pm
 
     nb = Path(notebook)
-    params = dict(parameters or {})
+    params = resolve_paths(dict(parameters or {}))  # the kernel runs in notebooks/: hand it absolute paths
     check_parameters(nb, params)
+    folder = out_folder(out_dir, params, out_dir)  # -p out_dir is the same setting as out_dir
     token = secrets.token_hex(8)
-    out = claim(out_dir, token)
+    out = claim(folder, token)
     executed = out / nb.name
     _mark(out, "running", nb.stem)
     params["out_dir"] = str(out)
@@ -220,10 +284,12 @@ def reproduce(quick: bool = False, only: list[str] | None = None, device: str = 
     from lab.progress import tqdm
 
     nbs = select(only, notebooks_dir)
-    params = {"device": device, "quick": quick, **(extra or {})}
+    extra = resolve_paths(extra or {})  # paths named from the caller's folder, handed to kernels absolute
+    run_folder = extra.pop("out_dir", None)  # -p out_dir names the run folder (a notebook's folder is inside it)
+    params = {"device": device, "quick": quick, **extra}
     declared = {nb: _declared(nb) for nb in nbs}
     every = set().union(*declared.values())
-    for k in extra or {}:  # a -p name no selected notebook takes is a typo, not a silent no-op
+    for k in extra:  # a -p name no selected notebook takes is a typo, not a silent no-op
         if k not in every:
             import difflib
 
@@ -233,7 +299,7 @@ def reproduce(quick: bool = False, only: list[str] | None = None, device: str = 
     per_nb = {nb: {k: v for k, v in params.items() if k in declared[nb]} for nb in nbs}
     for nb in nbs:  # every notebook's parameters are checked before the first one starts
         check_parameters(nb, per_nb[nb])
-    run = claim(Path(out_root) / (run_id or new_run_id()))
+    run = claim(out_folder(run_folder, {}, Path(out_root) / (run_id or new_run_id())))
     entries: list[Entry] = []
 
     def record(status: str) -> None:
@@ -288,12 +354,18 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _cell(v: Any) -> str:
+    """One markdown table cell: `|` escaped and line breaks flattened, so a claim such as
+    "mean |A − B|" keeps every later column in place."""
+    return " ".join(_fmt(v).split("\n")).replace("|", "\\|")
+
+
 def report(run: Path, entries: list[Entry], params: dict[str, Any], interrupted: list[str] | None = None) -> str:
     """Markdown: one section per notebook, then every comparison row as the reproduction table."""
-    from lab.env import machine_label
+    from lab.env import git_commit, machine_label
 
     lines = [f"# Run {run.name}", "",
-             f"Machine: {machine_label()}. Parameters: " + ", ".join(f"{k}={v}" for k, v in params.items()), ""]
+             f"Machine: {machine_label()}. Commit: {git_commit() or 'unknown'}. Parameters: " + ", ".join(f"{k}={v}" for k, v in params.items()), ""]
     if interrupted is not None:
         lines += [f"> **INTERRUPTED**: the run was stopped from outside; not run: {', '.join(interrupted) or '-'}. "
                   "The sections below are the notebooks that finished before it.", ""]
@@ -302,7 +374,7 @@ def report(run: Path, entries: list[Entry], params: dict[str, Any], interrupted:
     lines += ["| notebook | status | wall (s) | device | weights |", "|---|---|---|---|---|"]
     for e in entries:
         w = ", ".join(f"{k}: {v}" for k, v in e.weights.items()) or "-"
-        lines.append(f"| {e.notebook} | {e.status} | {e.wall_s:.1f} | {e.device or '-'} | {w} |")
+        lines.append(f"| {e.notebook} | {e.status} | {e.wall_s:.1f} | {_cell(e.device or '-')} | {_cell(w)} |")
     lines.append("")
     rows = []
     for e in entries:
@@ -310,7 +382,7 @@ def report(run: Path, entries: list[Entry], params: dict[str, Any], interrupted:
         if e.error:
             lines += [f"Error: `{e.error}` (executed notebook kept: `{Path(e.executed).relative_to(run)}`)", ""]
         if e.headline:
-            lines += ["| headline | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in e.headline.items()] + [""]
+            lines += ["| headline | value |", "|---|---|"] + [f"| {_cell(k)} | {_cell(v)} |" for k, v in e.headline.items()] + [""]
         for f in e.figures:
             lines.append(f"![{f}]({e.notebook}/{f})")
         if e.figures:
@@ -326,8 +398,9 @@ def report(run: Path, entries: list[Entry], params: dict[str, Any], interrupted:
     if rows:
         lines += ["| notebook | source | claim | theirs | ours | unit | verdict | why |", "|---|---|---|---|---|---|---|---|"]
         for nb, c in rows:
-            lines.append(f"| {nb} | {c.source} | {c.claim} | {_fmt(c.their_value)} ({c.their_hardware}) | "
-                         f"{_fmt(c.our_value)} ({c.our_hardware}) | {c.unit} | {c.verdict} | {c.reason} |")
+            cells = [nb, c.source, c.claim, f"{_fmt(c.their_value)} ({c.their_hardware})",
+                     f"{_fmt(c.our_value)} ({c.our_hardware})", c.unit, c.verdict, c.reason]
+            lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
     else:
         lines.append("No comparison rows were recorded.")
     return "\n".join(lines) + "\n"

@@ -208,6 +208,21 @@ def test_loaders_take_the_released_layouts(tiny, tmp_path):
     assert torch.equal(m.null_cond_embed, tiny["lmdm"].null_cond_embed)
 
 
+def test_loader_refuses_non_finite_weights(tiny, tmp_path):
+    """A decoder checkpoint with an all-NaN conv used to load, and the run "succeeded" with NaN PSNRs."""
+    sd = {k: v.clone() for k, v in tiny["decoder"].state_dict().items()}
+    key = next(k for k, v in sd.items() if v.is_floating_point() and v.dim() == 4)
+    sd[key].fill_(float("nan"))
+    p = _save(tmp_path, "decoder.pth", sd)
+    with pytest.raises(WeightsError, match=rf"decoder.pth: holds non-finite weights, first at {key}"):
+        D.load_component("decoder", p, "tiny")
+    sd = {"model_state_dict": {k: v.clone() for k, v in tiny["lmdm"].state_dict().items()}}
+    key = next(k for k, v in sd["model_state_dict"].items() if v.is_floating_point())
+    sd["model_state_dict"][key].view(-1)[0] = float("inf")
+    with pytest.raises(WeightsError, match=rf"first at {key} \(1 of"):
+        D.load_component("lmdm", _save(tmp_path, "lmdm_v0.4_hubert.pth", sd), "tiny")
+
+
 def test_loader_errors_name_the_keys(tiny, tmp_path):
     sd = dict(tiny["decoder"].state_dict())
     sd.pop("fc.bias")

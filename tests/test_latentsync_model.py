@@ -168,6 +168,30 @@ def test_loader_roundtrip_reports_keys(tmp_path, tiny_pair):
     assert ls.load_latentsync_unet(str(path), "tiny", allow_missing=True).missing == [key]
 
 
+def test_loader_refuses_non_finite_weights(tmp_path, tiny_pair):
+    """A UNet with NaN weights used to load and fail later inside a metric, the file unnamed."""
+    ours = tiny_pair[0]
+    sd = {k: v.clone() for k, v in ours.state_dict().items()}
+    key = next(k for k in sd if k.endswith("conv1.weight"))
+    sd[key][0] = float("nan")
+    path = tmp_path / "latentsync_unet.pt"
+    torch.save({"state_dict": sd}, path)
+    with pytest.raises(WeightsError, match=rf"latentsync_unet.pt: holds non-finite weights, first at {key}"):
+        ls.load_latentsync_unet(str(path), "tiny")
+
+
+def test_shared_reader_refuses_non_finite_weights(tmp_path):
+    from lab.models.weights import load_into, read_state_dict
+
+    torch.save({"w": torch.ones(2), "b": torch.tensor([1.0, float("-inf")]), "n": torch.tensor([1])}, tmp_path / "m.pt")
+    with pytest.raises(WeightsError, match=r"m.pt: holds non-finite weights, first at b \(1 of 2"):
+        read_state_dict(tmp_path / "m.pt")
+    with pytest.raises(WeightsError, match="non-finite"):
+        load_into(nn.Linear(2, 1), tmp_path / "m.pt")
+    torch.save({"w": torch.ones(2), "n": torch.tensor([1])}, tmp_path / "ok.pt")
+    assert set(read_state_dict(tmp_path / "ok.pt")) == {"w", "n"}
+
+
 def test_loader_rejects_wrong_shapes_and_files(tmp_path, tiny_pair):
     ours = tiny_pair[0]
     path = tmp_path / "unet.pt"

@@ -220,3 +220,26 @@ def test_flicker_alternating_wobble_and_roi(face):
         M.flicker(clip[:2])
     with pytest.raises(InputError, match="slice"):
         M.flicker(clip, roi=(0, 10))
+
+
+def test_non_finite_inputs_never_score_perfect():
+    """NaN output used to read as "inf" dB or fail on "data_range must be positive, got nan"."""
+    ok = torch.rand(1, 3, 16, 16)
+    bad = ok.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    allnan = torch.full_like(ok, float("nan"))
+    for a, b in ((bad, ok), (ok, bad), (allnan, allnan), (ok.clone().fill_(float("inf")), ok.clone().fill_(float("inf")))):
+        assert math.isnan(M.psnr(a, b, data_range=1.0))
+        assert math.isnan(M.ssim(a, b, data_range=1.0))
+    assert math.isnan(M.seam_energy(bad)) and math.isnan(M.seam_energy(allnan))
+    assert math.isinf(M.psnr(ok, ok.clone()))   # identical finite inputs still give inf
+    # a range taken from non-finite data: the input is named, not the range
+    with pytest.raises(InputError, match=r"b holds 1 non-finite values \(NaN or inf\) of 768"):
+        M.psnr(ok, bad, data_range=float(bad.max() - bad.min()))
+    with pytest.raises(InputError, match=r"ref \(the reference output\) holds 768 non-finite"):
+        M.drift(allnan, ok)
+    assert math.isnan(M.drift(ok, bad)["psnr_db"])
+    with pytest.raises(InputError, match="positive and finite"):
+        M.psnr(ok, ok, data_range=float("inf"))
+    with pytest.raises(InputError, match="positive"):
+        M.psnr(ok, ok, data_range=-1.0)

@@ -221,3 +221,107 @@ def test_kernel_imports_the_package_from_an_uninstalled_checkout(nbdir, tmp_path
     assert e.status == "ok", e.error
     import os
     assert os.environ["PYTHONPATH"] == str(tmp_path / "site")   # restored for the caller
+
+
+# ---------------------------------------------------------------- paths: the caller's folder, not the kernel's
+
+def _fake_papermill(monkeypatch, calls: list) -> None:
+    """papermill.execute_notebook replaced: records what the kernel would be given; writes no results."""
+    import papermill
+
+    def fake(src, dst, parameters=None, cwd=None, **kw):
+        calls.append({"dst": dst, "parameters": dict(parameters), "cwd": cwd})
+        Path(dst).write_text("{}")
+
+    monkeypatch.setattr(papermill, "execute_notebook", fake)
+
+
+def test_relative_out_is_one_folder_under_the_callers_cwd(nbdir, tmp_path, monkeypatch, capsys):
+    # before: the executed notebook in ./x, results.json in notebooks/x, and the run reported failed
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    monkeypatch.chdir(caller)
+    assert cli.main(["run", str(nbdir / "00_good.ipynb"), "--out", "outputs/x"]) == 0, capsys.readouterr()
+    out = caller / "outputs" / "x"
+    assert (out / "results.json").exists() and (out / "00_good.ipynb").exists()
+    assert not (nbdir / "outputs").exists()
+
+
+def test_path_parameters_resolved_against_the_callers_folder(tmp_path, monkeypatch):
+    (tmp_path / "inputs").mkdir()
+    (tmp_path / "faces").mkdir()
+    (tmp_path / "inputs" / "speech.flac").write_bytes(b"x")
+    (tmp_path / "faces" / "a.png").write_bytes(b"x")
+    (tmp_path / "inputs" / "ck").mkdir()
+    monkeypatch.chdir(tmp_path / "inputs")
+    got = runner.resolve_paths({"audio_path": "speech.flac", "source": "../faces/a.png", "out_dir": "o",
+                                "weights": {"decoder": "ck", "lmdm": "random"}, "weights_vae": "owner/model",
+                                "weights_unet": "ck", "landmarks": "random", "quick": True, "avatar_path": None})
+    here = tmp_path / "inputs"
+    assert got["audio_path"] == str(here / "speech.flac") and got["source"] == str(tmp_path / "faces" / "a.png")
+    assert got["out_dir"] == str(here / "o") and got["weights"] == {"decoder": str(here / "ck"), "lmdm": "random"}
+    assert got["weights_vae"] == "owner/model" and got["weights_unet"] == str(here / "ck")   # a hub id stays a name
+    assert got["landmarks"] == "random" and got["quick"] is True and got["avatar_path"] is None
+    assert runner.resolve_paths(got) == got   # idempotent
+
+
+def test_kernel_gets_absolute_paths(tmp_path, monkeypatch):
+    # before: the pre-run check passed from the caller's folder; the kernel (in notebooks/) said "no such file"
+    calls: list = []
+    _fake_papermill(monkeypatch, calls)
+    (tmp_path / "inputs").mkdir()
+    (tmp_path / "inputs" / "speech.flac").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path / "inputs")
+    assert cli.main(["run", "01", "--quick", "-p", "audio_path", "speech.flac", "--out", "run1"]) == 1  # fake: no results
+    p = calls[0]["parameters"]
+    assert p["audio_path"] == str(tmp_path / "inputs" / "speech.flac") and p["out_dir"] == str(tmp_path / "inputs" / "run1")
+    assert Path(calls[0]["dst"]).parent == tmp_path / "inputs" / "run1"
+
+
+def test_out_dir_parameter_is_the_out_option(nbdir, tmp_path, monkeypatch, capsys):
+    # before: -p out_dir was silently ignored and the run went to a fresh outputs/<id>/
+    calls: list = []
+    _fake_papermill(monkeypatch, calls)
+    nb = str(nbdir / "00_good.ipynb")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "run.json").write_text("{}")
+    assert cli.main(["run", nb, "-p", "out_dir", str(taken)]) == 2
+    assert "already holds a run" in capsys.readouterr().err and not calls
+    assert cli.main(["run", nb, "-p", "out_dir", str(tmp_path / "a"), "--out", str(tmp_path / "b")]) == 2
+    assert "one setting" in capsys.readouterr().err and not calls
+    bad = tmp_path / "file"
+    bad.write_text("x")   # a place nobody can make a folder in (root ignores permission bits)
+    assert cli.main(["run", nb, "-p", "out_dir", str(bad / "sub")]) == 2
+    assert "cannot create the run folder" in capsys.readouterr().err and not calls
+    monkeypatch.chdir(tmp_path)
+    cli.main(["run", nb, "-p", "out_dir", "new", "--out", str(tmp_path / "new")])   # the same folder twice: fine
+    assert calls[-1]["parameters"]["out_dir"] == str(tmp_path / "new")
+
+
+def test_read_only_out_dir_refused(tmp_path):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(InputError, match="not a writable folder"):
+        runner.out_folder(None, {"out_dir": str(ro)}, tmp_path / "d")
+
+
+def test_reproduce_out_dir_names_the_run_folder(nbdir, tmp_path, monkeypatch):
+    calls: list = []
+    _fake_papermill(monkeypatch, calls)
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "report.md").write_text("x")
+    with pytest.raises(InputError, match="already holds a run"):
+        runner.reproduce(device="cpu", notebooks_dir=nbdir, out_root=tmp_path / "r", only=["00"],
+                         extra={"out_dir": str(taken)})
+    assert not calls and not (tmp_path / "r").exists()
+    monkeypatch.chdir(tmp_path)
+    run, _ = runner.reproduce(device="cpu", notebooks_dir=nbdir, out_root=tmp_path / "r", only=["00"],
+                              extra={"out_dir": "mine"})
+    assert run == tmp_path / "mine" and calls[0]["parameters"]["out_dir"] == str(tmp_path / "mine" / "00_good")
+    assert (run / "report.md").exists() and not (tmp_path / "r").exists()

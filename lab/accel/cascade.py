@@ -62,6 +62,9 @@ def load_srvgg(weights: str | Path = "random", upscale: int = 2, num_feat: int =
             if isinstance(sd, dict) and k in sd:
                 sd = sd[k]
                 break
+        from lab.models.weights import check_finite
+
+        check_finite(sd, path)
         want = net.state_dict()
         missing = [k for k in want if k not in sd]
         unexpected = [k for k in sd if k not in want]

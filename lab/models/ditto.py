@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab.errors import InputError, WeightsError
+from lab.models.weights import check_finite
 
 COMPONENTS = ("appearance_extractor", "motion_extractor", "warp_network", "decoder", "stitch_network", "lmdm")
 SIZES = ("full", "tiny")
@@ -1092,7 +1093,7 @@ def load_component(component: str, weights: str | Path = "random", size: str = "
             obj = torch.load(str(p), map_location="cpu", weights_only=True)
         except Exception as e:
             raise WeightsError(f"{p}: not a readable checkpoint ({type(e).__name__}: {e})") from None
-        sd = _unwrap(obj, component, p)
+        sd = check_finite(_unwrap(obj, component, p), p)
         check_state_dict(model, sd, str(p))
         model.load_state_dict(sd, strict=True)
         source = f"local file {p}"

@@ -370,6 +370,9 @@ def load_fan(weights: str = "random", modules: int = 4, device: str | torch.devi
                 sd = torch.jit.load(str(p), map_location="cpu").state_dict()
             except Exception as e:
                 raise WeightsError(f"{p}: not a TorchScript FAN archive ({str(e).splitlines()[0][:200]})") from None
+            from lab.models.weights import check_finite
+
+            check_finite(sd, p)
             missing, unexpected = net.load_state_dict(sd, strict=False)
             if missing or unexpected:
                 raise WeightsError(f"{p}: does not match FAN({modules}): {len(missing)} missing keys "

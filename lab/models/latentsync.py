@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab.errors import InputError, WeightsError
+from lab.models.weights import check_finite
 
 
 @dataclass(frozen=True)
@@ -729,7 +730,7 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
                            f"{list(ck)[:5] if isinstance(ck, dict) else type(ck).__name__})")
     if all(k.startswith("module.") for k in sd):  # a DDP-wrapped save
         sd = {k[len("module."):]: v for k, v in sd.items()}
-    return sd
+    return check_finite(sd, p)
 
 
 def unet_from_state_dict(sd: dict[str, torch.Tensor], size: str | UNet3DConfig = "full", source: str = "a state dict",

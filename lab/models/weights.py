@@ -29,6 +29,28 @@ def quiet_diffusers() -> Iterator[None]:
         dlog.set_verbosity(old)
 
 
+def check_finite(sd: dict, source: str | Path) -> dict:
+    """Refuse a state dict holding NaN or inf: a broken checkpoint must not load and run to "perfect"
+    scores. Names the file (`source`) and the first bad key; nested dicts are walked, non-tensors skipped."""
+    def walk(d: dict, prefix: str = "") -> str | None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                bad = walk(v, f"{prefix}{k}.")
+                if bad:
+                    return bad
+            elif isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()):
+                if v.numel() and not bool(torch.isfinite(v).all()):
+                    n = int((~torch.isfinite(v)).sum())
+                    return f"{prefix}{k} ({n} of {v.numel()} values are NaN or inf)"
+        return None
+
+    bad = walk(sd) if isinstance(sd, dict) else None
+    if bad:
+        raise WeightsError(f"{source}: holds non-finite weights, first at {bad}; the checkpoint is corrupt "
+                           f"(or was saved after training diverged): use an intact copy")
+    return sd
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """A checkpoint file → state dict; safetensors or torch.load(weights_only=True) only."""
     path = Path(path)
@@ -49,7 +71,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             sd = sd[key]
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise WeightsError(f"{path}: does not hold a flat state dict of tensors")
-    return sd
+    return check_finite(sd, path)
 
 
 def load_into(model: torch.nn.Module, path: str | Path, strip_prefix: str = "") -> torch.nn.Module:
@@ -85,10 +107,12 @@ def resolve(weights: str, build_random: Callable[[], torch.nn.Module],
     p = Path(weights).expanduser()
     if p.is_dir():
         try:
-            return from_pretrained(str(p), True), f"local folder {p}"
+            model = from_pretrained(str(p), True)
         except Exception as e:
             raise WeightsError(f"{p}: could not load weights from this folder ({type(e).__name__}: {e}); "
                                f"expected a diffusers/transformers folder with config.json + weights") from None
+        check_finite(model.state_dict(), p)
+        return model, f"local folder {p}"
     if p.is_file() or p.suffix in STATE_DICT_SUFFIXES:
         if not p.is_file():
             raise WeightsError(f"{p}: weights file not found")
@@ -98,9 +122,11 @@ def resolve(weights: str, build_random: Callable[[], torch.nn.Module],
         return load_into(model, p), f"local file {p}"
     if "/" in weights and not weights.startswith((".", "/", "~")):
         try:
-            return from_pretrained(weights, True), f"hf:{weights} (local cache)"
+            model = from_pretrained(weights, True)
         except Exception as e:
             raise WeightsError(f"{weights}: not in the local Hugging Face cache and no hub is reachable here "
                                f"({type(e).__name__}). On a machine with access run `huggingface-cli download "
                                f"{weights}` {hint}and pass the folder or set HF_HOME.") from None
+        check_finite(model.state_dict(), f"hf:{weights}")
+        return model, f"hf:{weights} (local cache)"
     raise WeightsError(f"{weights}: not 'random', not an existing path, not a Hugging Face id (owner/name)")

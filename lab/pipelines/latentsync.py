@@ -350,6 +350,9 @@ def load_audio_encoder(weights: str = "random", size: str = "full", device: str 
             ck = None  # not this format: load_whisper names the problem
     if not (isinstance(ck, dict) and "model_state_dict" in ck and "dims" in ck):
         return load_whisper(weights, size=size, device=device, dtype=dtype, seed=seed)
+    from lab.models.weights import check_finite
+
+    check_finite(ck["model_state_dict"], p)
     enc, _ = load_whisper("random", size=size, seed=seed)
     try:
         enc.load_state_dict(whisper_keys_from_openai(ck["model_state_dict"]), strict=True)
