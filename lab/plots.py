@@ -98,10 +98,11 @@ def table_markdown(rows: Sequence[dict], cols: Sequence[str] | None = None, floa
         return "(no rows)"
     cols = list(cols or rows[0].keys())
 
-    def f(v):
-        return format(v, floatfmt) if isinstance(v, float) else str(v)
+    def f(v):  # a `|` inside a cell is escaped, a line break flattened: every row keeps the header's columns
+        text = format(v, floatfmt) if isinstance(v, float) else str(v)
+        return " ".join(text.split("\n")).replace("|", "\\|")
 
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out = ["| " + " | ".join(f(c) for c in cols) + " |", "|" + "---|" * len(cols)]
     out += ["| " + " | ".join(f(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(out)
 
@@ -265,6 +266,18 @@ def mixed_precision(curve_rows: Sequence[dict], sens_rows: Sequence[dict], verif
     return fig
 
 
+def diff_panel(fig, ax, diff, floor: float):
+    """An |A − B| heat map with its colour bar. The scale never drops below `floor` (one 8-bit level in the
+    image's units), so identical frames read as an all-dark map on 0..floor, not noise on 0..1e-6; the colour
+    bar's ticks are plain numbers (no offset label over the title)."""
+    from matplotlib.ticker import FuncFormatter
+
+    shown = ax.imshow(diff, cmap="magma", vmin=0, vmax=max(float(diff.max()), floor))
+    cb = fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02)
+    cb.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2g}"))
+    return cb
+
+
 def worst_frames_figure(images: dict, ref: str, roi: tuple[slice, slice] | None = None, title: str = ""):
     """Per non-reference sequence, its frame furthest from the reference: reference, it, |diff|,
     and both mouth boxes (the scrubber's static stand-in when no one can scrub)."""
@@ -290,8 +303,7 @@ def worst_frames_figure(images: dict, ref: str, roi: tuple[slice, slice] | None 
                   (b[roi], f"{k}: mouth")]
         for ax, (im, t) in zip(row, panels):
             if im.ndim == 2:
-                s = ax.imshow(im, cmap="magma", vmin=0, vmax=max(float(im.max()), 1e-6))
-                fig.colorbar(s, ax=ax, fraction=0.046, pad=0.02)
+                diff_panel(fig, ax, im, floor=1.0)
             else:
                 ax.imshow(im)
             ax.set_title(t, fontsize=8)

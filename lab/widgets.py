@@ -7,9 +7,10 @@ interact with, JupyterLab and VS Code do.
 
 An interactive view is its controls (widgets) above a plain PNG output that every redraw replaces
 in place (`LiveView`). The picture is ordinary cell output, not widget state: a saved notebook, a
-notebook viewer and a restarted kernel all show the view as it was last left. The controls' own
-state is saved with the notebook by the project's JupyterLab settings (widget state saving on), so
-they too come back after a restart instead of "model not found".
+notebook viewer and a restarted kernel all show the view as it was last left. The controls are not
+saved: the project's pre-save hook (`lab.jupyter_hooks`) drops the notebook's widget state and
+replaces each controls output by a one-line note, so a reopened notebook shows the last picture and
+that note (never "model not found"); run the cell again to get the controls back.
 """
 from __future__ import annotations
 
@@ -72,17 +73,31 @@ def _as_float(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float64) / 255.0 if x.dtype == np.uint8 else x.astype(np.float64)
 
 
+def _wrap(text: str, width: int = 30) -> str:
+    """A panel title wrapped to its panel's width (option names run to 100 characters)."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, width) for line in text.split("\n"))
+
+
+def _diff_name(a: str, b: str) -> str:
+    return f"|{a} − {b}|" if len(a) + len(b) <= 24 else "|A − B|"
+
+
 def comparison_figure(frames: dict[str, np.ndarray], a: str, b: str, index: int | Sequence[int] = 0,
-                      labels: Sequence[str] | None = None, roi: Roi | None = None, suptitle: str = ""):
+                      labels: Sequence[str] | None = None, roi: Roi | None = None, suptitle: str = "",
+                      b_note: str = ""):
     """Static A/B comparison: per image index one row of A, B, |A−B| heat map, A and B mouth zooms.
 
     frames: {name: uint8 (N, H, W, 3)} (e.g. "composite", "sd-vae", "taesd"). roi: (rows, cols)
-    slices of the zoom (default: the mouth box of lab.metrics.mouth_roi). Returns the Figure.
+    slices of the zoom (default: the mouth box of lab.metrics.mouth_roi). b_note: said of B only
+    (e.g. " (interpolated)"). Returns the Figure.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
     from lab import metrics
+    from lab.plots import diff_panel
 
     n = _check_frames(frames, a, b)
     idx = [index] if isinstance(index, (int, np.integer)) else list(index)
@@ -95,19 +110,19 @@ def comparison_figure(frames: dict[str, np.ndarray], a: str, b: str, index: int 
         fa, fb = _as_float(frames[a][i]), _as_float(frames[b][i])
         diff = np.abs(fa - fb).mean(-1)
         name = labels[i] if labels is not None and i < len(labels) else f"#{i}"
-        psnr = metrics.psnr(fa, fb, data_range=1.0)
-        panels = [(fa, f"{name}: {a}"), (fb, f"{name}: {b}"), (diff, f"|{a} − {b}|  PSNR {psnr:.1f} dB"),
+        same = not diff.any()
+        ps = "identical" if same else f"PSNR {metrics.psnr(fa, fb, data_range=1.0):.1f} dB"
+        panels = [(fa, f"{name}: {a}"), (fb, f"{name}: {b}{b_note}"), (diff, f"{_diff_name(a, b)}  {ps}"),
                   (fa[roi], f"{a}: mouth"), (fb[roi], f"{b}: mouth")]
         for k, (ax, (im, title)) in enumerate(zip(row, panels)):
             if im.ndim == 2:
-                shown = ax.imshow(im, cmap="magma", vmin=0, vmax=max(float(im.max()), 1e-6))
-                fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02)
+                diff_panel(fig, ax, im, floor=1 / 255)
             else:
                 ax.imshow(np.clip(im, 0, 1))
             if k < 2:  # where the zoom comes from
                 ax.add_patch(Rectangle((roi[1].start, roi[0].start), roi[1].stop - roi[1].start,
                                        roi[0].stop - roi[0].start, fill=False, ec="cyan", lw=1))
-            ax.set_title(title, fontsize=8)
+            ax.set_title(_wrap(title), fontsize=8)
             ax.axis("off")
     if suptitle:
         fig.suptitle(suptitle, fontsize=9)
@@ -160,8 +175,8 @@ class LiveView:
 
 def decoder_comparator(frames: dict[str, np.ndarray], labels: Sequence[str] | None = None, a: str | None = None,
                        b: str | None = None, roi: Roi | None = None, suptitle: str = "",
-                       interactive: bool | None = None) -> Any:
-    """Image slider + decoder A/B dropdowns + diff heat map + mouth zoom.
+                       interactive: bool | None = None, index_name: str = "image") -> Any:
+    """Image slider (described as `index_name`) + A/B dropdowns + diff heat map + mouth zoom.
 
     With a front end (or interactive=True) returns a LiveView (controls + the current view as a PNG
     output); headless (papermill, plain Python, interactive=False) returns the static
@@ -176,10 +191,11 @@ def decoder_comparator(frames: dict[str, np.ndarray], labels: Sequence[str] | No
 
     import ipywidgets as W
 
-    slider = W.IntSlider(value=0, min=0, max=n - 1, description="image", continuous_update=False)
+    slider = W.IntSlider(value=0, min=0, max=n - 1, description=index_name, continuous_update=False)
     name = W.Label()
-    dd_a = W.Dropdown(options=keys, value=a, description="A")
-    dd_b = W.Dropdown(options=keys, value=b, description="B")
+    wide = W.Layout(width="48%")   # long option names get the row's width, not each other's
+    dd_a = W.Dropdown(options=keys, value=a, description="A", layout=wide)
+    dd_b = W.Dropdown(options=keys, value=b, description="B", layout=wide)
 
     def draw() -> Any:
         i = slider.value
@@ -217,8 +233,8 @@ def stride_scrubber(sequences: dict[str, np.ndarray], ref: str = "dense", keys: 
 
     def draw() -> Any:
         i, b = slider.value, dd.value
-        kind = "" if keys is None or b not in keys else (" key" if i in set(np.asarray(keys[b]).tolist()) else " interp")
-        return comparison_figure(sequences, ref, b, i, [f"#{j}{kind if j == i else ''}" for j in range(n)], roi, suptitle)
+        kind = "" if keys is None or b not in keys else (" (key)" if i in set(np.asarray(keys[b]).tolist()) else " (interpolated)")
+        return comparison_figure(sequences, ref, b, i, [f"#{j}" for j in range(n)], roi, suptitle, b_note=kind)
 
     view = LiveView(W.HBox([slider, dd]), draw)
     slider.observe(view.redraw, names="value")

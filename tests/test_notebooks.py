@@ -22,3 +22,16 @@ def test_notebook_smoke(nb: Path, tmp_path: Path):
     assert res.provenance["machine"]
     for f in res.figures:
         assert (tmp_path / nb.stem / f).stat().st_size > 1000, f
+    assert not doubled_images(Path(entry.executed)), "a figure is shown twice in one cell"
+
+
+def doubled_images(executed: Path) -> list[int]:
+    """Code cells of an executed notebook that show the same PNG twice (a figure displayed while still open
+    is drawn again by the inline backend at the cell's end)."""
+    cells = json.loads(executed.read_text())["cells"]
+    bad = []
+    for i, c in enumerate(cells):
+        pngs = [o["data"]["image/png"] for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+        if len(pngs) != len(set(pngs)):
+            bad.append(i)
+    return bad

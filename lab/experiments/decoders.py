@@ -969,6 +969,19 @@ def exact_variants(run: Run) -> list[dict[str, Any]]:
     return rows
 
 
+def not_run_text(rows: Sequence[dict]) -> str:
+    """The variants that did not run, one bullet per variant and reason (with the decoders it applies to),
+    the reason in full: a table's last column cuts it off."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for r in rows:
+        if r["status"] != "ok":
+            groups.setdefault((r["variant"], r["status"], r["reason"]), []).append(str(r["decoder"]))
+    if not groups:
+        return "Every variant ran."
+    return "**Not run here**\n\n" + "\n".join(
+        f"* `{v}` ({', '.join(dict.fromkeys(decs))}): {status}, {reason}" for (v, status, reason), decs in groups.items())
+
+
 def show_variants(run: Run, rows: Sequence[dict]) -> None:
     """What each variant does, the variants table, and per decoder a waterfall of its variants that
     ran (figures variants_sd-vae, variants_taesd)."""
@@ -978,9 +991,11 @@ def show_variants(run: Run, rows: Sequence[dict]) -> None:
 
     b, d = run.headline_batch, run.headline_dtype
     cols = ["decoder", "variant", "fps", "ms_per_batch", "tflops", "pct_of_ceiling", "psnr_vs_fp32",
-            "max_abs_vs_fp32", "setup_s", "peak_mem_gib", "status", "reason"]
+            "max_abs_vs_fp32", "setup_s", "peak_mem_gib"]
+    ran = [r for r in rows if r["status"] == "ok"]
     _show(Markdown("\n".join(f"* `{k}`: {v}" for k, v in VARIANTS.items() if k in run.variants)),
-          _md(f"Batch {b}, {d}{run.suffix()}", rows, cols, note=" (`setup_s` includes compilation)"))
+          _md(f"Batch {b}, {d}{run.suffix()}", ran, cols, note=" (`setup_s` includes compilation)"),
+          Markdown(not_run_text(rows)))
     for kind in run.vaes:
         ok = [{"step": r["variant"], "fps": r["fps"]} for r in rows if r["decoder"] == kind and r["status"] == "ok"]
         if ok:

@@ -1088,7 +1088,8 @@ def scrubber(ctx: Context, a: str | None = None, b: str | None = None, interacti
     lo = _shown_from(ctx) if runs[a].n_frames > n else 0
     frames = {k: _shown(ctx, r, lo, n).numpy().astype(np.float32) / 255 for k, r in runs.items()}
     return widgets.decoder_comparator(frames, [f"frame {i}" for i in range(n)], a, b,
-                                      suptitle=f"Ditto runs side by side{ctx.suffix}", interactive=interactive)
+                                      suptitle=f"Ditto runs side by side{ctx.suffix}", interactive=interactive,
+                                      index_name="frame")
 
 
 # ----------------------------------------------------------------------------- 8. comparisons
@@ -1191,7 +1192,9 @@ def comparisons(ctx: Context) -> list[dict]:
 def table(rows: list[dict], cols: list[str] | None = None, title: str = "") -> Any:
     from lab.experiments.common import markdown as Markdown
 
-    return Markdown((f"**{title}**\n\n" if title else "") + plots.table_markdown(rows, cols, floatfmt=".4g"))
+    head, _, notes = title.partition("\n\n")   # bold the first line only: `**` cannot span paragraphs
+    text = (f"**{head}**\n\n" if head else "") + (f"{notes}\n\n" if notes else "")
+    return Markdown(text + plots.table_markdown(rows, cols, floatfmt=".4g"))
 
 
 # the columns each notebook section shows (the Result keeps every column)
@@ -1247,6 +1250,8 @@ def stage_section(ctx: Context) -> Any:
 def waterfall_section(ctx: Context) -> Any:
     """Section 3: the waterfall rows, then the last row's own stages (where an end-to-end frame goes)."""
     rows = waterfall(ctx)
+    if ok_rows(rows):   # drawn here, under its section; the strides section adds its rows to the saved file
+        save_figure(waterfall_figure(ctx), ctx.folder, "waterfall", ctx.res)
     stages = ctx.res.tables.get("e2e_stages", [])
     md = table(rows, COLUMNS["waterfall"], f"end to end{ctx.suffix}").data
     md += "\n\n" + table(stages, COLUMNS["e2e_stages"], "stages of the last row (ms per output frame)").data
@@ -1262,8 +1267,14 @@ def silence_section(ctx: Context) -> None:
 
 
 def stride_section(ctx: Context) -> Any:
+    """Section 5: the stride rows; waterfall.png is saved again with the output strides as marked bars."""
+    import matplotlib.pyplot as plt
+
     rows = stride_table(ctx)
-    save_figure(waterfall_figure(ctx), ctx.folder, "waterfall", ctx.res)
+    fig = waterfall_figure(ctx)
+    save_figure(fig, ctx.folder, "waterfall", ctx.res)
+    if ok_rows(ctx.res.tables.get("waterfall", [])):
+        plt.close(fig)   # already shown in section 3
     return table(rows, COLUMNS["strides"], f"strides{ctx.suffix}")
 
 
@@ -1280,7 +1291,10 @@ def host_section(ctx: Context) -> Any:
 def scrubber_section(ctx: Context, interactive: bool | None = None) -> Any:
     view = scrubber(ctx, interactive=interactive)
     if hasattr(view, "savefig"):
+        import matplotlib.pyplot as plt
+
         save_figure(view, ctx.folder, "scrubber", ctx.res)
+        plt.close(view)   # the cell's display() shows it once; left open, the inline backend draws it again
     return view
 
 

@@ -71,9 +71,14 @@ def measure_ceilings(run: Run) -> dict[str, Any]:
     """Dense matmul TFLOP/s per dtype and copy GB/s, measured here; into metrics and the headline."""
     ceil = ceilings(run.device, quick=run.quick)
     run.result.metrics["ceilings"] = ceil
-    run.headline(**{f"matmul {k} TFLOP/s": round(v, 1) for k, v in ceil["matmul_tflops"].items()})
+    run.headline(**{f"matmul {k} TFLOP/s": _sig(v) for k, v in ceil["matmul_tflops"].items()})
     run.headline(**{"copy GB/s": round(ceil["copy_gbps"], 0)})
     return ceil
+
+
+def _sig(v: float, digits: int = 3) -> float:
+    """`v` to `digits` significant figures: a CPU's 0.04 TFLOP/s stays 0.04, not 0.0."""
+    return float(f"{v:.{digits}g}")
 
 
 def ceilings_rows(ceil: dict[str, Any]) -> list[dict[str, Any]]:
@@ -83,7 +88,7 @@ def ceilings_rows(ceil: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def ceilings_table(ceil: dict[str, Any]) -> Any:
-    return _md(ceilings_rows(ceil), floatfmt=".1f")
+    return _md(ceilings_rows(ceil), floatfmt=".3g")
 
 
 def ceilings_figure(run: Run, ceil: dict[str, Any]) -> Any:
@@ -94,7 +99,7 @@ def ceilings_figure(run: Run, ceil: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(6, 2.8))
     ax.bar(list(rates), list(rates.values()), color="#4c72b0")
     for i, v in enumerate(rates.values()):
-        ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
+        ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("TFLOP/s (measured)")
     quick = " · QUICK" if run.quick else ""
     ax.set_title(f"dense matmul n={ceil['matmul_n']}{title_suffix(machine=run.machine)}{quick}", fontsize=9)

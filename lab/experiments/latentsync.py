@@ -1393,6 +1393,13 @@ def save(ctx: Context) -> Path:
     return ctx.res.save(ctx.folder)
 
 
+def finish(ctx: Context) -> Any:
+    """Save the Result; the headline as a table, like every other notebook's last cell."""
+    path = save(ctx)
+    rows = [{"headline": k, "value": v} for k, v in ctx.res.headline.items()]
+    return table(rows, ["headline", "value"], f"saved {path} in {ctx.res.timings['total_s']:.1f} s")
+
+
 def run_all(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str | None = None,
             weights: Any = "random",
             steps: tuple[str, ...] = ("waterfall", "attention", "vae", "modes", "loop", "jobs", "memory", "fp8"),

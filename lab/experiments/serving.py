@@ -105,6 +105,9 @@ def show(section: Section) -> None:
 
     display(Markdown(section.markdown()))
     if section.figure is not None:
+        import matplotlib.pyplot as plt
+
+        plt.close(section.figure)  # shown once here; an open figure would be drawn again at the cell's end
         display(section.figure)
 
 
