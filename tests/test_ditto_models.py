@@ -303,3 +303,14 @@ def test_fused_motion_mix_gives_the_same_deformation():
     assert torch.equal(occ, occ2)
     assert torch.allclose(got, ref, atol=1e-6)
     assert not torch.allclose(ref, dm(feat, kp_s, kp_s)[0], atol=1e-3)   # the deformation follows the keypoints
+
+
+def test_smoothed_rows_is_a_truncated_three_frame_mean():
+    # the window reads only the rows around [s, e): the same as averaging each row's neighbours directly
+    t = torch.randn(300, D.MOTION_DIM)
+    for s, e, n in [(0, 80, 80), (70, 81, 150), (0, 150, 150), (148, 150, 150), (0, 1, 1)]:
+        got = D.smoothed_rows(t, s, e, n)
+        for i in (s, (s + e) // 2, e - 1):
+            want = t[max(0, i - 1):min(n, i + 2), :D.POSE_DIMS].double().mean(0).float()
+            assert torch.allclose(got[i - s, :D.POSE_DIMS], want, atol=1e-6), (s, e, n, i)
+            assert torch.equal(got[i - s, D.POSE_DIMS:], t[i, D.POSE_DIMS:])

@@ -1,4 +1,5 @@
 """Every network and per-frame transform against the fixture made by upstream's code (see lab.parity)."""
+import json
 import math
 
 import pytest
@@ -88,11 +89,16 @@ def test_cli_builds_the_page_from_runs_and_refuses_a_bad_run(tmp_path, capsys):
     run.write_text(to_json({"machine": "test box", "device": "cpu", "full": False, "commit": "abc", "torch": "2",
                             "seconds": 1.0, "rows": rows}))
     assert read_record(run)["rows"][0] == rows[0]
+    agree = tmp_path / "agreement.json"
+    agree.write_text(json.dumps({"machine": "gpu box", "device": "cuda", "commit": "def", "torch": "2", "agreement": [
+        {"variant": "upstream", "weights": "parity", "status": "ok", "psnr_vs_upstream_code_db": 50.3,
+         "psnr_vs_fp32_db": 51.9, "psnr_vs_upstream_runtime_db": float("inf")}]}))
     page = tmp_path / "parity.md"
-    assert main(["parity", "--page", str(page), "--from", str(run)]) == 0
+    assert main(["parity", "--page", str(page), "--from", str(run), str(agree)]) == 0
     text = page.read_text()
     assert "**1** · test box (cpu)" in text and "1 outputs equal, 0 differ, 1 not run" in text and "no cv2" in text
     assert "| ditto | putback | - | blend — no cv2 | skipped: no cv2 |" in text
+    assert "gpu box (cuda), commit `def`" in text and "| parity | `upstream` | 50.3 | 51.9 | inf |" in text
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert main(["parity", "--page", str(page), "--from", str(bad)]) == 2

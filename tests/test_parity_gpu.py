@@ -30,13 +30,14 @@ def test_every_check_on_the_gpu():
 def test_ditto_renderer_variants_agree_with_upstream_code():
     from lab.experiments.ditto import AGREEMENT_VARIANTS, VARIANTS
     from lab.parity.ditto import renderer_agreement
+    from lab.parity.page import agreement_record
 
     torch.backends.cudnn.benchmark = True
     sel = {v: VARIANTS[v] for v in AGREEMENT_VARIANTS}
     rows = renderer_agreement(sel, "cuda", 16, "parity") + renderer_agreement(sel, "cuda", 16, "seeded")
     if OUT:
         Path(OUT).mkdir(parents=True, exist_ok=True)
-        (Path(OUT) / "renderer_agreement.json").write_text(json.dumps(rows, indent=1, default=str))
+        (Path(OUT) / "renderer_agreement.json").write_text(json.dumps(agreement_record(rows, "cuda"), indent=1, default=str))
     by = {(r["weights"], r["variant"]): r for r in rows}
     assert by[("parity", "fp32 eager")]["psnr_vs_upstream_code_db"] > 80   # the certified function, fp32 on the GPU
     for w in ("parity", "seeded"):

@@ -901,10 +901,11 @@ def window_starts(n_frames: int, seq: int, overlap: int) -> list[int]:
 def smoothed_rows(track: torch.Tensor, s: int, e: int, n: int, k: int = 3) -> torch.Tensor:
     """Rows s … e−1 of `track` with the pose dims averaged over k frames, the window cut at 0 and n."""
     h = k // 2
+    a = max(0, s - h)                  # only the rows the windows read: a seam is 11 rows of a long track
     idx = torch.arange(s, e, device=track.device)
-    lo, hi = (idx - h).clamp_min(0), (idx + h + 1).clamp_max(n)
+    lo, hi = (idx - h).clamp_min(0) - a, (idx + h + 1).clamp_max(n) - a
     cs = torch.cat([torch.zeros(1, POSE_DIMS, dtype=torch.float64, device=track.device),
-                    track[:n, :POSE_DIMS].double().cumsum(0)])
+                    track[a:min(n, e + h), :POSE_DIMS].double().cumsum(0)])
     rows = track[s:e].clone()
     rows[:, :POSE_DIMS] = ((cs[hi] - cs[lo]) / (hi - lo)[:, None]).to(track.dtype)
     return rows

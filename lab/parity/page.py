@@ -20,18 +20,26 @@ def run_record(rows: list[Row], device: str, full: bool, seconds: float) -> dict
             "rows": rows}
 
 
+def agreement_record(rows: list[dict[str, Any]], device: str) -> dict[str, Any]:
+    """Renderer-agreement rows with where they ran (machine, commit, torch), ready for JSON."""
+    from lab.env import fingerprint, git_commit, machine_label
+
+    return {"machine": machine_label(), "device": device, "commit": git_commit(), "torch": fingerprint().get("torch"),
+            "agreement": rows}
+
+
 def to_json(rec: dict[str, Any]) -> str:
     """The record as JSON (rows as objects; NaN and infinity as Python's json writes them)."""
     return json.dumps({**rec, "rows": [dataclasses.asdict(r) for r in rec["rows"]]}, indent=1, default=str) + "\n"
 
 
 def read_record(path: str | Path) -> dict[str, Any]:
-    """A `lab parity --json` run, or a renderer agreement (a list of variant rows) as {"agreement": rows}."""
+    """A `lab parity --json` run, or a renderer agreement written by `agreement_record`."""
     p = Path(path)
     try:
         rec = json.loads(p.read_text())
-        if isinstance(rec, list) and all("variant" in r for r in rec):
-            return {"agreement": rec, "source": p.name}
+        if isinstance(rec, dict) and "agreement" in rec:
+            return rec
         rec["rows"] = [Row(**r) for r in rec["rows"]]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise InputError(f"{p}: not a parity run written by `lab parity --json` ({type(e).__name__}: {e})") from None
@@ -79,7 +87,7 @@ def page(records: list[dict[str, Any]]) -> str:
         out += ["", "## Checks", "", combined(runs)]
     for rec in records:
         if "agreement" in rec:
-            out += _agreement(rec["agreement"])
+            out += _agreement(rec)
     return "\n".join(out) + "\n"
 
 
@@ -111,13 +119,15 @@ def combined(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _agreement(rows: list[dict[str, Any]]) -> list[str]:
+def _agreement(rec: dict[str, Any]) -> list[str]:
     """The Ditto renderer variants against upstream's code (lab.parity.ditto.renderer_agreement)."""
+    rows = rec["agreement"]
     def f(v: Any) -> str:
         return "—" if v is None else "inf" if v == float("inf") else f"{v:.1f}"
 
     out = ["", "## Ditto renderer variants against upstream's code", "",
-           "Full size, batch 16 on the bundled avatar (its features and keypoints from the extractors, 16 driven "
+           f"{rec['machine']} ({rec['device']}), commit `{(rec.get('commit') or 'unknown')[:12]}`, torch "
+           f"{rec.get('torch')}. Full size, batch 16 on the bundled avatar (its features and keypoints from the extractors, 16 driven "
            "frames of which 4 are the `renderer_chain` fixture's). PSNR (dB) of each variant against upstream's "
            "code (the fixture: upstream's modules in fp32 on a CPU; parity weights only), against the certified "
            "eager model in fp32 with TF32 off (the whole batch), and against upstream's runtime (that model under "
