@@ -1,4 +1,4 @@
-"""lab.accel.backends + lab.accel.cache: every backend matches eager, unavailable ones say why,
+"""lab.runtime.backends + lab.runtime.cache: every backend matches eager, unavailable ones say why,
 the engine cache reuses good entries and rebuilds (with a warning) anything it must not trust.
 
 CPU tests use tiny configs. `compile` runs with compile_backend="eager" on CPU (dynamo capture
@@ -16,8 +16,8 @@ import warnings
 import pytest
 import torch
 
-from lab.accel import backends as B
-from lab.accel import cache as C
+from lab.runtime import backends as B
+from lab.runtime import cache as C
 from lab.errors import BackendUnavailable, InputError
 from lab.metrics import cosine, max_abs
 from lab.models.musetalk import load_musetalk_unet

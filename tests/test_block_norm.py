@@ -1,4 +1,4 @@
-"""LatentSync's ResNet GroupNorm over a block's frames + SiLU (lab.accel.block_norm): the Triton passes under Triton's
+"""LatentSync's ResNet GroupNorm over a block's frames + SiLU (lab.techniques.block_norm): the Triton passes under Triton's
 CPU interpreter against a float64 reference (groups of 3–10 channels, a strip of 64 that does not divide C, splits
 and tiles that do not divide the rows, a per-item time-embedding shift, a large mean), the module's torch path, the
 UNet rewrite (same output, same state dict) and its undo, and the switches that use it."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab.accel import block_norm as bn
+from lab.techniques import block_norm as bn
 from lab.errors import InputError
 from lab.models.latentsync import BlockGroupNorm, build_unet
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 CHECK = """
 import torch, torch.nn.functional as F
-from lab.accel import block_norm as bn
+from lab.techniques import block_norm as bn
 torch.manual_seed(0)
 bn.ROW_TILE = 16
 worst = 0.0
@@ -78,7 +78,7 @@ def test_supported_shapes_and_bad_input():
 
 
 def test_unet_rewrite_is_the_same_function_and_undoes():
-    from lab.accel.sampling import example_inputs
+    from lab.pipelines.latentsync_sampling import example_inputs
 
     model = build_unet("tiny").eval()
     keys = list(model.state_dict())
@@ -108,7 +108,8 @@ def test_pipeline_switch_builds_the_fused_unet():
 
 UNET = """
 import copy, torch
-from lab.accel import block_norm as bn, sampling
+from lab.techniques import block_norm as bn
+from lab.pipelines import latentsync_sampling as sampling
 from lab.models.latentsync import build_unet
 torch.manual_seed(0)
 model = build_unet("tiny").eval()

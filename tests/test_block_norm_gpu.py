@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab.accel import block_norm as bn
+from lab.techniques import block_norm as bn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -39,7 +39,7 @@ def test_the_op_inside_a_compiled_graph():
 
 
 def test_fused_unet_matches_the_plain_unet():
-    from lab.accel.sampling import example_inputs
+    from lab.pipelines.latentsync_sampling import example_inputs
     from lab.metrics import cosine
     from lab.models.latentsync import build_unet
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.accel.spectral_fold import fold_spectral_norm, has_spectral_norm
+from lab.techniques.spectral_fold import fold_spectral_norm, has_spectral_norm
 from lab.errors import InputError, WeightsError
 from lab.models import ditto as D
 
@@ -252,7 +252,7 @@ def test_loader_errors_name_the_keys(tiny, tmp_path):
 def test_channel_padding_is_the_same_function(tiny):
     import copy
 
-    from lab.accel.channel_pad import PaddedConv, pad_conv_channels
+    from lab.techniques.channel_pad import PaddedConv, pad_conv_channels
 
     warp = copy.deepcopy(tiny["warp_network"])
     d = D.dims("tiny")

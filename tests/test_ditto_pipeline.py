@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from lab.accel import putback as pb
-from lab.accel import silence as sil
+from lab.techniques import putback as pb
+from lab.techniques import silence as sil
 from lab.errors import InputError
 from lab.pipelines import ditto as P
 
@@ -300,7 +300,7 @@ def test_compiled_motion_model_is_the_same_motion(engine, avatar, monkeypatch):
 
 
 def test_compiled_motion_model_says_what_is_missing(engine, monkeypatch):
-    from lab.accel import backends
+    from lab.runtime import backends
     from lab.errors import BackendUnavailable
 
     monkeypatch.setattr(backends.shutil, "which", lambda name: None)
@@ -329,7 +329,7 @@ def test_bf16_motion_is_close_to_fp32_and_the_compiled_step_agrees(engine, monke
 
 def test_fft_mask_conv_renders_the_same_faces(engine, avatar):
     # the dense motion's mask conv through FFTs (fp32) is the same function as the conv: same faces
-    from lab.accel.fft_conv import FFTConv3d
+    from lab.techniques.fft_conv import FFTConv3d
 
     a = _speech_with_pause()
     ref = P.run(engine, avatar, a, SR, keep_faces=True)
@@ -342,7 +342,7 @@ def test_fft_mask_conv_renders_the_same_faces(engine, avatar):
 
 def test_tap_occlusion_and_fused_mix_render_the_same_faces(engine, avatar):
     # the occlusion conv as matmul + shifted sum and the motion mix as multiply + sum: the same function
-    from lab.accel.tap_conv import TapConv2d
+    from lab.techniques.tap_conv import TapConv2d
 
     a = _speech_with_pause()
     ref = P.run(engine, avatar, a, SR, keep_faces=True)
@@ -447,7 +447,7 @@ def test_notebook_clip_length_scales_the_clip_and_its_pauses(tmp_path):
 
 
 def test_pdl_switch_is_a_no_op_without_a_hopper_gpu(engine, avatar, monkeypatch):
-    from lab.accel import pdl
+    from lab.runtime import pdl
 
     monkeypatch.setattr(pdl, "supported", lambda: False)
     with pdl.launching(True) as on:

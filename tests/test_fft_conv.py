@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lab.accel.fft_conv import FFTConv3d, smooth_size
+from lab.techniques.fft_conv import FFTConv3d, smooth_size
 from lab.errors import InputError
 
 
@@ -56,7 +56,7 @@ def test_bad_inputs():
 CHECK = textwrap.dedent("""
     import torch
     from torch import nn
-    from lab.accel.fft_conv import FFTConv3d
+    from lab.techniques.fft_conv import FFTConv3d
     torch.manual_seed(0)
     conv = nn.Conv3d(3, 3, 3, padding=1)
     x = torch.randn(2, 3, 4, 6, 6)
@@ -89,7 +89,7 @@ def test_explicit_transform_sizes_and_too_small_ones_refused():
 
 def test_output_channel_blocks():
     pytest.importorskip("triton")
-    from lab.accel.fft_conv import _o_blocks
+    from lab.techniques.fft_conv import _o_blocks
 
     assert _o_blocks(22, True) == (16, 8) and _o_blocks(22, False) == (32, 1)
     assert _o_blocks(8, True) == (8, 1) and _o_blocks(17, True) == (16, 2) and _o_blocks(3, True) == (2, 2)
@@ -98,7 +98,7 @@ def test_output_channel_blocks():
 SPLIT = textwrap.dedent("""
     import torch
     from torch import nn
-    from lab.accel import fft_conv as fc
+    from lab.techniques import fft_conv as fc
     torch.manual_seed(0)
     errs = []
     for cout, split, stages in ((22, True, 3), (22, False, 1), (5, True, 2)):

@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lab.accel import fp8, fp8_triton
-from lab.accel.fp8 import E4M3, FP8Conv2d, FP8Linear, quantize_module
+from lab.techniques import fp8
+from lab.techniques import fp8_triton
+from lab.techniques.fp8 import E4M3, FP8Conv2d, FP8Linear, quantize_module
 from lab.errors import InputError
 from lab.results import _clean
 

@@ -1,4 +1,4 @@
-"""Mixed-precision planning for FP8 (lab.accel.fp8_mixed): the noise-addition prediction, the greedy
+"""Mixed-precision planning for FP8 (lab.techniques.fp8_mixed): the noise-addition prediction, the greedy
 plan, and a measured check on a tiny SD-VAE decoder with exactly emulated FP8 GEMMs."""
 import math
 import warnings
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lab.experiments import fp8 as FB
-from lab.accel import fp8_mixed as M
-from lab.accel.fp8 import FP8Report, quantize_module
+from lab.techniques import fp8_mixed as M
+from lab.techniques.fp8 import FP8Report, quantize_module
 from lab.errors import InputError
 
 

@@ -1,4 +1,4 @@
-"""GroupNorm + SiLU on channels-last tensors (lab.accel.group_norm): the Triton passes under Triton's CPU
+"""GroupNorm + SiLU on channels-last tensors (lab.techniques.group_norm): the Triton passes under Triton's CPU
 interpreter against float64 group_norm (splits that do not divide the pixels, a producer's bias, a large mean),
 the module's torch path, the decoder rewrite and its undo, and the MuseTalk pipeline's switch."""
 import copy
@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lab.accel import group_norm as gn
+from lab.techniques import group_norm as gn
 from lab.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CHECK = """
 import torch, torch.nn.functional as F
-from lab.accel import group_norm as gn
+from lab.techniques import group_norm as gn
 torch.manual_seed(0)
 gn.TILE_ELEMS = 256   # several tiles per split and a partial last tile at these small sizes
 worst = 0.0

@@ -3,7 +3,7 @@ pipeline's graph runner falls back to eager for a short last block."""
 import pytest
 import torch
 
-from lab.accel import sampling
+from lab.pipelines import latentsync_sampling as sampling
 from lab.metrics import cosine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -131,7 +131,7 @@ def test_pipeline_builds_the_feature_cache_runners_through_set_fast():
 
 
 def test_triton_temporal_attention_matches_sdpa_compiled_in_one_graph():
-    from lab.accel import short_attention as sa
+    from lab.techniques import short_attention as sa
     from lab.models.latentsync import attention
 
     q, k, v = torch.randn(512, 16, 3 * 320, device="cuda", dtype=torch.float16).chunk(3, -1)  # fused projection
@@ -143,8 +143,9 @@ def test_triton_temporal_attention_matches_sdpa_compiled_in_one_graph():
 
 
 def test_compiled_graph_with_pdl_matches_eager(tiny, monkeypatch):
-    from lab.accel import block_norm, pdl
-    from lab.accel import short_attention as sa
+    from lab.techniques import block_norm
+    from lab.runtime import pdl
+    from lab.techniques import short_attention as sa
 
     if not pdl.supported():
         pytest.skip("programmatic dependent launch needs compute capability 9.0 or later")

@@ -169,7 +169,7 @@ def test_exact_switches_keep_the_output_and_the_encode_cache_hits(clip, frames):
                                 fused_qkv=True, cache_encodes=True, folded_upsamplers=True,
                                 attention_kernels={"spatial 8²": "math+pad", "temporal 4²": "flash+pad"}))
     assert fast_eng.unet.model.down_blocks[0].attentions[0].transformer_blocks[0].attn1.kernel == "math+pad"
-    from lab.accel.nearest_conv import FoldedUpsample
+    from lab.techniques.nearest_conv import FoldedUpsample
 
     assert sum(isinstance(m, FoldedUpsample) for m in fast_eng.unet.model.modules()) == 3
     calls = []
@@ -210,7 +210,7 @@ def test_vae_runners_take_both_encodes_in_one_call_and_a_short_block_padded(clip
 
 
 def test_feature_cache_mode_runs_its_two_step_runners_and_a_short_block_eager(clip, frames):
-    from lab.accel import sampling
+    from lab.pipelines import latentsync_sampling as sampling
 
     eng = P.build(P.Config(size="tiny", mode="deepcache3", block=4, keep_faces=True))
     job = P.prepare(eng, frames, *clip)                 # 10 frames: blocks of 4, 4, 2
@@ -345,7 +345,7 @@ def test_step_budget_splits_a_mode_row_into_unet_and_the_rest():
 def test_waterfall_builds_the_pdl_row_before_the_comparison_stack(tmp_path, monkeypatch):
     """The PDL candidate is built right after the stack with the pinned kernels, so a deadline cuts the comparison
     stack (without them) first; the table shows the PDL row last. Builds are stood in by the plain model."""
-    from lab.accel import pdl
+    from lab.runtime import pdl
     from lab.experiments import latentsync as L
 
     ctx = L.setup("cpu", quick=True, out_dir=str(tmp_path / "run"))

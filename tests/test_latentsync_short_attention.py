@@ -1,4 +1,4 @@
-"""The short-sequence attention kernel (lab.accel.short_attention) against SDPA, run by Triton's
+"""The short-sequence attention kernel (lab.techniques.short_attention) against SDPA, run by Triton's
 interpreter on the CPU (a subprocess: the interpreter is chosen when the kernel is defined), and its
 place among the UNet's attention kernels."""
 import textwrap
@@ -10,7 +10,7 @@ from lab.errors import InputError
 
 CHECK = textwrap.dedent("""
     import torch
-    from lab.accel import short_attention as sa
+    from lab.techniques import short_attention as sa
     from lab.models.latentsync import attention
     torch.manual_seed(0)
     worst = 0.0
@@ -30,7 +30,7 @@ def test_short_attention_matches_sdpa_under_the_interpreter(triton_interpreter):
 
 def test_short_attention_is_offered_for_the_temporal_attention_only():
     pytest.importorskip("triton")
-    from lab.accel import short_attention as sa
+    from lab.techniques import short_attention as sa
     from lab.models import latentsync as ls
 
     sa.register()
@@ -58,7 +58,7 @@ def test_short_attention_is_one_opaque_op_in_a_traced_graph(monkeypatch):
     pytest.importorskip("triton")
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from lab.accel import short_attention as sa
+    from lab.techniques import short_attention as sa
 
     monkeypatch.setattr(sa, "available", lambda device=None: (True, ""))   # tracing only: nothing is launched
     q, k, v = torch.randn(4, 16, 3 * 32).chunk(3, -1)

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lab.accel.fft_conv import FFTConv3d
-from lab.accel.tap_conv import TapConv2d
+from lab.techniques.fft_conv import FFTConv3d
+from lab.techniques.tap_conv import TapConv2d
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab.accel.nearest_conv import FoldedUpsample, NearestConv, fold_upsamplers, taps
+from lab.techniques.nearest_conv import FoldedUpsample, NearestConv, fold_upsamplers, taps
 from lab.errors import InputError
 
 

@@ -306,7 +306,7 @@ def test_edge_batch_is_checked(edge):
 
 def test_subpixel_decoder_renders_the_same_frames(engine, speech):
     """subpixel=True folds SD-VAE's upsample convs: same function, so the same faces (fp32, CPU)."""
-    from lab.accel.subpixel import SubpixelUpsampleConv
+    from lab.techniques.subpixel import SubpixelUpsampleConv
 
     a, sr = speech
     folded_engine = mt.reconfigure(engine, writer="null", subpixel=True)

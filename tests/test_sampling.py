@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from lab.accel import sampling as smp
+from lab.pipelines import latentsync_sampling as smp
 from lab.errors import InputError
 
 B, F, H, W, D = 1, 3, 4, 4, 8

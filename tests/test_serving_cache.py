@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from lab.accel import feature_cache as fc
+from lab.serving import feature_cache as fc
 from lab.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lab.accel import cascade as cs
+from lab.serving import cascade as cs
 from lab.errors import InputError, WeightsError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

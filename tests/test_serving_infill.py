@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from lab.accel import infill
+from lab.serving import infill
 from lab.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -3,7 +3,7 @@ fused kernel (Triton interpreter on CPU), memory bound, HuBERT hosting."""
 import pytest
 import torch
 
-from lab.accel import kv_cache as kv
+from lab.serving import kv_cache as kv
 from lab.errors import InputError, WeightsError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -59,7 +59,7 @@ def test_int8_quantization_error_is_small():
 
 FUSED_CHECK = """
 import torch
-from lab.accel import kv_cache as kv
+from lab.serving import kv_cache as kv
 torch.manual_seed(0)
 b, h, w, d = 1, 2, 16, 16
 for n_valid, summary in [(5, False), (12, True), (16, True)]:

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from lab.accel import streaming as sm
+from lab.serving import streaming as sm
 from lab.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

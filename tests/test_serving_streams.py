@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lab.accel import streams as sp
+from lab.serving import streams as sp
 from lab.errors import InputError
 
 

@@ -4,8 +4,8 @@ import copy
 import pytest
 import torch
 
-from lab.accel.spade_fuse import fuse_spade
-from lab.accel.spectral_fold import fold_spectral_norm
+from lab.techniques.spade_fuse import fuse_spade
+from lab.techniques.spectral_fold import fold_spectral_norm
 from lab.errors import InputError
 from lab.models import ditto as D
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lab.accel.stride import (adaptive_keyframes, duty_cycle, expand_keyframes, keyframe_indices, lerp,
+from lab.techniques.stride import (adaptive_keyframes, duty_cycle, expand_keyframes, keyframe_indices, lerp,
                               norm_deficit, slerp)
 from lab.errors import InputError
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lab import data
-from lab.accel import stride as st
+from lab.techniques import stride as st
 from lab.experiments import stride as se
 from lab.errors import InputError
 from lab.results import VERDICTS, Result

@@ -8,7 +8,7 @@ from diffusers import AutoencoderKL
 from diffusers.models.upsampling import Upsample2D
 from torch import nn
 
-from lab.accel.subpixel import (
+from lab.techniques.subpixel import (
     IMPLS,
     SubpixelUpsampleConv,
     eligible,

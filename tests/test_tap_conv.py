@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lab.accel.tap_conv import MAX_OUT, TapConv2d
+from lab.techniques.tap_conv import MAX_OUT, TapConv2d
 from lab.errors import InputError
 
 

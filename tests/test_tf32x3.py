@@ -1,4 +1,4 @@
-"""Split-TF32 linear and short attention (lab.accel.tf32x3): the Triton kernels under Triton's CPU interpreter
+"""Split-TF32 linear and short attention (lab.techniques.tf32x3): the Triton kernels under Triton's CPU interpreter
 against float64 (ragged M, N and K, with and without a bias, strided inputs; queries and keys of different lengths),
 their fallbacks, bad shapes, and the Ditto motion model's switches (the sampler arrangement with its GEMMs and
 attention handed over gives the fp32 window)."""
@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab.accel import tf32x3
+from lab.techniques import tf32x3
 from lab.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CHECK = """
 import torch
-from lab.accel import tf32x3
+from lab.techniques import tf32x3
 torch.manual_seed(0)
 worst = 0.0
 for m, n, k, bias, strided in [(37, 45, 70, True, False), (160, 33, 32, False, True), (5, 64, 530, True, True)]:
@@ -29,7 +29,7 @@ print(worst)
 
 ATTENTION_CHECK = """
 import torch, torch.nn.functional as F
-from lab.accel import tf32x3
+from lab.techniques import tf32x3
 torch.manual_seed(0)
 worst = 0.0
 for n, lq, lk, heads, d in [(2, 80, 82, 4, 16), (1, 20, 7, 2, 24), (3, 33, 33, 1, 64)]:

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab.accel import tf32x3
+from lab.techniques import tf32x3
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -79,7 +79,7 @@ def test_motion_window_with_pdl_is_the_same_window(monkeypatch):
             D.Schedule.make(S), torch.randn(S, 1, L, D.MOTION_DIM, generator=g).cuda(), None)
     x = torch.randn(1, L, D.MOTION_DIM, generator=g).cuda()
     ref = P.sample_window(engine, *args, x=x).clone()
-    from lab.accel import pdl as pdl_mod
+    from lab.runtime import pdl as pdl_mod
 
     seen = []
     real = tf32x3.linear_triton

@@ -5,7 +5,7 @@ its quick profile, tables, figures, headline and comparison rows against the wri
 `compile` and `compile+cudagraph` rows at the largest batch first (the headline), then the smaller
 batches, then the other backends, then the 'eager (NCHW)' layout rows. Each model is loaded when
 its first row comes (fp32 eager reference with TF32 off, then cast to the run precision) and
-freed after its last. Each row builds a backend with `lab.accel.backends.accelerate`, times it with
+freed after its last. Each row builds a backend with `lab.runtime.backends.accelerate`, times it with
 `lab.timing.bench` and measures its output against eager at the same precision and against the
 fp32 reference. Speed-ups (`fill_speedups`, recomputed over the whole row list each time a result
 is returned, so partial checkpoints have them too) are against the *faster* of the two eager layouts
@@ -31,8 +31,8 @@ from unittest import mock
 import torch
 
 from lab import params, plots
-from lab.accel import backends as B
-from lab.accel import cache as C
+from lab.runtime import backends as B
+from lab.runtime import cache as C
 from lab.budget import RESERVE_S, Budget, BudgetExceeded, budget_seconds, estimate, save_partial
 from lab.errors import BackendUnavailable, InputError
 from lab.experiments import common

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from lab import env
-from lab.accel import stride as st
+from lab.techniques import stride as st
 from lab.errors import LabError
 from lab.experiments import families as F
 
@@ -63,7 +63,7 @@ def _duty(family: str, choice: dict, n: int, batch: int | None = None) -> float:
     """Share of the heavy network's dense work the choice keeps. A stride keeps keyframes / n of the
     frames; with `batch` it keeps whole calls, as the pipelines run them (the last call padded)."""
     if family == "latentsync":
-        from lab.accel import sampling
+        from lab.pipelines import latentsync_sampling as sampling
 
         return sampling.parse_mode(choice["mode"]).full_calls / 20
     k = int(choice.get("stride", 1))

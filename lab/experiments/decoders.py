@@ -54,14 +54,14 @@ VARIANTS: dict[str, str] = {
     "compile_cudagraphs": "torch.compile mode='reduce-overhead' (Inductor + CUDA graphs)",
     "compile_autotune": "torch.compile mode='max-autotune-no-cudagraphs' (autotunes GEMM/conv templates; minutes)",
     # the same function with fewer FLOPs: nearest-2x + 3x3 conv folded into a stride-2 4x4 transposed
-    # conv (lab.accel.subpixel); exact up to summation order, PSNR vs fp32 shown on the row
+    # conv (lab.techniques.subpixel); exact up to summation order, PSNR vs fp32 shown on the row
     "subpixel": "cudnn_benchmark + upsample convs folded into stride-2 transposed convs (2.25x fewer FLOPs there)",
     "compile_subpixel": "compile_cudagraphs on the subpixel-folded decoder (one conv_transpose2d per upsampler)",
     "compile_subpixel_phases": "compile_cudagraphs on the subpixel-folded decoder (four 2x2 phase convs as one conv)",
     "compile_subpixel_frozen": "compile_subpixel + Inductor freezing (weights as constants) + 1x1 convs as matmuls "
                                "(fusable epilogues: the shortcut conv and the residual add in one kernel)",
     "compile_subpixel_groupnorm": "compile_subpixel with GroupNorm + SiLU as channels-last Triton passes "
-                                  "(lab.accel.group_norm: statistics over whole pixel rows, conv1's bias taken in)",
+                                  "(lab.techniques.group_norm: statistics over whole pixel rows, conv1's bias taken in)",
     "compile_subpixel_autotune": "compile_subpixel with mode='max-autotune' (Triton conv/GEMM templates vs cuDNN "
                                  "per shape, + CUDA graphs; minutes of compile)",
 }
@@ -209,8 +209,8 @@ def flops_per_frame(vae: VAE, hw: int, subpixel: str | None = None) -> int:
 
 
 def _folded(vae: VAE, impl: str) -> VAE:
-    """A copy of `vae` with its decoder's upsample convs folded (lab.accel.subpixel)."""
-    from lab.accel.subpixel import rewrite_upsamplers
+    """A copy of `vae` with its decoder's upsample convs folded (lab.techniques.subpixel)."""
+    from lab.techniques.subpixel import rewrite_upsamplers
 
     with quiet_diffusers():
         model = copy.deepcopy(vae.model)
@@ -220,7 +220,7 @@ def _folded(vae: VAE, impl: str) -> VAE:
 
 def subpixel_skip_reason(vae: VAE) -> str | None:
     """Why the subpixel variants cannot apply to this decoder (no eligible upsampler), or None."""
-    from lab.accel.subpixel import eligible
+    from lab.techniques.subpixel import eligible
     from diffusers.models.upsampling import Upsample2D
 
     found = [eligible(m) for m in vae.model.modules() if isinstance(m, Upsample2D)]
@@ -289,7 +289,7 @@ def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor) -> 
     if variant != "eager":
         model = model.to(memory_format=torch.channels_last)
     if variant == "compile_subpixel_groupnorm":
-        from lab.accel.group_norm import fuse_group_norms
+        from lab.techniques.group_norm import fuse_group_norms
 
         fuse_group_norms(model.decoder)
     dec = VAE(vae.kind, model, vae.scaling_factor, vae.weights).decoder_module().eval()

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from lab import env, metrics, params, plots
-from lab.accel import silence as sil
+from lab.techniques import silence as sil
 from lab.experiments.common import notebook_path, run_steps
 from lab.models import ditto as D
 from lab.pipelines import ditto as P
@@ -117,14 +117,14 @@ VARIANT_TEXT = {
     "compile+graph+fuse+cl3d": "merged SPADE convs, NDHWC 3-D convs, torch.compile (default mode), CUDA graph",
     "fp16+pad8+fuse+graph": "fp16, folded, NCHW, dense-motion channels padded to 8, merged SPADE convs, CUDA graph",
     "compile+graph+pad8+fuse": "the same through torch.compile (default mode), CUDA graph",
-    "fp16+pad8+fuse+fft+graph": "fp16+pad8+fuse+graph with the 7³ mask conv through FFTs in fp32 (lab.accel.fft_conv), CUDA graph",
+    "fp16+pad8+fuse+fft+graph": "fp16+pad8+fuse+graph with the 7³ mask conv through FFTs in fp32 (lab.techniques.fft_conv), CUDA graph",
     "compile+graph+pad8+fuse+fft": "the same through torch.compile (default mode), CUDA graph",
     "compile+graph+pad8+fuse+fft+cl3d": "the same with the dense motion's 3-D convs channels-last (NDHWC), padded ones included",
     "compile+graph+pad8+fuse+fft+tap": "compile+graph+pad8+fuse+fft with the 1-channel occlusion conv as one matmul + shifted sum "
-                                       "(lab.accel.tap_conv)",
+                                       "(lab.techniques.tap_conv)",
     "compile+graph+pad8+fuse+fft+tap+mix": "the same with the 22-way motion mix as multiply + sum (fused with the softmax)",
     "compile+graph+pad8+fuse+fft+tap+mix+lowseg": "compile+graph+pad8+fuse+fft+tap+mix with the 128² and 256² SPADE shared "
-                                                   "convs computed on the 64² segmap they are upsampled from (lab.accel."
+                                                   "convs computed on the 64² segmap they are upsampled from (lab.techniques."
                                                    "nearest_conv: 16/36 and 36/144 of the taps, the same function)",
     "compile+graph+pad8+fuse+fft+tap+mix+lowseg+sc": "the same with each learned shortcut's 1×1 conv composed into its "
                                                       "norm's β conv (fin − fout of its channels never computed)",
@@ -448,7 +448,7 @@ class _Discard:
 
 def _host_costs(ctx: Context) -> list[dict]:
     """Source slicing (host memmap + upload vs VRAM gather), putback CPU vs GPU, HuBERT per call."""
-    from lab.accel import putback as pb
+    from lab.techniques import putback as pb
 
     b = ctx.prof.batch
     e_host = P.reconfigure(ctx.engine, source_pool="host")
@@ -606,7 +606,7 @@ def motion_costs(ctx: Context) -> list[dict]:
 
 # ----------------------------------------------------------------------------- 4. the waterfall
 
-# the motion model's fp32 GEMMs on the tensor cores as three TF32 products (lab.accel.tf32x3): fp32 rounding, so an
+# the motion model's fp32 GEMMs on the tensor cores as three TF32 products (lab.techniques.tf32x3): fp32 rounding, so an
 # exact row (its difference from the fp32 window is reported in the motion table)
 MOTION_TF32X3 = "+ motion GEMMs on the tensor cores (split TF32, fp32 rounding)"
 # the sampler's attention as one Triton kernel per call (split TF32 as well): a row only where the motion table

@@ -88,7 +88,7 @@ class Setting:
 
 def backend_options(family: str, device: torch.device | str) -> list[tuple[str, bool, str]]:
     """(backend, usable, reason) for the family's pipeline on this device."""
-    from lab.accel import backends as B
+    from lab.runtime import backends as B
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -238,7 +238,7 @@ def _latentsync_cfg(setting: Setting, size: str, seed: int, dev: torch.device | 
     the frame-pooled norms as Triton passes, the 16-token temporal attention on its Triton kernel, the
     source's encodes cached; the VAE on the same kind of runner as the UNet). The spatial and cross
     attention keep SDPA's choice: notebook 07's table pins the same kernel there (cuDNN, within 1 %)."""
-    from lab.accel import short_attention
+    from lab.techniques import short_attention
     from lab.pipelines import latentsync as P
 
     if setting.batch > P.MAX_BLOCK:
@@ -370,7 +370,7 @@ def _saved(built: Built, rep: Any) -> tuple[float, str]:
         n = max(rep.n_frames, 1)
         done = rep.counts["rendered"] + rep.counts["warped"]
         return 1.0 - done / n, "frames the warp network skipped (stride, silence bypass)"
-    from lab.accel import sampling
+    from lab.pipelines import latentsync_sampling as sampling
 
     m = sampling.parse_mode(s.opt("mode"))
     full = m.steps if m.cache_interval <= 1 else int(np.ceil(m.steps / m.cache_interval))

@@ -3,7 +3,7 @@ headline and comparison rows, on top of the measuring helpers: output drift, eag
 throughput, a per-conv-shape GPU microbenchmark, the compiled models split by kernel kind, torchao
 as a comparison, and the model cases the notebook runs.
 
-The engine (`lab.accel.fp8`) quantizes; this module only measures, following the lab's rules:
+The engine (`lab.techniques.fp8`) quantizes; this module only measures, following the lab's rules:
 warm-up + synchronize + median (`lab.timing.bench`), inputs rotated between runs, never zeros, a
 speed-up is a ratio against the fp16 model in the same process and the same compile mode, and
 every speed row carries its quality figures against the fp16 eager output.
@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from lab import params, plots
-from lab.accel import fp8_mixed as FM
-from lab.accel import fp8_triton
-from lab.accel.fp8 import (ACTIVATIONS, CONV_IMPLS, MODES, SCHEMES, FP8Conv2d, FP8Report, _is_pointwise,
+from lab.techniques import fp8_mixed as FM
+from lab.techniques import fp8_triton
+from lab.techniques.fp8 import (ACTIVATIONS, CONV_IMPLS, MODES, SCHEMES, FP8Conv2d, FP8Report, _is_pointwise,
                            _model_device, _quant_act, fp8_mm, fp8_supported, im2col_nhwc, quantize_module,
                            triton_conv_status, tune_triton)
 from lab.budget import RESERVE_S, Budget, BudgetExceeded, budget_seconds, estimate, save_partial
@@ -1186,7 +1186,7 @@ def mixed_main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     from lab import env
-    from lab.accel.fp8_mixed import curve, layer_sensitivity, plan, predicted_psnr, verify
+    from lab.techniques.fp8_mixed import curve, layer_sensitivity, plan, predicted_psnr, verify
     from lab.results import Result, run_dir
 
     ap = argparse.ArgumentParser(prog="python -m lab.experiments.fp8", description=mixed_main.__doc__)

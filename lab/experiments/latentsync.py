@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from lab import env, metrics, params, plots
-from lab.accel import sampling
+from lab.pipelines import latentsync_sampling as sampling
 from lab.errors import InputError
 from lab.experiments.common import run_steps
 from lab.pipelines import latentsync as P
@@ -49,7 +49,7 @@ ANCHOR_H200 = {"eager_ms_per_step": 175.5, "compile_ms_per_step": 119.9, "vae_s_
 ESTIMATE_S = {"attention": 40, "compile": 120, "vae_compile": 50, "modes": 100, "loop": 15, "memory": 100, "fp8": 260,
               "jobs": 180}   # jobs (run_07_jobs): 151 s, a new process's cold UNet + VAE compiles and a 5-GB checkpoint
 # exact switches of the model, in the order the waterfall adds them (each alone, then together)
-# measured and left out: folded_upsamplers (lab.accel.nearest_conv; the compiled step 89.4–90.0 vs 89.6–91.2 ms)
+# measured and left out: folded_upsamplers (lab.techniques.nearest_conv; the compiled step 89.4–90.0 vs 89.6–91.2 ms)
 LEVERS = ("null_audio", "shared_prefix", "guided_shortcuts", "fused_qkv", "fused_norms", "attention_kernels")
 TARGETS = {"exact_s_per_s": 2.5, "exact_cosine": 0.9999, "dpm8_s_per_s": 1.0, "memory_growth": 0.10}
 
@@ -229,8 +229,8 @@ LEVER_NOTES = {"null_audio": "null half of each audio cross-attention = to_out b
 def step_waterfall(ctx: Context) -> list[dict]:
     """Each switch alone on top of eager, then together: one guided UNet call at the block shape, on
     inputs in the loop's layout (equal halves, null audio first: what the guided shortcuts rely on)."""
-    from lab.accel import block_norm
-    from lab.accel.backends import accelerate
+    from lab.techniques import block_norm
+    from lab.runtime.backends import accelerate
     from lab.models.latentsync import fuse_qkv, set_attention_kernels
     from lab.timing import bench, count_flops, matmul_ceiling
 
@@ -388,7 +388,7 @@ def _no_time_for_a_compile(ctx: Context) -> str | None:
 def _pdl_row(ctx: Context, target, ex, on: list[str], choice: dict, add, skip, n_flops: int) -> None:
     """The fastest stack (compile + CUDA graph, with the pinned attention kernels where chosen) built again with
     programmatic dependent launch for inductor's and the lab's Triton kernels: the same kernels, launched early."""
-    from lab.accel import pdl
+    from lab.runtime import pdl
     from lab.models.latentsync import set_attention_kernels
 
     step = " + ".join(["compile+cudagraph", *on, *(["attention kernels"] if choice else []), "PDL"])
@@ -412,7 +412,7 @@ def _pdl_row(ctx: Context, target, ex, on: list[str], choice: dict, add, skip, n
 def _build_runner(target, how: str, ex, dtype: torch.dtype, compiled: Any = None):
     """A waterfall runner; "compile" must trace the step as one graph (fullgraph=True): where it
     cannot, it is built with graph breaks and the note says so."""
-    from lab.accel.backends import accelerate
+    from lab.runtime.backends import accelerate
 
     prec = P._precision(dtype)
     if how == "compile+cudagraph" and compiled is not None:
@@ -484,9 +484,9 @@ def attention_kernel_rows(cfg, dev: torch.device, dtype: torch.dtype, block: int
     ("auto", the reference), each SDPA backend alone, each with the head dim zero-padded to a multiple
     of 64 ("+pad": the same result), and on a GPU for the 16-token temporal attention "math"
     compiled (plain batched matmuls with the softmax fused between them) and "triton"
-    (`lab.accel.short_attention`: one program per sequence and head, where Triton runs). ms per call
+    (`lab.techniques.short_attention`: one program per sequence and head, where Triton runs). ms per call
     (median), TFLOP/s of the attention's matrix products, cosine vs "auto"."""
-    from lab.accel import short_attention
+    from lab.techniques import short_attention
     from lab.models.latentsync import attention, parse_kernel
 
     rows = []
@@ -704,7 +704,7 @@ def fp8_linear(ctx: Context) -> list[dict]:
     """Approximate, beyond the write-up: the UNet's Linear layers (attention projections, GEGLU, motion
     projections: ~58 % of its FLOPs) as FP8 e4m3 GEMMs with dynamic activation scales, eager, against
     eager fp16 on the same input. Convolutions stay fp16. Needs a GPU with FP8 tensor cores."""
-    from lab.accel.fp8 import fp8_supported, quantize_module
+    from lab.techniques.fp8 import fp8_supported, quantize_module
     from lab.timing import bench
 
     ok, why = fp8_supported(ctx.dev)
@@ -858,7 +858,7 @@ def _run(ctx: Context, mode: str, fast: str, keep: bool = True, job: Any = None,
     eng.cfg.cache_encodes = fast != "eager"
     eng.vae_decode = ctx.vae_runner if fast != "eager" else None
     eng.vae_encode = ctx.vae_encoder if fast != "eager" else None
-    from lab.accel import block_norm
+    from lab.techniques import block_norm
 
     block_norm.set_triton(eng.unet.model, fast != "eager")   # the eager reference: BlockGroupNorm's own code
     if fast == "eager":
@@ -968,7 +968,7 @@ def cache_runners(ctx: Context, name: str, runner: Any) -> tuple[Any, Any] | Non
     that metric, when the deadline leaves no room for the compile or the build fails."""
     if name in ctx.cache_runners:
         return ctx.cache_runners[name]
-    from lab.accel import block_norm
+    from lab.techniques import block_norm
     from lab.models.latentsync import set_attention_kernels
     from lab.timing import bench
 

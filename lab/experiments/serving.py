@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from lab import env, params, plots
-from lab.accel import feature_cache as fc
+from lab.serving import feature_cache as fc
 from lab.errors import InputError
 from lab.results import Result, run_dir, save_figure
 from lab.timing import sync
@@ -430,7 +430,8 @@ def _psnr_between(frames: np.ndarray, truth: np.ndarray, between: np.ndarray) ->
 
 def frame_infill(ctx: Context, stride: int = 4, fps_out: float = 60.0, seconds: float | None = None) -> Section:
     """60 FPS from 15 FPS keyframes: drift of each infill vs the dense truth, and its speed."""
-    from lab.accel import infill, stride as st
+    from lab.serving import infill
+    from lab.techniques import stride as st
 
     dev = ctx.dev
     size = 256 if ctx.full else 64
@@ -546,7 +547,7 @@ def _stream_run(stack, caches, x: torch.Tensor, dev: torch.device, progress: str
     """Step through x (T, d) one frame at a time (with `step`, a captured step over these caches);
     per-step latency (host clock around a synchronized step: what a streaming caller waits) and
     cache memory at 100 sample points."""
-    from lab.accel import kv_cache as kv
+    from lab.serving import kv_cache as kv
     from lab.progress import tqdm
 
     n = x.shape[0]
@@ -579,7 +580,7 @@ def _flatness(lat: np.ndarray, lo: int, hi: int) -> tuple[float, float, float]:
 def kv_cache(ctx: Context, window: int = 75, steps: int | None = None, budget_s: float | None = None) -> Section:
     """Unbounded fp16 cache vs W-frame INT8 window + summary on a HuBERT-large-sized stack: memory
     and per-step latency over a long stream, output error, fused vs dequantize-then-attend."""
-    from lab.accel import kv_cache as kv
+    from lab.serving import kv_cache as kv
     from lab.timing import bench
 
     dev = ctx.dev
@@ -804,7 +805,7 @@ def _tier(name: str, fn: Callable[[], torch.Tensor], n: int, dev: torch.device, 
 def pyramid_cascade(ctx: Context, batch: int | None = None, num_conv: int = 16, ditto: bool = True) -> Section:
     """Direct generation vs half-resolution generation + SRVGGNetCompact ×2 (and bicubic): time,
     FLOPs, activation memory; bicubic's PSNR on real face crops as the weight-free baseline."""
-    from lab.accel import cascade as cs
+    from lab.serving import cascade as cs
     from lab.models.musetalk import load_musetalk_unet
     from lab.models.vae import load_vae
     from lab.timing import count_flops
@@ -889,7 +890,7 @@ def pyramid_cascade(ctx: Context, batch: int | None = None, num_conv: int = 16, 
 
 def _ditto_tiers(ctx: Context, sr2: torch.nn.Module, dtype: torch.dtype, reps: int) -> tuple[list[dict], str]:
     """Ditto's SPADE decoder fed a 64² warped feature (→ 512²) vs a 32² one (→ 256²) + SRVGG ×2."""
-    from lab.accel import cascade as cs
+    from lab.serving import cascade as cs
     from lab.timing import count_flops
 
     try:
@@ -982,7 +983,7 @@ def pipeline_stages(ctx: Context, chunk: int, frame_size: tuple[int, int]) -> di
 def stream_pipeline(ctx: Context, chunk: int | None = None, n_chunks: int | None = None) -> Section:
     """Sequential loop vs thread pipeline vs three CUDA streams: throughput and the GPU busy
     fraction read from a profiler trace of each."""
-    from lab.accel import streams as sp
+    from lab.serving import streams as sp
 
     dev = ctx.dev
     chunk = chunk or (16 if ctx.full else 2)
@@ -1102,7 +1103,7 @@ def streaming_output(ctx: Context, n_frames: int | None = None, browser: bool = 
     """Time to the first H.264 chunk vs a finished MP4 file; encoder work of the full frame vs the
     face patch; and in headless Chromium over a local WebSocket: first decoded frame, frames
     decoded = frames sent, compositing rate, and the page's composite against the server's blend."""
-    from lab.accel import streaming as sm
+    from lab.serving import streaming as sm
     from lab.video import FFmpegWriter
 
     full = ctx.full

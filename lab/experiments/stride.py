@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from lab import params
-from lab.accel import stride as st
+from lab.techniques import stride as st
 from lab.errors import InputError
 from lab.experiments import common
 from lab.experiments.common import Run, batched, row, to_uint8

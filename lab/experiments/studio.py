@@ -50,7 +50,7 @@ def planned_saved(setting: F.Setting) -> float | None:
     if fam in ("musetalk", "ditto"):
         k = setting.opt("stride")
         return None if k == "adaptive" else 1.0 - 1.0 / int(k)
-    from lab.accel import sampling
+    from lab.pipelines import latentsync_sampling as sampling
 
     return 1.0 - sampling.parse_mode(setting.opt("mode")).full_calls / 20
 

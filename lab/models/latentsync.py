@@ -129,7 +129,7 @@ class ResnetBlock3D(nn.Module):
         self.norm2 = BlockGroupNorm(cfg.norm_groups, cout, eps=cfg.norm_eps)
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
         self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
-        # after each norm; a fused norm that applies it itself replaces it with nn.Identity (lab.accel.block_norm)
+        # after each norm; a fused norm that applies it itself replaces it with nn.Identity (lab.techniques.block_norm)
         self.nonlinearity = nn.SiLU()
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, frames: int) -> torch.Tensor:
@@ -145,7 +145,7 @@ _BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cu
 PAD = 64   # "+pad": head dim zero-padded to a multiple of this (the widths attention kernels are tuned for)
 
 
-# attention kernels beyond SDPA's, registered by lab.accel (e.g. "triton": lab.accel.short_attention):
+# attention kernels beyond SDPA's, registered by lab.techniques (e.g. "triton": lab.techniques.short_attention):
 # name → (fn(q, k, v, heads) on (N, L, H·d) tensors, the attention kinds it serves)
 _KERNELS: dict[str, tuple[Any, tuple[str, ...]]] = {}
 

@@ -275,7 +275,7 @@ def putback_inputs() -> dict[str, Any]:
 
 @check(FAMILY, "putback_mask", dict, "the 512² feathered mask (ratio 0.9)", rtol=1e-6)
 def putback_mask(device: str) -> dict[str, torch.Tensor]:
-    from lab.accel import putback as pb
+    from lab.techniques import putback as pb
 
     return {"mask": torch.from_numpy(pb.feather_mask(512))}
 
@@ -283,7 +283,7 @@ def putback_mask(device: str) -> dict[str, torch.Tensor]:
 @check(FAMILY, "putback", putback_inputs, "a 512² render pasted into a 640×360 frame through a rotated, scaled crop",
        rtol=2e-2)  # OpenCV rounds sampling positions to 1/32 px; ours samples exactly: ±1 level at a few pixels
 def putback(device: str) -> dict[str, torch.Tensor]:
-    from lab.accel import putback as pb
+    from lab.techniques import putback as pb
 
     x = putback_inputs()
     mask = torch.from_numpy(pb.feather_mask(512))

@@ -165,7 +165,7 @@ def noise_inputs() -> dict[str, Any]:
        "repeated over the frames, × the scheduler's init sigma")
 @one_thread
 def initial_noise(device: str) -> dict[str, torch.Tensor]:
-    from lab.accel import sampling
+    from lab.pipelines import latentsync_sampling as sampling
 
     x = noise_inputs()
     h = x["size"] // 8
@@ -191,7 +191,7 @@ def block_inputs() -> dict[str, Any]:
 def _block(device: str, exact: bool) -> dict[str, torch.Tensor]:
     """What `run` does per block between alignment and restore: encode, the guided DDIM 20 loop, decode and
     paste; the video (2 faces) ping-ponged to the audio's 3 frames, blocks of 2 (the last one short)."""
-    from lab.accel import sampling
+    from lab.pipelines import latentsync_sampling as sampling
     from lab.pipelines import latentsync as P
 
     x = block_inputs()

@@ -1,1 +1,114 @@
-"""End-to-end engines composed from lab.models, lab.audio, lab.video and lab.accel."""
+"""End-to-end engines, one per model family, all speaking the same words:
+
+    P = pipeline("ditto")
+    cfg = config("ditto", "exact", size="tiny")        # a preset, with overrides
+    engine = P.build(cfg, device)
+    engine = P.reconfigure(engine, techniques=(...))   # same networks, other switches
+    avatar = P.prepare(engine, source)                 # an image or a video (frames), or None: the bundled one
+    report = P.run(engine, avatar, audio, sr, sink=None)
+
+Each family module exports `Config` (its real knobs plus `techniques` and `runtime`), `PRESETS`
+("upstream": as upstream's own runtime runs; "exact": the fastest configuration computing the same
+function; "fast": the fastest approximate one that passes the family's quality gate), `build`,
+`reconfigure`, `prepare` and `run` → a `Report`. `PIPELINES` is the one place that lists the families.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field, replace
+from types import ModuleType
+from typing import Any
+
+from lab.errors import InputError
+
+PIPELINES: dict[str, str] = {
+    "musetalk": "lab.pipelines.musetalk",
+    "ditto": "lab.pipelines.ditto",
+    "latentsync": "lab.pipelines.latentsync",
+}
+PRESET_NAMES = ("upstream", "exact", "fast")
+
+
+def families() -> tuple[str, ...]:
+    return tuple(PIPELINES)
+
+
+def pipeline(family: str) -> ModuleType:
+    """The family's pipeline module (imported on first use: each pulls in its models)."""
+    if family not in PIPELINES:
+        raise InputError(f"unknown family {family!r}; the lab has {tuple(PIPELINES)}")
+    return importlib.import_module(PIPELINES[family])
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named configuration: a runtime, an ordered technique list and the other knobs it sets."""
+
+    text: str                                  # one line: what it is and why it is the best of its kind
+    runtime: str = "eager"
+    techniques: tuple[str, ...] = ()           # ordered: each after what it requires (a waterfall's rows)
+    knobs: dict[str, Any] = field(default_factory=dict)   # other Config fields (precision, batch, mode…)
+
+    def changes(self) -> dict[str, Any]:
+        return {"runtime": self.runtime, "techniques": tuple(self.techniques), **self.knobs}
+
+
+def preset(family: str, name: str) -> Preset:
+    presets = pipeline(family).PRESETS
+    if name not in presets:
+        raise InputError(f"{family} has no preset {name!r}; it has {tuple(presets)}")
+    return presets[name]
+
+
+def config(family: str, name: str = "exact", device: Any = None, **overrides: Any) -> Any:
+    """The family's Config for preset `name` with `overrides`. With `device`, the techniques and runtime that
+    cannot run there (a CUDA-only kernel, CUDA graphs on a CPU) are left out: a GPU preset on a CPU runs
+    the rest of its list."""
+    P = pipeline(family)
+    changes = preset(family, name).changes()
+    if device is not None:
+        from lab.techniques import usable, usable_runtime
+
+        changes["runtime"] = usable_runtime(changes["runtime"], device)
+        changes["techniques"] = usable(family, changes["techniques"], changes["runtime"], device)[0]
+    fields = set(P.Config.__dataclass_fields__)
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise InputError(f"{family} Config has no field(s) {unknown}; it has {sorted(fields)}")
+    return replace(P.Config(), **{**changes, **overrides}).check()
+
+
+def waterfall(family: str, name: str = "exact", start: str = "upstream") -> list[tuple[str, dict[str, Any]]]:
+    """(row label, Config changes) from preset `start` to preset `name`: first `start` itself, then the
+    runtime and knobs of `name`, then each of `name`'s techniques added in order (the ordered prefixes
+    of its list, as segment-anything-fast's rows)."""
+    a, b = preset(family, start), preset(family, name)
+    rows = [(start, a.changes())]
+    base = {**a.changes(), **b.knobs, "runtime": b.runtime, "techniques": ()}
+    if base != a.changes():
+        rows.append((f"{name}: runtime {b.runtime}" + (f", {', '.join(f'{k}={v}' for k, v in b.knobs.items())}" if b.knobs else ""),
+                     dict(base)))
+    for i, t in enumerate(b.techniques):
+        rows.append((f"+ {t}", {**base, "techniques": tuple(b.techniques[: i + 1])}))
+    return rows
+
+
+@dataclass(kw_only=True)
+class Report:
+    """What every family's `run` returns (family reports add their own fields after these)."""
+
+    n_frames: int
+    wall_s: float                              # the call, end to end (model load, preparation and warm-up excluded)
+    fps: float
+    first_frame_s: float | None                # call → first frames handed to the sink / writer
+    stages: dict[str, float]                   # seconds per stage (the family's own timer)
+    gpu_peak_mb: float | None
+    host_peak_mb: float
+    counts: dict[str, int] = field(default_factory=dict)   # heavy calls: network forwards, frames rendered, skipped…
+
+    def summary(self) -> dict[str, Any]:
+        return {"frames": self.n_frames, "wall_s": round(self.wall_s, 3), "fps": round(self.fps, 2),
+                "first_frame_s": None if self.first_frame_s is None else round(self.first_frame_s, 3),
+                "gpu_peak_mb": None if self.gpu_peak_mb is None else round(self.gpu_peak_mb, 1),
+                "host_peak_mb": round(self.host_peak_mb, 1), "counts": dict(self.counts),
+                "stages": {k: round(v, 4) for k, v in self.stages.items()}}

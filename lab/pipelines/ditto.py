@@ -55,11 +55,11 @@ import torch
 import torch.nn.functional as F
 
 from lab import audio as lab_audio
-from lab.accel import pdl
-from lab.accel import putback as pb
-from lab.accel import silence as sil
-from lab.accel import stride as st
-from lab.accel import tf32x3
+from lab.runtime import pdl
+from lab.techniques import putback as pb
+from lab.techniques import silence as sil
+from lab.techniques import stride as st
+from lab.techniques import tf32x3
 from lab.errors import InputError
 from lab.models import ditto as D
 from lab.timing import StageTimer, sync
@@ -94,20 +94,20 @@ class Config:
     compile: str = "none"
     fold_spectral_norm: bool = False
     channels_last: bool = False
-    pad_channels: bool = False        # warp convs padded to channel multiples of 8 (exact; lab.accel.channel_pad)
+    pad_channels: bool = False        # warp convs padded to channel multiples of 8 (exact; lab.techniques.channel_pad)
     channels_last_3d: bool = False    # the warp network's 3-D convs in NDHWC (cuDNN's tensor-core layout)
-    fuse_spade: bool = False          # the decoder's SPADE modulation convs merged (exact; lab.accel.spade_fuse)
-    lowres_seg: bool = False          # with fuse_spade: the 128²/256² shared SPADE convs on the 64² segmap (exact; lab.accel.nearest_conv)
+    fuse_spade: bool = False          # the decoder's SPADE modulation convs merged (exact; lab.techniques.spade_fuse)
+    lowres_seg: bool = False          # with fuse_spade: the 128²/256² shared SPADE convs on the 64² segmap (exact; lab.techniques.nearest_conv)
     fold_shortcut: bool = False       # with fuse_spade: each learned shortcut's 1×1 conv composed into its norm's β conv (exact)
-    fft_mask: bool = False            # the dense motion's 7³ mask conv through FFTs in fp32 (same function; lab.accel.fft_conv)
-    tap_occlusion: bool = False       # the 1-channel 7×7 occlusion conv as one matmul + shifted sum (same function; lab.accel.tap_conv)
+    fft_mask: bool = False            # the dense motion's 7³ mask conv through FFTs in fp32 (same function; lab.techniques.fft_conv)
+    tap_occlusion: bool = False       # the 1-channel 7×7 occlusion conv as one matmul + shifted sum (same function; lab.techniques.tap_conv)
     fused_mix: bool = False           # the 22-way motion mix as multiply + sum, fused by the compiler (same products)
     silence: str = "off"
     silence_threshold: float = sil.THRESHOLD
     ease_frames: int = sil.RAMP
     putback: str = "cpu"
     putback_box: bool = False         # GPU putback over the crop's footprint only, into the backgrounds' yuv420p converted
-                                      # once (the same bytes as the whole-frame composite; lab.accel.putback.footprint)
+                                      # once (the same bytes as the whole-frame composite; lab.techniques.putback.footprint)
     writer: str = "ffmpeg"
     async_writer: bool = False
     queue_frames: int = 32
@@ -120,10 +120,10 @@ class Config:
     stream_motion: bool = False       # LMDM windows generated as the render loop reaches them, on a side CUDA stream
     motion_compile: bool = False      # the LMDM's guided DDIM step torch.compile'd (inductor, fixed shapes)
     motion_precision: str = "fp32"    # the LMDM's forwards: "fp32" (upstream's PyTorch runtime) | "tf32x3" (fp32 GEMMs as
-                                      # split-TF32 tensor-core products, fp32 rounding; lab.accel.tf32x3) | "bf16" (autocast; approximate)
+                                      # split-TF32 tensor-core products, fp32 rounding; lab.techniques.tf32x3) | "bf16" (autocast; approximate)
     motion_attention: str = "sdpa"    # the LMDM sampler's attention: "sdpa" | "triton" (fp32: one Triton kernel per call, every
-                                      # key in one tile, products in split TF32; lab.accel.tf32x3.attention; the same function)
-    motion_pdl: bool = False          # the sampler's Triton kernels (inductor's and lab.accel.tf32x3's) launched with programmatic
+                                      # key in one tile, products in split TF32; lab.techniques.tf32x3.attention; the same function)
+    motion_pdl: bool = False          # the sampler's Triton kernels (inductor's and lab.techniques.tf32x3's) launched with programmatic
                                       # dependent launch (sm_90+): each launches while the one before runs (the same kernels)
     sampling_steps: int = 50
     guidance: float = 2.0
@@ -211,7 +211,7 @@ def _check_device(cfg: Config, dev: torch.device) -> None:
     if cfg.cuda_graphs and dev.type != "cuda":
         raise InputError("Config.cuda_graphs needs a CUDA device")
     if cfg.motion_compile:
-        from lab.accel.backends import _require_compile
+        from lab.runtime.backends import _require_compile
 
         _require_compile(dev, "inductor")   # BackendUnavailable naming what is missing (triton / a C++ compiler)
 
@@ -238,9 +238,9 @@ def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last
     the loaded network itself is never changed)."""
     import copy
 
-    from lab.accel.channel_pad import PaddedConv, pad_conv_channels
-    from lab.accel.spade_fuse import fuse_spade
-    from lab.accel.spectral_fold import fold_spectral_norm
+    from lab.techniques.channel_pad import PaddedConv, pad_conv_channels
+    from lab.techniques.spade_fuse import fuse_spade
+    from lab.techniques.spectral_fold import fold_spectral_norm
 
     fft = fft and name == "warp_network"
     tap = tap and name == "warp_network"
@@ -256,12 +256,12 @@ def _module(engine: Engine, name: str, precision: str, fold: bool, channels_last
             if fold:
                 fold_spectral_norm(m)
             if fft:   # before the padding: the FFT form has no tensor-core channel granularity to meet
-                from lab.accel.fft_conv import fft_mask_conv
+                from lab.techniques.fft_conv import fft_mask_conv
 
                 d = engine.dims
                 fft_mask_conv(m.dense_motion_network, (d.reshape_depth, d.feature_hw, d.feature_hw))
             if tap:
-                from lab.accel.tap_conv import tap_occlusion
+                from lab.techniques.tap_conv import tap_occlusion
 
                 tap_occlusion(m.dense_motion_network)
             if mix:
@@ -297,7 +297,7 @@ def stage_fn(engine: Engine, kind: str, batch: int):
         return engine.variants[key]
     if cfg.cuda_graphs:
         # capture the same callable the graph-free engine would run (a compiled one is compiled once)
-        from lab.accel.backends import capture
+        from lab.runtime.backends import capture
 
         base = stage_fn(reconfigure(engine, cuda_graphs=False), kind, batch)
         d = engine.dims
@@ -585,7 +585,7 @@ def _side_graph(engine: Engine, fn, ex: list[torch.Tensor]):
     there while the renderer's graphs replay on the main stream, and graphs captured on one stream share that
     stream's cuBLAS workspace, so it is captured on a stream of its own (of the high-priority pool, where only
     the motion model's streams live). The capture time counts as compile time."""
-    from lab.accel.backends import capture
+    from lab.runtime.backends import capture
 
     cap = torch.cuda.Stream(engine.device, priority=-1)
     t0 = time.perf_counter()

@@ -4,7 +4,7 @@
     video → loop forward/backward to T frames → per 16-frame block:
         align faces to 512² (similarity transform from three facial points)
         encode: masked face + reference face → SD-VAE latents, mask → 64² channel   (B, 9, F, 64, 64)
-        loop:   DDIM 20 / DPM-Solver++ N, guidance 1.5 on null audio               lab.accel.sampling
+        loop:   DDIM 20 / DPM-Solver++ N, guidance 1.5 on null audio               lab.pipelines.latentsync_sampling
         decode: SD-VAE → face, the kept (unmasked) pixels pasted back from the reference
         restore: inverse warp into the frame, eroded + blurred edge, alpha blend → writer
 
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lab.accel import sampling
+from lab.pipelines import latentsync_sampling as sampling
 from lab.errors import InputError
 from lab.timing import StageTimer
 
@@ -63,7 +63,7 @@ def mouth(faces: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Config:
-    mode: str = "exact20"               # "exact20" | "ddim<N>" | "dpm<N>" | "deepcache<K>" (lab.accel.sampling)
+    mode: str = "exact20"               # "exact20" | "ddim<N>" | "dpm<N>" | "deepcache<K>" (lab.pipelines.latentsync_sampling)
     guidance: float = 1.5
     block: int = 16                     # frames per UNet call (≤ 24)
     fps: float = 25.0
@@ -77,8 +77,8 @@ class Config:
     channels_last: bool = False
     guided_shortcuts: bool = False      # exact: null-audio cross-attention = bias, shared prefix (sampling.GuidedShortcuts)
     fused_qkv: bool = False             # exact: self-attention q, k, v as one GEMM
-    fused_norms: bool = False           # exact: the ResNet norms over the block's frames + SiLU as Triton passes (lab.accel.block_norm)
-    folded_upsamplers: bool = False     # exact: nearest ×2 + 3×3 conv as one 2×2 conv on the low-res map (lab.accel.nearest_conv)
+    fused_norms: bool = False           # exact: the ResNet norms over the block's frames + SiLU as Triton passes (lab.techniques.block_norm)
+    folded_upsamplers: bool = False     # exact: nearest ×2 + 3×3 conv as one 2×2 conv on the low-res map (lab.techniques.nearest_conv)
     pdl: bool = False                   # exact: the fast runner's Triton kernels with programmatic dependent launch (sm_90+)
     cache_encodes: bool = False         # exact: VAE moments kept per source frame when the video loops
     vae_fast: str = "eager"             # VAE encode + decode: "eager" | "cudagraph" | "compile" | "compile+cudagraph"
@@ -156,14 +156,14 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
 
         fuse_qkv(unet.model)
     if cfg.fused_norms:
-        from lab.accel.block_norm import fuse_block_norms
+        from lab.techniques.block_norm import fuse_block_norms
 
         fuse_block_norms(unet.model)
     if cfg.folded_upsamplers:
-        from lab.accel.nearest_conv import fold_upsamplers
+        from lab.techniques.nearest_conv import fold_upsamplers
 
         fold_upsamplers(unet.model)
-    from lab.accel import short_attention
+    from lab.techniques import short_attention
 
     if short_attention.available(dev)[0]:
         short_attention.register()  # attention kernel "triton" for the temporal attention
@@ -197,7 +197,7 @@ def set_vae_fast(engine: Engine, how: str, runner: Any = None, encoder: Any = No
     (masked and reference faces) as one call of 2 × block images; a short last block is padded to that
     shape (the VAE works image by image, so its real images come out the same). "eager" drops both. `runner` /
     `encoder`: runners already built for those shapes (e.g. by a benchmark) instead of building again."""
-    from lab.accel.backends import accelerate
+    from lab.runtime.backends import accelerate
 
     cfg = engine.cfg
     if how == "eager":

@@ -67,9 +67,9 @@ class Config:
     crf: int = 18
     queue_depth: int = 3
     channels_last: bool = True
-    subpixel: bool = False                  # SD-VAE: fold upsample convs into stride-2 transposed convs (exact; lab.accel.subpixel)
-    fused_norm: bool = False                # SD-VAE decoder: GroupNorm + SiLU as channels-last Triton passes (same function; lab.accel.group_norm)
-    stride: int | str = 1                   # 1 = every frame; k = keyframe every k; "adaptive" (lab.accel.stride)
+    subpixel: bool = False                  # SD-VAE: fold upsample convs into stride-2 transposed convs (exact; lab.techniques.subpixel)
+    fused_norm: bool = False                # SD-VAE decoder: GroupNorm + SiLU as channels-last Triton passes (same function; lab.techniques.group_norm)
+    stride: int | str = 1                   # 1 = every frame; k = keyframe every k; "adaptive" (lab.techniques.stride)
     max_gap: int = 3                        # adaptive stride: largest keyframe interval
     allow_silence: bool = False
     audio_windows: str = "upstream"         # "upstream": v1.5's window placement, zero-padded | "centred": centred, edges repeated
@@ -195,11 +195,11 @@ def build_engine(cfg: Config, device: torch.device | str = "cpu") -> Engine:
     unet = load_musetalk_unet(w["unet"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
     vae = load_vae(cfg.decoder, w["vae"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
     if _folded(cfg):
-        from lab.accel.subpixel import rewrite_upsamplers
+        from lab.techniques.subpixel import rewrite_upsamplers
 
         rewrite_upsamplers(vae.model)
     if _fused(cfg):
-        from lab.accel.group_norm import fuse_group_norms
+        from lab.techniques.group_norm import fuse_group_norms
 
         fuse_group_norms(vae.model.decoder)
     gen, dec = unet.module(), vae.decoder_module()
@@ -417,7 +417,7 @@ def audio_stream(engine: Engine, audio: np.ndarray, sr: int, timer: StageTimer |
 
 def keyframe_plan(engine: Engine, a16: np.ndarray | None, n_frames: int) -> np.ndarray:
     """Frames the UNet runs on: all (stride 1), every k-th, or chosen from the audio ('adaptive')."""
-    from lab.accel import stride as st
+    from lab.techniques import stride as st
 
     s = engine.cfg.stride
     if s == "adaptive":
@@ -511,7 +511,7 @@ class _Latents:
 
     def batch(self, s: int, t: int, b: int | None = None) -> torch.Tensor:
         """Latents of frames s..t-1, the UNet called at shape b (default batch_size)."""
-        from lab.accel.stride import slerp
+        from lab.techniques.stride import slerp
 
         b = b or self.e.cfg.batch_size
         frames, left, right, is_key, need = self._plan(s, t, b)
@@ -969,13 +969,13 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
             w = cfg.weights.get(cfg.decoder, cfg.weights.get("vae", "random"))
             vae = load_vae(cfg.decoder, w, size=cfg.size, device=engine.device, dtype=dt, seed=cfg.seed)
         if key[2]:
-            from lab.accel.subpixel import rewrite_upsamplers
+            from lab.techniques.subpixel import rewrite_upsamplers
 
             rewrite_upsamplers(vae.model)  # a no-op on a copy that is folded already
         elif same_kind and same_kind[0][0]:
             raise InputError("subpixel=False after a subpixel=True build: the folded decoder cannot be "
                              "unfolded exactly; build the engine with subpixel=False and switch it on")
-        from lab.accel.group_norm import fuse_group_norms, unfuse_group_norms
+        from lab.techniques.group_norm import fuse_group_norms, unfuse_group_norms
 
         if key[3]:
             fuse_group_norms(vae.model.decoder)  # a no-op on a copy that is fused already

@@ -17,7 +17,7 @@ Backends (`BACKENDS`):
 * ``compile+cudagraph``: the compiled module (default mode) captured the same way; pass
   ``compiled=<the "compile" runner>`` to reuse its graphs instead of compiling again. ``via=
   "reduce-overhead"`` uses `torch.compile(mode="reduce-overhead")` (cudagraph trees) instead.
-  Both compile backends take ``inductor_options`` (torch.compile's `options`, e.g. `lab.accel.pdl`'s).
+  Both compile backends take ``inductor_options`` (torch.compile's `options`, e.g. `lab.runtime.pdl`'s).
 * ``onnx``: `torch.onnx.export` (dynamo exporter; external data above 1.5 GB; checked with
   `onnx.checker`) → ONNX Runtime. A CUDA module needs the CUDA execution provider
   (onnxruntime-gpu) and runs with I/O bound to torch tensors; a CPU module uses the CPU provider.
@@ -29,7 +29,7 @@ Backends (`BACKENDS`):
 A backend that cannot run here raises `lab.errors.BackendUnavailable` with the reason (not
 installed, a stub package without the builder, no CUDA, no CUDA provider); `available()` says
 the same without building anything. With `cache_dir`, ONNX exports, ONNX Runtime optimized
-models and TensorRT engines go through `lab.accel.cache` (keyed by arch, precision, batch,
+models and TensorRT engines go through `lab.runtime.cache` (keyed by arch, precision, batch,
 shapes, graph hash and backend version; validated before use).
 
 The caller's module is never modified: a module at another precision is copied first. Every
@@ -55,7 +55,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_map
 
-from lab.accel import cache
+from lab.runtime import cache
 from lab.errors import BackendUnavailable, InputError
 
 BACKENDS = ("eager", "compile", "cudagraph", "compile+cudagraph", "onnx", "tensorrt")

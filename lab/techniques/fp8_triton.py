@@ -14,7 +14,7 @@ view of the input, the copy engine's out-of-bounds zero fill standing in for the
 H200's SD-VAE decoder shapes the TMA kernel ran 1.15-1.55× faster than the gather one except at 32²;
 `fp8.tune_triton` times both per shape (a 6th tile element, 1, selects TMA).
 
-Layout contract (the same as the im2col path in `lab.accel.fp8`, so one weight buffer serves both):
+Layout contract (the same as the im2col path in `lab.techniques.fp8`, so one weight buffer serves both):
   x      (B, H, W, C) contiguous (NHWC): float8_e4m3fn, or fp16/bf16/fp32 quantized in the kernel
          (the activation cast fused into the conv's loads: no separate pass over the activation)
   w      (N, KH*KW*C) float8_e4m3fn, row-major, K ordered (ky, kx, c): the column-major (K, N)

@@ -14,7 +14,7 @@ Scores and softmax in fp32, the products on the tensor cores in the inputs' dtyp
 the flash kernels do. `register()` offers it to the LatentSync UNet as the attention kernel "triton"
 (`lab.models.latentsync.set_attention_kernels`). The launch sits behind a custom op, which torch.compile keeps in
 its graph as one opaque call: traced as a user-defined kernel instead, its programmatic-dependent-launch form
-(`lab.accel.pdl`: inline-assembly `griddepcontrol`) cannot be analysed by inductor, which then assumes every input is
+(`lab.runtime.pdl`: inline-assembly `griddepcontrol`) cannot be analysed by inductor, which then assumes every input is
 written and copies them first (80 extra kernels per LatentSync step, measured on an H200).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from lab.accel.pdl import launch_options, wait_and_release
+from lab.runtime.pdl import launch_options, wait_and_release
 from lab.errors import BackendUnavailable, InputError
 
 MAX_TOKENS = 64
@@ -41,7 +41,7 @@ if triton is not None:
                                 sq_n, sq_l, sk_n, sk_l, sv_n, sv_l, so_n, so_l,
                                 H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
                                 USE_PDL: tl.constexpr = False):
-        wait_and_release(USE_PDL)   # launched early (lab.accel.pdl)
+        wait_and_release(USE_PDL)   # launched early (lab.runtime.pdl)
         pid = tl.program_id(0)
         n = pid // H
         h = pid % H

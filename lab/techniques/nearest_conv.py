@@ -10,7 +10,7 @@ distinct tap patterns. Over the window (x[i], x[i+1]) of the input, per axis:
 
 So one 2×2 conv over the zero-padded input, with P² · C_out outputs (P = 2 phase patterns at s = 2,
 3 at s > 2), gives every output pixel; a gather puts them in place. Per s × s output block it does
-4 P² taps instead of 9 s²: 16 / 36 at s = 2 (as `lab.accel.subpixel` does for the SD-VAE's
+4 P² taps instead of 9 s²: 16 / 36 at s = 2 (as `lab.techniques.subpixel` does for the SD-VAE's
 upsamplers), 36 / 144 at s = 4, and the upsampled input is never written.
 
 The combined kernel is built in float32 (float64 for a float64 weight) from the original weight

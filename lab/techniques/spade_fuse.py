@@ -14,7 +14,7 @@ makes fout channels instead of fin (fin − fout of them never computed: 39 of t
 the released shapes, in the 128² and 256² blocks). Composed in float64 at build time.
 
 With `lowres_seg`, the shared convs of the 128² and 256² norms read the 64² map itself: their input
-is the map upsampled by nearest neighbour, ×2 and ×4, so `lab.accel.nearest_conv` computes the same
+is the map upsampled by nearest neighbour, ×2 and ×4, so `lab.techniques.nearest_conv` computes the same
 conv on the map before the upsample with 16/36 and 36/144 of the taps (145 → 43 GFLOP per frame at
 the released shapes; the 256² one alone was 116, a tenth of the renderer).
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lab.accel.nearest_conv import NearestConv
+from lab.techniques.nearest_conv import NearestConv
 from lab.errors import InputError
 from lab.models.ditto import SPADE, SPADEDecoder, SPADEResnetBlock
 
@@ -61,7 +61,7 @@ def _compose_1x1(outer: nn.Conv2d, inner: nn.Conv2d) -> nn.Conv2d:
 def _plain(conv: nn.Module) -> nn.Module:
     if hasattr(conv, "weight_orig"):
         raise InputError("fuse_spade needs plain conv weights: fold the spectral norm first "
-                         "(lab.accel.spectral_fold.fold_spectral_norm)")
+                         "(lab.techniques.spectral_fold.fold_spectral_norm)")
     return conv
 
 

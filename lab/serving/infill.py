@@ -4,7 +4,7 @@ Write-up 001 generates every 4th frame (15 FPS) and fills 60 FPS with a RIFE net
 I_t = warp(I_0, F_t→0)·M + warp(I_1, F_t→1)·(1 − M). Three ways to fill, usable on any
 frame sequence:
 
-- latent or pixel SLERP: `lab.accel.stride.expand_keyframes` (no motion model at all);
+- latent or pixel SLERP: `lab.techniques.stride.expand_keyframes` (no motion model at all);
 - `flow_infill`: bidirectional optical flow from OpenCV (DIS or Farnebäck: classical estimators,
   no weights to download), the intermediate flows approximated from the two key-to-key flows
   (linear motion), backward warping of both keys, and an occlusion-aware blend whose visibility
@@ -13,7 +13,7 @@ frame sequence:
   1/4, 1/2, 1/1 scale, each predicting a flow residual and a blend mask from the warped keys),
   for its speed; with random weights its frames mean nothing.
 
-Keyframe plans come from `lab.accel.stride.keyframe_indices` (0, k, 2k, … and the last frame).
+Keyframe plans come from `lab.techniques.stride.keyframe_indices` (0, k, 2k, … and the last frame).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lab.accel.stride import keyframe_indices
+from lab.techniques.stride import keyframe_indices
 from lab.errors import BackendUnavailable, InputError
 
 ESTIMATORS = ("dis", "farneback")

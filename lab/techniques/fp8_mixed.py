@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from lab.metrics import drift
-from lab.accel.fp8 import quantize_module
+from lab.techniques.fp8 import quantize_module
 from lab.errors import InputError
 
 
@@ -49,7 +49,7 @@ def layer_sensitivity(case: Any, ref: torch.Tensor, report: Any, qmodel: torch.n
     re-quantizing and re-calibrating the model once per layer."""
     from lab.progress import tqdm
 
-    from lab.accel.fp8 import _set_module, fp8_layers
+    from lab.techniques.fp8 import _set_module, fp8_layers
 
     layers = list(report.layers)
     if not layers:
@@ -132,7 +132,7 @@ def verify(case: Any, quant: dict[str, Any], ref: torch.Tensor, fp8: Sequence[st
         model, rep = quantize_plan(case, quant, fp8)
         n = rep.n_layers
     else:
-        from lab.accel.fp8 import fp8_layers
+        from lab.techniques.fp8 import fp8_layers
 
         n = len(fp8_layers(model))
     return {"fp8_layers": n, "psnr_db": _psnr(case, model, ref)}

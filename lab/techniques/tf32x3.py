@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from lab.accel.pdl import launch_options, wait_and_release
+from lab.runtime.pdl import launch_options, wait_and_release
 from lab.errors import InputError
 from lab.models.ditto import heads_attention
 
@@ -53,7 +53,7 @@ if triton is not None:
     def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, sxm, sxk, swn, swk, sym, syn, K: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr = False):
-        wait_and_release(USE_PDL)   # launched early (lab.accel.pdl)
+        wait_and_release(USE_PDL)   # launched early (lab.runtime.pdl)
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
@@ -76,7 +76,7 @@ if triton is not None:
                           H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                           PREC: tl.constexpr, USE_PDL: tl.constexpr = False):
         # one program per (block of queries, sequence · head): every key of the sequence in one tile
-        wait_and_release(USE_PDL)   # launched early (lab.accel.pdl)
+        wait_and_release(USE_PDL)   # launched early (lab.runtime.pdl)
         n, h = tl.program_id(1) // H, tl.program_id(1) % H
         rq = tl.program_id(0) * BQ + tl.arange(0, BQ)
         rk = tl.arange(0, BK)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lab.accel.pdl import launch_options, wait_and_release
+from lab.runtime.pdl import launch_options, wait_and_release
 from lab.errors import InputError
 from lab.models.latentsync import BlockGroupNorm, ResnetBlock3D, UNet3D
 
@@ -52,7 +52,7 @@ if triton is not None:
     @triton.jit
     def _partial_kernel(x_ptr, shift_ptr, mean_ptr, m2_ptr, R, S, SHIFT_N, ROWS: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
                         BLOCK: tl.constexpr, HAS_SHIFT: tl.constexpr, USE_PDL: tl.constexpr = False):
-        wait_and_release(USE_PDL)   # launched early (lab.accel.pdl)
+        wait_and_release(USE_PDL)   # launched early (lab.runtime.pdl)
         n = tl.program_id(0)
         s = tl.program_id(1)
         cols = tl.program_id(2) * CB + tl.arange(0, CB)
@@ -80,7 +80,7 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(mean_ptr, m2_ptr, stats_ptr, R, S, eps, ROWS: tl.constexpr, C: tl.constexpr, G: tl.constexpr,
                         CG: tl.constexpr, CGP: tl.constexpr, SP: tl.constexpr, USE_PDL: tl.constexpr = False):
-        wait_and_release(USE_PDL)   # launched early (lab.accel.pdl)
+        wait_and_release(USE_PDL)   # launched early (lab.runtime.pdl)
         n = tl.program_id(0)
         g = tl.program_id(1)
         sp = tl.arange(0, SP)
@@ -106,7 +106,7 @@ if triton is not None:
     def _apply_kernel(x_ptr, y_ptr, stats_ptr, w_ptr, b_ptr, shift_ptr, R, SHIFT_N, C: tl.constexpr, G: tl.constexpr,
                       CG: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr,
                       HAS_SHIFT: tl.constexpr, USE_PDL: tl.constexpr = False):
-        wait_and_release(USE_PDL)   # launched early (lab.accel.pdl)
+        wait_and_release(USE_PDL)   # launched early (lab.runtime.pdl)
         n = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         cols = tl.program_id(2) * CB + tl.arange(0, CB)

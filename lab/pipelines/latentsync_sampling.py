@@ -18,7 +18,7 @@ block: reusing it across blocks is what raises index-out-of-range in upstream's 
 Speed, without changing what is computed (`fast_unet`): the loop feeds the UNet from one staging
 buffer per block (condition channels written once, latents copied in each step), the guided batch
 is one call, the timestep is a device tensor, so the UNet call has static shapes and can be
-captured as a CUDA graph, compiled with torch.compile, or both (lab.accel.backends).
+captured as a CUDA graph, compiled with torch.compile, or both (lab.runtime.backends).
 """
 from __future__ import annotations
 
@@ -309,11 +309,11 @@ def fast_unet(model: torch.nn.Module, how: str, example: tuple[torch.Tensor, ...
 
     Graph runners return their static output buffer (valid until the next call: `denoise`
     consumes it at once) and replay only the shapes they were captured for. `pdl`: inductor's kernels
-    and the lab's Triton kernels with programmatic dependent launch (`lab.accel.pdl`, sm_90+); the
+    and the lab's Triton kernels with programmatic dependent launch (`lab.runtime.pdl`, sm_90+); the
     lab's kernels keep it inside a captured graph (a plain "compile" runner launches them without).
     """
-    from lab.accel.backends import accelerate
-    from lab.accel.pdl import launching
+    from lab.runtime.backends import accelerate
+    from lab.runtime.pdl import launching
 
     opts = _runner_options(how, pdl)
     with launching(pdl):
@@ -323,7 +323,7 @@ def fast_unet(model: torch.nn.Module, how: str, example: tuple[torch.Tensor, ...
 def _runner_options(how: str, pdl: bool) -> dict[str, Any]:
     """`accelerate` options of a loop runner: graph runners hand out their static output (the loop
     consumes it at once); PDL is an inductor option of the compiled kinds."""
-    from lab.accel.pdl import INDUCTOR_OPTIONS
+    from lab.runtime.pdl import INDUCTOR_OPTIONS
 
     if how not in FAST_OPTIONS:
         raise InputError(f"fast path must be one of {FAST_OPTIONS}, got {how!r}")
@@ -339,8 +339,8 @@ def fast_feature_cache(model: torch.nn.Module, how: str, example: tuple[torch.Te
     step that also returns the deep features, and the shallow step. Both are graphs of their own (the
     full one is the exact runner's graph with one more output), so a feature-cache mode runs on the same
     compiled or captured kernels as the exact path instead of eagerly. → (full, shallow) runners."""
-    from lab.accel.backends import accelerate
-    from lab.accel.pdl import launching
+    from lab.runtime.backends import accelerate
+    from lab.runtime.pdl import launching
 
     opts = _runner_options(how, pdl)
     full_mod, shallow_mod = DeepStep(model, shortcuts, shortcuts), ShallowStep(model, shortcuts)

@@ -13,12 +13,12 @@ tensor, s_w = max|W| / 448 (448 is the largest finite float8_e4m3fn), and multip
     anywhere (CPU included), halves weight memory vs fp16, no speed-up by itself.
   - ``gemm``: a Linear or a 1×1 conv as one true FP8 GEMM (`torch._scaled_mm`).
   - ``im2col``: a k×k conv as FP8 GEMM over a channels-last im2col matrix (9× the input for 3×3).
-  - ``triton``: a k×k conv as an implicit-GEMM FP8 Triton kernel (`lab.accel.fp8_triton`) that
+  - ``triton``: a k×k conv as an implicit-GEMM FP8 Triton kernel (`lab.techniques.fp8_triton`) that
     fetches the taps inside the GEMM loop, so no im2col matrix is written: a gather kernel (pointer
     loads) or, for stride-1 convs on Hopper, a bulk-copy (TMA) kernel; tuning keeps the faster.
   True FP8 paths need a GPU with compute capability ≥ 8.9; elsewhere ``mode="auto"`` falls back to
   ``weight_only`` with a warning and a notice in the report.
-* **torchao** as a comparison (`lab.accel.fp8_bench.quantize_torchao`), unavailable with the reason when
+* **torchao** as a comparison (`lab.experiments.fp8.quantize_torchao`), unavailable with the reason when
   it is not installed or cannot run here.
 
 `quantize_module(model, ...)` returns a copy of the model with the same call signature plus an
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lab.accel import fp8_triton
+from lab.techniques import fp8_triton
 from lab.errors import InputError
 
 E4M3 = torch.float8_e4m3fn
