@@ -273,3 +273,15 @@ def _has_pyav() -> bool:
         return True
     except ImportError:
         return False
+
+
+VIDEO_SUFFIXES = (".mp4", ".mov", ".avi", ".mkv", ".webm")
+
+
+def load_source(path: str | Path, max_frames: int | None = 250) -> np.ndarray:
+    """A user's face source, an image (one frame) or a video, as (N, H, W, 3) uint8 cropped to even width
+    and height (yuv420p needs them): what every pipeline's `prepare` takes."""
+    p = Path(path)
+    frames = load_video(p, max_frames=max_frames)[0] if p.suffix.lower() in VIDEO_SUFFIXES else load_image(p)[None]
+    h, w = frames.shape[1:3]
+    return np.ascontiguousarray(frames[:, : h - h % 2, : w - w % 2])

@@ -93,6 +93,28 @@ def waterfall(family: str, name: str = "exact", start: str = "upstream") -> list
     return rows
 
 
+@dataclass(frozen=True)
+class Encode:
+    """How rendered frames become a file: the same settings for every family."""
+
+    writer: str = "ffmpeg"          # "ffmpeg" | "pyav" (where the family has it) | "null" (frames discarded)
+    x264_preset: str = "ultrafast"  # libx264 preset: the encoder must keep up with the GPU
+    crf: int = 18
+    pipe_buffer: int = 0            # ffmpeg's stdin pipe size asked of the kernel, bytes (0: the OS default, 64 KiB)
+    queue: int = 32                 # frames the writer thread may hold (async writers)
+
+    def check(self, writers: tuple[str, ...] = ("ffmpeg", "null")) -> "Encode":
+        if self.writer not in writers:
+            raise InputError(f"Encode.writer must be one of {writers}, got {self.writer!r}")
+        for name in ("crf", "pipe_buffer", "queue"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "queue" else 0):
+                raise InputError(f"Encode.{name} must be an integer >= {1 if name == 'queue' else 0}, got {v!r}")
+        if self.crf > 51:
+            raise InputError(f"Encode.crf must be 0-51 (libx264's range), got {self.crf}")
+        return self
+
+
 @dataclass(kw_only=True)
 class Report:
     """What every family's `run` returns (family reports add their own fields after these)."""
