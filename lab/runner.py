@@ -82,15 +82,28 @@ def kernel_name() -> str:
         return "python3"
 
 
-def _ipc_manager():
-    # IPC sockets instead of TCP: nothing in plain text on the network, and no transport warning
-    # from the kernel in the CLI's output
+def _ipc_manager(folder: Path):
+    """A kernel manager on IPC sockets (nothing in plain text on the network, no transport warning in the
+    CLI's output) whose sockets and connection file live in `folder`, a private temporary folder: two runs
+    at once never pick the same socket names, and nothing is left in the source tree."""
     from jupyter_client.manager import AsyncKernelManager
 
     class IPCKernelManager(AsyncKernelManager):
         transport = "ipc"
 
+        def __init__(self, **kw: Any):
+            super().__init__(**kw)
+            self.ip = str(folder / "kernel")
+            self.connection_file = str(folder / "connection.json")
+
     return IPCKernelManager
+
+
+def _disk_error(e: OSError, folder: Path) -> InputError:
+    import errno
+
+    why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return InputError(f"cannot write the run folder {folder}: {why} (free space there or choose another --out)")
 
 
 def check_parameters(notebook: str | Path, parameters: dict[str, Any]) -> dict[str, Any]:
@@ -186,10 +199,17 @@ def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str
     params = resolve_paths(dict(parameters or {}))  # the kernel runs in notebooks/: hand it absolute paths
     check_parameters(nb, params)
     folder = out_folder(out_dir, params, out_dir)  # -p out_dir is the same setting as out_dir
+    import shutil
+    import tempfile
+
     token = secrets.token_hex(8)
     out = claim(folder, token)
     executed = out / nb.name
-    _mark(out, "running", nb.stem)
+    partial = out / f".{nb.stem}.part.ipynb"   # the executed notebook gets its name only once written whole
+    try:
+        _mark(out, "running", nb.stem)
+    except OSError as e:
+        raise _disk_error(e, out) from None
     params["out_dir"] = str(out)
     t0 = time.perf_counter()
     error = None
@@ -201,20 +221,30 @@ def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str
     parts = [p for p in (old_path or "").split(os.pathsep) if p]
     if str(ROOT) not in parts:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *parts])
+    ipc = Path(tempfile.mkdtemp(prefix="lab-kernel-"))
     try:
-        pm.execute_notebook(str(nb), str(executed), parameters=params, kernel_name=kernel or kernel_name(),
-                            progress_bar=progress, cwd=str(nb.parent), kernel_manager_class=_ipc_manager())
+        pm.execute_notebook(str(nb), str(partial), parameters=params, kernel_name=kernel or kernel_name(),
+                            progress_bar=progress, cwd=str(nb.parent), kernel_manager_class=_ipc_manager(ipc))
     except pm.PapermillExecutionError as e:
         error = f"{e.ename}: {e.evalue}"
+    except KeyboardInterrupt:
+        _settle(partial, executed)
+        _mark(out, "interrupted", nb.stem, "stopped from outside (SIGINT/SIGTERM)", quiet=True)
+        raise
+    except OSError as e:  # the disk filled while papermill wrote: one line naming the folder
+        error = str(_disk_error(e, out))
     except Exception as e:  # kernel died, bad notebook JSON: still a failed entry, not a crash
         error = f"{type(e).__name__}: {e}"
     finally:
+        shutil.rmtree(ipc, ignore_errors=True)
         for key, value in ((TOKEN_ENV, old), ("PYTHONPATH", old_path)):
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
     wall = time.perf_counter() - t0
+    if not _settle(partial, executed) and not error:
+        error = f"the executed notebook could not be written whole in {out} (kept as {partial.name})"
     entry = Entry(nb.stem, "failed" if error else "ok", wall, str(out), str(executed), error)
     res_path = out / "results.json"
     if res_path.exists():
@@ -228,17 +258,34 @@ def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str
             entry.status, entry.error = "failed", f"results.json unreadable: {e}"
     elif not error:
         entry.status, entry.error = "failed", "notebook finished without writing results.json"
-    _mark(out, "complete" if entry.status == "ok" else "failed", nb.stem, entry.error)
+    _mark(out, "complete" if entry.status == "ok" else "failed", nb.stem, entry.error, quiet=True)
     return entry
 
 
-def _mark(folder: Path, status: str, notebook: str, error: str | None = None) -> None:
+def _settle(partial: Path, executed: Path) -> bool:
+    """The executed notebook renamed to its final name when it is whole JSON; False (left hidden) if not."""
+    if not partial.exists():
+        return False
+    try:
+        json.loads(partial.read_text())
+    except (ValueError, OSError):
+        return False
+    partial.replace(executed)
+    return True
+
+
+def _mark(folder: Path, status: str, notebook: str, error: str | None = None, quiet: bool = False) -> None:
     """The notebook folder's own run.json: "running" with our pid until it ends (a run killed
-    outright then reads as interrupted through `run_status`)."""
+    outright then reads as interrupted through `run_status`). `quiet`: a full disk leaves the last state
+    that could be written (the run's outcome is still returned)."""
     import os
 
-    atomic_write_text(folder / "run.json", json.dumps({"status": status, "pid": os.getpid(), "notebook": notebook,
-                                                       "error": error}, indent=2), overwrite=True)
+    try:
+        atomic_write_text(folder / "run.json", json.dumps({"status": status, "pid": os.getpid(), "notebook": notebook,
+                                                           "error": error}, indent=2), overwrite=True)
+    except OSError:
+        if not quiet:
+            raise
 
 
 def select(only: list[str] | None, notebooks_dir: str | Path = NOTEBOOKS) -> list[Path]:
