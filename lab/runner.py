@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab import ledger
 from lab.errors import InputError
 from lab.results import OUTPUTS, ROOT, TOKEN_ENV, Result, atomic_write_text, claim, new_run_id
 
@@ -258,6 +259,7 @@ def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str
             entry.status, entry.error = "failed", f"results.json unreadable: {e}"
     elif not error:
         entry.status, entry.error = "failed", "notebook finished without writing results.json"
+    ledger.record_run(entry, params)  # a run under outputs/reference/<machine>/ adds its figures to that ledger
     _mark(out, "complete" if entry.status == "ok" else "failed", nb.stem, entry.error, quiet=True)
     return entry
 

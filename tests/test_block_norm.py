@@ -78,7 +78,7 @@ def test_supported_shapes_and_bad_input():
 
 
 def test_unet_rewrite_is_the_same_function_and_undoes():
-    from lab.pipelines.latentsync_sampling import example_inputs
+    from lab.pipelines.latentsync.sampling import example_inputs
 
     model = build_unet("tiny").eval()
     keys = list(model.state_dict())
@@ -101,7 +101,7 @@ def test_unet_rewrite_is_the_same_function_and_undoes():
 def test_pipeline_switch_builds_the_fused_unet():
     from lab.pipelines import latentsync as P
 
-    eng = P.build(P.Config(size="tiny", dtype="fp32", fused_norms=True), "cpu")
+    eng = P.build(P.Config(size="tiny", dtype="fp32", techniques=("fused_norms",)), "cpu")
     assert bn.fused(eng.unet.model)
     assert not bn.fused(P.build(P.Config(size="tiny", dtype="fp32"), "cpu").unet.model)
 
@@ -109,7 +109,7 @@ def test_pipeline_switch_builds_the_fused_unet():
 UNET = """
 import copy, torch
 from lab.techniques import block_norm as bn
-from lab.pipelines import latentsync_sampling as sampling
+from lab.pipelines.latentsync import sampling as sampling
 from lab.models.latentsync import build_unet
 torch.manual_seed(0)
 model = build_unet("tiny").eval()

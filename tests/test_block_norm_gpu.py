@@ -39,7 +39,7 @@ def test_the_op_inside_a_compiled_graph():
 
 
 def test_fused_unet_matches_the_plain_unet():
-    from lab.pipelines.latentsync_sampling import example_inputs
+    from lab.pipelines.latentsync.sampling import example_inputs
     from lab.metrics import cosine
     from lab.models.latentsync import build_unet
 

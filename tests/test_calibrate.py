@@ -7,7 +7,7 @@ import pytest
 
 from lab.cli import main
 from lab.experiments import calibrate as C
-from lab.experiments import families as F
+from lab.experiments import compare as F
 
 
 def _outcome(wall: float, n: int, stages: dict[str, float]) -> F.Outcome:
@@ -38,10 +38,10 @@ def test_calibrate_cli_quick_cpu(tmp_path, one_thread):
     assert rep["quick"] and rep["complete"] and rep["device"] == "cpu" and set(rep["benchmarks"]) == set(F.FAMILIES)
     for fam, b in rep["benchmarks"].items():
         assert b["best"]["backend"] == "eager" and b["best"]["batch"] in C.plan(__import__("torch").device("cpu"), True).batches[fam]
-        assert {r["backend"] for r in b["skipped"]} <= {"compile", "cudagraph"}
+        assert {r["backend"] for r in b["skipped"]} <= {"compile", "graph", "compile+graph"}
         assert b["engines"] and all(e["fps"] > 0 for e in b["engines"])
         rows = b["projections"]
-        assert len(rows) == len(C.CHOICES[fam])
+        assert len(rows) == len(C.plan(__import__("torch").device("cpu"), True).choices[fam])
         for r in rows:
             assert r["projected_fps"] > 0 and r["measured_fps"] > 0
             if r["kind"].startswith("basis"):

@@ -1,5 +1,7 @@
 """Ditto pipeline on the tiny config (CPU): lengths, silence bypass = the eased reference, strides,
-putback CPU vs GPU path, ping-pong sources, the encoder, and bad inputs with clear errors."""
+putback CPU vs GPU path, ping-pong sources, the encoder, the presets, and bad inputs with clear errors."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -7,7 +9,10 @@ import torch
 from lab.techniques import putback as pb
 from lab.techniques import silence as sil
 from lab.errors import InputError
+from lab.pipelines import Encode
 from lab.pipelines import ditto as P
+from lab.pipelines.ditto import motion as PM
+from lab.pipelines.ditto import render as PR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SR = 16000
@@ -24,8 +29,13 @@ def _speech_with_pause(seconds=1.6, pause=(0.5, 1.1), seed=0):
 @pytest.fixture(scope="module")
 def engine():
     cfg = P.Config(size="tiny", precision="fp32", batch_size=4, frame_size=(128, 192), sampling_steps=2,
-                   writer="null", source_pool="vram", putback="gpu")
+                   encode=Encode(writer="null"), techniques=("batch_cfg", "vram_pool", "gpu_putback"))
     return P.build(cfg, "cpu")
+
+
+def _t(engine, *add, drop=()):
+    """The engine's techniques without `drop`, with `add` (a Config change)."""
+    return tuple(t for t in engine.cfg.techniques if t not in drop and t not in add) + tuple(add)
 
 
 @pytest.fixture(scope="module")
@@ -68,32 +78,33 @@ def test_strides_render_keyframes_only(engine, avatar):
 def test_exact_switches_keep_the_output(engine, avatar):
     a = _speech_with_pause(0.8)
     ref = P.run(engine, avatar, a, SR, keep_faces=True)
-    fast = P.run(P.reconfigure(engine, fold_spectral_norm=True, pad_channels=True, batch_size=3, source_pool="host"),
-                 avatar, a, SR, keep_faces=True)
+    fast = P.run(P.reconfigure(engine, techniques=_t(engine, "fold_spectral_norm", "pad_channels", drop=("vram_pool",)),
+                               batch_size=3), avatar, a, SR, keep_faces=True)
     assert (ref.faces.int() - fast.faces.int()).abs().max() <= 1
-    fused = P.run(P.reconfigure(engine, fold_spectral_norm=True, fuse_spade=True, channels_last_3d=True, pad_channels=True,
-                                async_writer=True),
+    fused = P.run(P.reconfigure(engine, techniques=_t(engine, "fold_spectral_norm", "fuse_spade", "channels_last_3d",
+                                                      "pad_channels", "async_writer")),
                   avatar, a, SR, keep_faces=True)
     assert (ref.faces.int() - fused.faces.int()).abs().max() <= 1
-    low = P.run(P.reconfigure(engine, fold_spectral_norm=True, fuse_spade=True, lowres_seg=True), avatar, a, SR,
-                keep_faces=True)
+    low = P.run(P.reconfigure(engine, techniques=_t(engine, "fold_spectral_norm", "fuse_spade", "lowres_seg")), avatar,
+                a, SR, keep_faces=True)
     assert (ref.faces.int() - low.faces.int()).abs().max() <= 1
-    sc = P.run(P.reconfigure(engine, fold_spectral_norm=True, fuse_spade=True, lowres_seg=True, fold_shortcut=True),
-               avatar, a, SR, keep_faces=True)
+    sc = P.run(P.reconfigure(engine, techniques=_t(engine, "fold_spectral_norm", "fuse_spade", "lowres_seg",
+                                                   "fold_shortcut")), avatar, a, SR, keep_faces=True)
     assert (ref.faces.int() - sc.faces.int()).abs().max() <= 1
     with pytest.raises(InputError, match="fold_spectral_norm"):
-        P.reconfigure(engine, fuse_spade=True)
-    with pytest.raises(InputError, match="lowres_seg needs fuse_spade"):
-        P.reconfigure(engine, fold_spectral_norm=True, lowres_seg=True)
-    with pytest.raises(InputError, match="fold_shortcut needs fuse_spade"):
-        P.reconfigure(engine, fold_spectral_norm=True, fold_shortcut=True)
+        P.reconfigure(engine, techniques=_t(engine, "fuse_spade"))
+    with pytest.raises(InputError, match=r"'lowres_seg' needs \['fuse_spade'\]"):
+        P.reconfigure(engine, techniques=_t(engine, "fold_spectral_norm", "lowres_seg"))
+    with pytest.raises(InputError, match=r"'fold_shortcut' needs \['fuse_spade'\]"):
+        P.reconfigure(engine, techniques=_t(engine, "fold_spectral_norm", "fold_shortcut"))
 
 
 def test_cpu_and_gpu_putback_agree(engine, avatar):
     a = _speech_with_pause(0.8)
     keep = (0, 5, 19)
     g = P.run(engine, avatar, a, SR, keep_frames=keep)
-    c = P.run(P.reconfigure(engine, putback="cpu", source_pool="host"), avatar, a, SR, keep_frames=keep)
+    c = P.run(P.reconfigure(engine, techniques=_t(engine, drop=("gpu_putback", "vram_pool"))), avatar, a, SR,
+              keep_frames=keep)
     for i in keep:
         d = np.abs(g.frames[i].astype(int) - c.frames[i].astype(int))
         assert d.max() <= 2, (i, d.max())
@@ -116,7 +127,8 @@ def test_ffmpeg_writer_output(engine, avatar, tmp_path):
     from lab.video import read_video_info
 
     out = tmp_path / "ditto.mp4"
-    r = P.run(P.reconfigure(engine, writer="ffmpeg", async_writer=True), avatar, _speech_with_pause(0.8), SR, out)
+    r = P.run(P.reconfigure(engine, encode=Encode(writer="ffmpeg"), techniques=_t(engine, "async_writer")), avatar,
+              _speech_with_pause(0.8), SR, out_path=out)
     info = read_video_info(out)
     assert r.out_path == str(out) and info.n_frames == 20 and info.has_audio
 
@@ -146,7 +158,7 @@ def test_bad_inputs(engine, avatar):
     with pytest.raises(InputError, match="batch_size must be an integer >= 1"):
         P.reconfigure(engine, batch_size=0)
     with pytest.raises(InputError, match="needs a CUDA device"):
-        P.build(P.Config(size="tiny", cuda_graphs=True), "cpu")
+        P.build(P.Config(size="tiny", runtime="graph"), "cpu")
     with pytest.raises(InputError, match="unknown components"):
         P.Config(weights={"unet": "x"}).check()
     with pytest.raises(InputError, match="must be 25"):
@@ -231,8 +243,9 @@ def test_putback_box_writes_the_same_bytes(engine, avatar):
         outs, kept = [], []
         for box in (False, True):
             g, keep = Grab(), {}
-            P._putback_and_write(P.reconfigure(engine, writer="ffmpeg", putback_box=box), av, faces, t, src, g, mask,
-                                 pb.feather_mask(s), keep, {1, 4})
+            e = P.reconfigure(engine, encode=Encode(writer="ffmpeg"),
+                              techniques=_t(engine, *(("putback_box",) if box else ())))
+            P._putback_and_write(e, av, faces, t, src, g, mask, pb.feather_mask(s), keep, {1, 4})
             outs.append(g.out[0])
             kept.append(keep)
         assert outs[0].shape == (5, h * w * 3 // 2) and torch.equal(outs[0], outs[1])
@@ -240,8 +253,8 @@ def test_putback_box_writes_the_same_bytes(engine, avatar):
         y0, y1, x0, x1 = av.box_cache[next(iter(av.box_cache))]["box"]
         # the box path skipped part of the frame (most of it for one matrix; the union of three crops is larger)
         assert 0 < (y1 - y0) * (x1 - x0) < h * w * (0.5 if av is still else 0.8)
-    with pytest.raises(InputError, match="putback_box"):
-        P.reconfigure(engine, putback="cpu", putback_box=True)
+    with pytest.raises(InputError, match=r"'putback_box' needs \['gpu_putback'\]"):
+        P.reconfigure(engine, techniques=_t(engine, "putback_box", drop=("gpu_putback",)))
 
 
 def test_putback_gpu_matches_cpu_reference():
@@ -266,7 +279,7 @@ def test_streamed_motion_is_the_same_motion(engine, avatar):
     a = _speech_with_pause()
     for changes in (dict(silence="bypass"), dict(stride=3)):
         ref = P.run(P.reconfigure(engine, **changes), avatar, a, SR, keep_faces=True)
-        got = P.run(P.reconfigure(engine, stream_motion=True, **changes), avatar, a, SR, keep_faces=True)
+        got = P.run(P.reconfigure(engine, techniques=_t(engine, "stream_motion"), **changes), avatar, a, SR, keep_faces=True)
         assert got.motion_windows == ref.motion_windows >= 2 and "streamed" in got.motion_source
         assert got.n_frames == ref.n_frames and got.counts == ref.counts
         assert (got.faces.int() - ref.faces.int()).abs().max() <= 1
@@ -284,17 +297,17 @@ def _window_inputs(engine, steps: int, seed: int):
 def test_compiled_motion_model_is_the_same_motion(engine, avatar, monkeypatch):
     # the compiled DDIM step (tensor coefficients, rotary tables in the trace, guidance mix and update in one
     # function) against the eager loop; traced with aot_eager here (inductor's C++ build on a CPU takes ~45 s)
-    monkeypatch.setattr(P, "MOTION_COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(PM, "MOTION_COMPILE_BACKEND", "aot_eager")
     cond, cf, noises, x, sched = _window_inputs(engine, steps=2, seed=3)
     for batched in (True, False):
-        e = P.reconfigure(engine, batch_cfg=batched)
+        e = P.reconfigure(engine, techniques=_t(engine, drop=() if batched else ("batch_cfg",)))
         ref = P.sample_window(e, cf, cond, sched, noises, None, x=x)
-        got = P.sample_window(P.reconfigure(e, motion_compile=True), cf, cond, sched, noises, None, x=x)
+        got = P.sample_window(P.reconfigure(e, techniques=_t(e, "motion_compile")), cf, cond, sched, noises, None, x=x)
         assert not got.is_inference() and torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
     a = _speech_with_pause()
     ref = P.run(engine, avatar, a, SR, keep_faces=True)
-    for changes in (dict(), dict(stream_motion=True)):
-        rep = P.run(P.reconfigure(engine, motion_compile=True, **changes), avatar, a, SR, keep_faces=True)
+    for more in ((), ("stream_motion",)):
+        rep = P.run(P.reconfigure(engine, techniques=_t(engine, "motion_compile", *more)), avatar, a, SR, keep_faces=True)
         assert rep.motion_windows == ref.motion_windows >= 2
         assert (rep.faces.int() - ref.faces.int()).abs().max() <= 1
 
@@ -305,26 +318,29 @@ def test_compiled_motion_model_says_what_is_missing(engine, monkeypatch):
 
     monkeypatch.setattr(backends.shutil, "which", lambda name: None)
     with pytest.raises(BackendUnavailable, match="g\\+\\+"):
-        P.reconfigure(engine, motion_compile=True)
+        P.reconfigure(engine, techniques=_t(engine, "motion_compile"))
     with pytest.raises(BackendUnavailable, match="g\\+\\+"):
-        P.build(P.replace(engine.cfg, motion_compile=True), "cpu")
+        P.build(dataclasses.replace(engine.cfg, techniques=_t(engine, "motion_compile")), "cpu")
 
 
 def test_bf16_motion_is_close_to_fp32_and_the_compiled_step_agrees(engine, monkeypatch):
     # bf16 autocast moves the window by bf16 rounding (not zero, not far); the compiled step gives the eager bf16 loop
-    monkeypatch.setattr(P, "MOTION_COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(PM, "MOTION_COMPILE_BACKEND", "aot_eager")
     cond, cf, noises, x, sched = _window_inputs(engine, steps=3, seed=4)
     e = P.reconfigure(engine, sampling_steps=3)
     ref = P.sample_window(e, cf, cond, sched, noises, None, x=x)
-    half = P.sample_window(P.reconfigure(e, motion_precision="bf16"), cf, cond, sched, noises, None, x=x)
-    comp = P.sample_window(P.reconfigure(e, motion_precision="bf16", motion_compile=True), cf, cond, sched, noises, None, x=x)
+    half = P.sample_window(P.reconfigure(e, techniques=_t(e, "motion_bf16")), cf, cond, sched, noises, None, x=x)
+    comp = P.sample_window(P.reconfigure(e, techniques=_t(e, "motion_bf16", "motion_compile")), cf, cond, sched, noises,
+                           None, x=x)
     assert half.dtype == torch.float32 and torch.isfinite(half).all()
     err = (half - ref).abs().max().item() / ref.abs().max().item()
     assert 0 < err < 0.05
     assert torch.allclose(comp, half, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     assert (comp - half).abs().max() < (comp - ref).abs().max()   # the compiled step runs bf16 too, not fp32
-    with pytest.raises(InputError, match="motion_precision"):
-        P.reconfigure(engine, motion_precision="fp16")
+    with pytest.raises(InputError, match="no technique 'motion_fp16'"):
+        P.reconfigure(engine, techniques=_t(engine, "motion_fp16"))
+    with pytest.raises(InputError, match="cannot be combined"):
+        P.reconfigure(engine, techniques=_t(engine, "motion_tf32x3", "motion_bf16"))
 
 
 def test_fft_mask_conv_renders_the_same_faces(engine, avatar):
@@ -333,7 +349,7 @@ def test_fft_mask_conv_renders_the_same_faces(engine, avatar):
 
     a = _speech_with_pause()
     ref = P.run(engine, avatar, a, SR, keep_faces=True)
-    e = P.reconfigure(engine, fft_mask=True, pad_channels=True)
+    e = P.reconfigure(engine, techniques=_t(engine, "fft_mask", "pad_channels"))
     got = P.run(e, avatar, a, SR, keep_faces=True)
     warp = next(v for k, v in e.variants.items() if k[:2] == ("module", "warp_network") and k[-1])
     assert isinstance(warp.dense_motion_network.mask, FFTConv3d)
@@ -346,7 +362,7 @@ def test_tap_occlusion_and_fused_mix_render_the_same_faces(engine, avatar):
 
     a = _speech_with_pause()
     ref = P.run(engine, avatar, a, SR, keep_faces=True)
-    e = P.reconfigure(engine, tap_occlusion=True, fused_mix=True)
+    e = P.reconfigure(engine, techniques=_t(engine, "tap_occlusion", "fused_mix"))
     got = P.run(e, avatar, a, SR, keep_faces=True)
     warp = next(v for k, v in e.variants.items() if k[:2] == ("module", "warp_network") and k[-3] and k[-2])
     dm = warp.dense_motion_network
@@ -374,17 +390,17 @@ def test_early_start_features_per_window_are_the_same_numbers(engine, avatar):
     # and a first block of one batch: the same faces as the whole-clip features, dense and at stride 3
     a = _speech_with_pause()
     for changes in (dict(silence="bypass"), dict(stride=3)):
-        e = P.reconfigure(engine, stream_motion=True, hubert_batch=3, **changes)
+        e = P.reconfigure(engine, techniques=_t(engine, "stream_motion"), hubert_batch=3, **changes)
         ref = P.run(e, avatar, a, SR, keep_faces=True)
-        got = P.run(P.reconfigure(e, early_start=True), avatar, a, SR, keep_faces=True)
+        got = P.run(P.reconfigure(e, techniques=_t(e, "early_start")), avatar, a, SR, keep_faces=True)
         assert "per window" in got.motion_source and "per window" not in ref.motion_source
         assert got.counts == ref.counts and torch.equal(got.faces, ref.faces), changes
         assert got.first_frame_s is not None and 0 < got.first_frame_s < got.wall_s
         # the first block one renderer batch: dense 4 frames, then 16-frame blocks (4 blocks for 40 frames, not 3);
         # stride 3: the 9 frames whose keyframes fill one batch, then 16 (3 blocks, the same count as 16-frame ones)
-        blocks = {r["stage"]: r["calls"] for r in got.stages}["render"]
+        blocks = {r["stage"]: r["calls"] for r in got.stage_rows}["render"]
         assert blocks == (4 if "silence" in changes else 3), changes
-        assert {r["stage"]: r["calls"] for r in ref.stages}["render"] == 3
+        assert {r["stage"]: r["calls"] for r in ref.stage_rows}["render"] == 3
 
 
 def test_feature_stream_rows_equal_the_whole_clip_condition(engine, avatar):
@@ -401,25 +417,26 @@ def test_feature_stream_rows_equal_the_whole_clip_condition(engine, avatar):
 def test_encoder_transport_writes_the_same_file(engine, avatar, tmp_path):
     # a 1 MiB pipe, zero-copy writes and sleeping host threads change how frames reach ffmpeg, not the file
     a = _speech_with_pause(0.8)
-    base = P.reconfigure(engine, writer="ffmpeg", async_writer=True)
-    plain = P.run(base, avatar, a, SR, tmp_path / "plain.mp4")
-    fast = P.run(P.reconfigure(base, pipe_buffer=1 << 20, zero_copy=True, host_wait="sleep"), avatar, a, SR,
-                 tmp_path / "fast.mp4")
+    base = P.reconfigure(engine, encode=Encode(writer="ffmpeg"), techniques=_t(engine, "async_writer"))
+    plain = P.run(base, avatar, a, SR, out_path=tmp_path / "plain.mp4")
+    fast = P.run(P.reconfigure(base, encode=Encode(writer="ffmpeg", pipe_buffer=1 << 20),
+                               techniques=_t(base, "zero_copy", "blocking_wait")), avatar, a, SR,
+                 out_path=tmp_path / "fast.mp4")
     assert (tmp_path / "plain.mp4").read_bytes() == (tmp_path / "fast.mp4").read_bytes()
     assert plain.transport["zero_copy"] is False
     assert fast.transport["zero_copy"] is True or fast.transport["zero_copy_note"]   # or it says why not
     assert fast.transport["pipe_size"] > plain.transport["pipe_size"] and fast.transport["host_wait"] == "sleep"
-    with pytest.raises(InputError, match="host_wait"):
-        P.reconfigure(engine, host_wait="poll")
-    with pytest.raises(InputError, match="pipe_buffer"):
-        P.reconfigure(engine, pipe_buffer=-1)
+    with pytest.raises(InputError, match="no technique 'host_wait_poll'"):
+        P.reconfigure(engine, techniques=_t(engine, "host_wait_poll"))
+    with pytest.raises(InputError, match="Encode.pipe_buffer"):
+        P.reconfigure(engine, encode=Encode(pipe_buffer=-1))
 
 
 def test_motion_stream_holds_the_next_window_for_the_first_block(engine, avatar):
     # early start: the first block asks for its frames only; the window after it is queued once the hold is lifted
     a = _speech_with_pause()
     n = 40
-    e = P.reconfigure(engine, stream_motion=True, hubert_batch=3)
+    e = P.reconfigure(engine, techniques=_t(engine, "stream_motion"), hubert_batch=3)
     src = P.mirror_index(np.arange(n), avatar.n)
     ms = P.MotionStream(e, avatar, P.FeatureStream(e, avatar, a, n), src, np.ones(n, np.float32))
     assert ms.windows >= 2
@@ -458,9 +475,9 @@ def test_pdl_switch_is_a_no_op_without_a_hopper_gpu(engine, avatar, monkeypatch)
     assert not pdl.enabled() and pdl.launch_options() == {"USE_PDL": False}
     monkeypatch.undo()
     a = _speech_with_pause(0.4)
-    e = P.reconfigure(engine, motion_precision="tf32x3")
+    e = P.reconfigure(engine, techniques=_t(engine, "motion_tf32x3"))
     ref = P.run(e, avatar, a, SR, keep_faces=True)
-    out = P.run(P.reconfigure(e, motion_pdl=True), avatar, a, SR, keep_faces=True)
+    out = P.run(P.reconfigure(e, techniques=_t(e, "motion_pdl")), avatar, a, SR, keep_faces=True)
     assert torch.equal(ref.faces, out.faces)
 
 
@@ -515,7 +532,7 @@ def test_rest_renders_of_a_source_video_run_in_full_batches(engine, avatar, monk
         fn = real(e, kind, b)
         return lambda *a: (calls.append(len(a[0])), fn(*a))[1]
 
-    monkeypatch.setattr(P, "stage_fn", counted)
+    monkeypatch.setattr(PR, "stage_fn", counted)
     got = P._rests(engine, av, "render", [5, 0, 1, 2, 3, 4, 0, 5])
     assert calls == [4, 4]                                  # six distinct rests in two padded batches of 4
     assert all(torch.equal(g, ref[i]) for g, i in zip(got, [5, 0, 1, 2, 3, 4, 0, 5]))
@@ -523,7 +540,8 @@ def test_rest_renders_of_a_source_video_run_in_full_batches(engine, avatar, monk
     assert calls == [4, 4]                                  # kept in the avatar: no further call
 
 
-@pytest.mark.parametrize("changes", [dict(), dict(stream_motion=True, early_start=True), dict(stride=3),
+@pytest.mark.parametrize("changes", [dict(), dict(techniques=("batch_cfg", "vram_pool", "gpu_putback", "stream_motion",
+                                                               "early_start")), dict(stride=3),
                                      dict(stride=3, stride_space="feature")])
 def test_source_video_rests_batched_change_no_frame(engine, avatar, changes):
     # a run whose rests were rendered one by one beforehand (as every rest was before they were batched) and
@@ -545,3 +563,108 @@ def test_source_video_rests_batched_change_no_frame(engine, avatar, changes):
         # eased reference renders them in batches with other frames)
         eased = P.run(P.reconfigure(e, silence="ease"), av, a, SR, keep_faces=True)
         assert (eased.faces.int() - got.faces.int()).abs().max() <= 1
+
+
+# ----------------------------------------------------------------------------- the contract: Config, presets, verbs
+
+def test_config_refuses_what_the_registry_refuses():
+    with pytest.raises(InputError, match=r"'fuse_spade' needs \['fold_spectral_norm'\]"):
+        P.Config(techniques=("fuse_spade",)).check()
+    with pytest.raises(InputError, match=r"'early_start' needs \['stream_motion'\]"):
+        P.Config(techniques=("early_start",)).check()
+    with pytest.raises(InputError, match="no technique 'cuda_graphs'"):
+        P.Config(techniques=("cuda_graphs",)).check()
+    with pytest.raises(InputError, match="tuple of technique names"):
+        P.Config(techniques="vram_pool").check()
+    with pytest.raises(InputError, match="Config.runtime must be one of"):
+        P.Config(runtime="max-autotune").check()
+    assert P.Config().techniques == () and P.Config().runtime == "eager"   # the defaults: upstream's preset
+    assert len(dataclasses.fields(P.Config)) <= 20
+
+
+def test_presets_list_registered_techniques_in_dependency_order():
+    from lab import techniques as T
+    from lab.pipelines import preset
+
+    reg = T.registry("ditto")
+    exact = preset("ditto", "exact")
+    assert not preset("ditto", "upstream").techniques and all(reg[t].exact for t in exact.techniques)
+    for i, t in enumerate(exact.techniques):
+        assert all(r in exact.techniques[:i] for r in reg[t].requires), t
+    assert preset("ditto", "fast").knobs["silence"] == "bypass" and "gate" in preset("ditto", "fast").text.lower()
+
+
+@pytest.mark.parametrize("name", ["upstream", "exact", "fast"])
+def test_presets_build_and_run_on_a_cpu(name, monkeypatch):
+    # what a CPU runs of each preset, tiny; eager here: inductor's C++ build would take minutes on a shared CPU
+    from lab.pipelines import config
+
+    monkeypatch.setattr(PM, "MOTION_COMPILE_BACKEND", "aot_eager")
+    cfg = config("ditto", name, device="cpu", size="tiny", runtime="eager", frame_size=(128, 192), sampling_steps=2,
+                 batch_size=4, hubert_batch=4, encode=Encode(writer="null"))
+    engine = P.build(cfg, "cpu")
+    rep = P.run(engine, P.prepare(engine), _speech_with_pause(0.8), SR)
+    assert rep.n_frames == 20 and rep.fps > 0 and set(rep.stages) >= {"render", "putback_encode"}
+    assert rep.host_peak_mb > 0 and rep.gpu_peak_mb is None and rep.counts["rendered"] <= 20
+
+
+def test_reconfigure_between_presets_reuses_the_networks(engine, avatar):
+    from lab.pipelines import Report, preset
+
+    changes = {**preset("ditto", "exact").changes(), "runtime": "eager", "batch_size": 4, "hubert_batch": 4,
+               "precision": "fp32", "encode": Encode(writer="null")}
+    exact = P.reconfigure(engine, **changes)
+    fast = P.reconfigure(exact, silence="bypass")
+    plain = P.reconfigure(fast, **preset("ditto", "upstream").changes())
+    for e in (exact, fast, plain):
+        assert e.nets is engine.nets and e.hubert is engine.hubert and e.variants is engine.variants
+    assert plain.cfg.techniques == () and plain.cfg.runtime == "eager"
+    with pytest.raises(InputError, match="cannot change \\['size'\\]"):
+        P.reconfigure(engine, size="full")
+    with pytest.raises(InputError, match="no field"):
+        P.reconfigure(engine, cuda_graphs=True)
+    a = _speech_with_pause(0.8)
+    ref = P.run(engine, avatar, a, SR, keep_faces=True)
+    got = P.run(exact, avatar, a, SR, keep_faces=True)     # the exact preset's techniques: the same faces
+    assert isinstance(got, Report) and (got.faces.int() - ref.faces.int()).abs().max() <= 1
+
+
+def test_run_hands_frames_to_a_sink_and_prepare_takes_a_path(engine, avatar, tmp_path):
+    from PIL import Image
+
+    a = _speech_with_pause(0.4)
+    for e in (engine, P.reconfigure(engine, techniques=_t(engine, "putback_box", "async_writer"))):
+        got = []
+        rep = P.run(e, avatar, a, SR, sink=lambda f: got.append(f.copy()), keep_frames=(0, 9))
+        frames = np.concatenate(got)
+        assert frames.shape == (10, 192, 128, 3) and frames.dtype == np.uint8 and rep.first_frame_s is not None
+        assert np.array_equal(frames[9], rep.frames[9]) and rep.out_path is None
+    with pytest.raises(InputError, match="sink must be a callable"):
+        P.run(engine, avatar, a, SR, sink="out.mp4")
+    path = tmp_path / "face.png"
+    Image.fromarray(avatar.frames[0]).save(path)
+    from_path = P.prepare(engine, str(path), detector=lambda img, name: P.default_face_box((128, 192)))
+    assert from_path.n == 1 and from_path.source_name == "face.png" and np.array_equal(from_path.frames, avatar.frames)
+    with pytest.raises(InputError, match="not a file"):
+        P.prepare(engine, tmp_path / "missing.mp4")
+
+
+def test_notebook_rows_come_from_the_presets():
+    # notebook 06's best renderer variant is the exact preset's renderer, and its waterfall ends at the fast preset
+    # (the attention row only where the motion table measured it faster, PDL likewise)
+    from types import SimpleNamespace
+
+    from lab.experiments import ditto as X
+    from lab.experiments.ditto_variants import BEST
+    from lab.pipelines import preset
+
+    exact, fast = preset("ditto", "exact"), preset("ditto", "fast")
+    best = X.VARIANTS[BEST]
+    assert best["precision"] == exact.knobs["precision"] and best["runtime"] == exact.runtime
+    assert set(best["techniques"]) == set(exact.techniques) & set(P.RENDERER_TECHNIQUES)
+    res = SimpleNamespace(tables={"motion": []}, metrics={}, params={"renderer": BEST})
+    ctx = SimpleNamespace(res=res, dev=torch.device("cuda"), prof=SimpleNamespace(batch=16))
+    last = X.waterfall_steps(ctx)[-1][1]
+    assert set(last["techniques"]) == set(exact.techniques) - {"motion_triton_attention"}
+    assert all(last[k] == v for k, v in fast.knobs.items()) and last["runtime"] == fast.runtime
+    P.Config(**last).check()

@@ -98,19 +98,20 @@ def test_decoder_rewrite_is_the_same_function_and_undoes():
 
 
 def test_pipeline_switch_same_frames_and_back():
+    from lab.pipelines import Encode
     from lab.pipelines import musetalk as mt
 
-    cfg = mt.Config(size="tiny", frame_size=(128, 192), crop=64, loop_frames=6, batch_size=4, writer="null",
+    cfg = mt.Config(size="tiny", frame_size=(128, 192), crop=64, batch_size=4, encode=Encode(writer="null", queue=3),
                     face_crop="geometric")
-    e = mt.build_engine(cfg, "cpu")
-    mt.prepare(e)
-    on = mt.reconfigure(e, fused_norm=True)
+    e = mt.build(cfg, "cpu")
+    av = mt.prepare(e, mt.avatar_loop(6, (128, 192)))
+    on = mt.reconfigure(e, techniques=("fused_norm",))
     assert isinstance(on.decoder.model.decoder.conv_norm_out, gn.FusedGroupNorm)
-    off = mt.reconfigure(on, fused_norm=False)
+    off = mt.reconfigure(on, techniques=())
     assert isinstance(off.decoder.model.decoder.conv_norm_out, nn.GroupNorm)
     assert off.decoder is e.decoder   # the original decoder, not an unfused copy
     z = torch.randn(4, 4, 16, 16)
     with torch.no_grad():
         assert torch.allclose(on.decoder(z), e.decoder(z), atol=1e-5)
     audio = (0.1 * np.random.default_rng(0).standard_normal(24000)).astype(np.float32)
-    assert mt.run(on, audio, 24000, None, n_frames=8).n_frames == 8
+    assert mt.run(on, av, audio, 24000, n_frames=8).n_frames == 8

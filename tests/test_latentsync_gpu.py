@@ -3,7 +3,7 @@ pipeline's graph runner falls back to eager for a short last block."""
 import pytest
 import torch
 
-from lab.pipelines import latentsync_sampling as sampling
+from lab.pipelines.latentsync import sampling as sampling
 from lab.metrics import cosine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -35,38 +35,38 @@ def test_pipeline_graph_runner_equals_eager_including_short_block():
 
     from lab import data
     from lab.pipelines import latentsync as P
-    from lab.pipelines.musetalk import avatar_loop
+    from lab.avatar import avatar_loop
 
     frames = avatar_loop(4, (128, 192))
     a, sr = data.default_audio()
-    eng = P.build(P.Config(size="tiny", mode="ddim4", block=8, keep_faces=True), "cuda")
-    job = P.prepare(eng, frames, a[:int(sr * 0.8)], sr)  # 20 frames: blocks of 8, 8, 4
-    eager = P.run(eng, job)
-    P.set_fast(eng, "cudagraph")
-    fast = P.run(eng, job)
+    eng = P.build(P.Config(size="tiny", mode="ddim4", block=8), "cuda")
+    job = P.make_job(eng, P.prepare(eng, frames), a[:int(sr * 0.8)], sr)  # 20 frames: blocks of 8, 8, 4
+    eager = P.run(eng, None, job=job, keep_faces=True)
+    eng = P.reconfigure(eng, runtime="graph")
+    fast = P.run(eng, None, job=job, keep_faces=True)
     assert fast.n_frames == eager.n_frames == 20
     assert cosine(fast.latents, eager.latents) > 0.9999
     assert np.isfinite(fast.latents.numpy()).all()
 
 
-@pytest.mark.parametrize("how", ["cudagraph", "compile+cudagraph"])
-def test_pipeline_vae_runners_match_eager(how):
+@pytest.mark.parametrize("runtime", ["graph", "compile+graph"])
+def test_pipeline_vae_runners_match_eager(runtime):
     import numpy as np
 
     from lab import data
     from lab.pipelines import latentsync as P
-    from lab.pipelines.musetalk import avatar_loop
+    from lab.avatar import avatar_loop
 
     frames = avatar_loop(4, (128, 192))
     a, sr = data.default_audio()
-    eng = P.build(P.Config(size="tiny", mode="ddim2", block=8, keep_faces=True), "cuda")
-    job = P.prepare(eng, frames, a[:int(sr * 0.8)], sr)  # 20 frames: blocks of 8, 8, 4
-    eager = P.run(eng, job)
-    P.set_vae_fast(eng, how)
+    eng = P.build(P.Config(size="tiny", mode="ddim2", block=8), "cuda")
+    job = P.make_job(eng, P.prepare(eng, frames), a[:int(sr * 0.8)], sr)  # 20 frames: blocks of 8, 8, 4
+    eager = P.run(eng, None, job=job, keep_faces=True)
+    eng = P.reconfigure(eng, runtime=runtime, techniques=("vae_runtime",))
     calls = []
     enc = eng.vae_encode
     eng.vae_encode = lambda x: calls.append(tuple(x.shape)) or enc(x)
-    fast = P.run(eng, job)
+    fast = P.run(eng, None, job=job, keep_faces=True)
     assert calls == [(16, 3, 64, 64)] * 3                # both encodes of a block in one replay, the short one padded
     assert cosine(fast.latents, eager.latents) > 0.9999
     assert np.abs(fast.faces.int() - eager.faces.int()).max() <= 2
@@ -110,21 +110,21 @@ def test_feature_cache_runners_match_the_eager_cache(tiny, how):
     assert cosine(out, ref) > 0.9999 and torch.equal(out, again)
 
 
-def test_pipeline_builds_the_feature_cache_runners_through_set_fast():
+def test_pipeline_builds_the_feature_cache_runners_through_reconfigure():
     import numpy as np
 
     from lab import data
     from lab.pipelines import latentsync as P
-    from lab.pipelines.musetalk import avatar_loop
+    from lab.avatar import avatar_loop
 
     frames = avatar_loop(4, (128, 192))
     a, sr = data.default_audio()
-    eng = P.build(P.Config(size="tiny", mode="deepcache3", block=8, keep_faces=True), "cuda")
-    job = P.prepare(eng, frames, a[:int(sr * 0.8)], sr)  # 20 frames: blocks of 8, 8, 4 (the last eager)
-    eager = P.run(eng, job)
-    P.set_fast(eng, "cudagraph")
+    eng = P.build(P.Config(size="tiny", mode="deepcache3", block=8), "cuda")
+    job = P.make_job(eng, P.prepare(eng, frames), a[:int(sr * 0.8)], sr)  # 20 frames: blocks of 8, 8, 4 (the last eager)
+    eager = P.run(eng, None, job=job, keep_faces=True)
+    eng = P.reconfigure(eng, runtime="graph")
     assert eng.runner is None and eng.cache_runners is not None
-    fast = P.run(eng, job)
+    fast = P.run(eng, None, job=job, keep_faces=True)
     assert fast.n_frames == eager.n_frames == 20
     assert cosine(fast.latents, eager.latents) > 0.9999
     assert np.isfinite(fast.latents.numpy()).all()
@@ -165,3 +165,22 @@ def test_compiled_graph_with_pdl_matches_eager(tiny, monkeypatch):
     finally:
         block_norm.unfuse_block_norms(m)
         m.to(memory_format=torch.contiguous_format)
+
+
+def test_exact_preset_computes_the_upstream_preset():
+    """The exact preset on the GPU (compile + CUDA graph, every exact technique, the temporal attention on its Triton
+    kernel) against the upstream preset on the same networks (reconfigure), tiny config."""
+    from lab import data
+    from lab.avatar import avatar_loop
+    from lab.pipelines import config
+    from lab.pipelines import latentsync as P
+
+    a, sr = data.default_audio()
+    eng = P.build(config("latentsync", "upstream", size="tiny", block=8), "cuda")
+    avatar = P.prepare(eng, avatar_loop(4, (128, 192)))
+    ref = P.run(eng, avatar, a[:int(sr * 0.8)], sr, keep_faces=True)
+    exact = config("latentsync", "exact", device="cuda", size="tiny", block=8)
+    assert "triton_temporal_attention" in exact.techniques and exact.runtime == "compile+graph"
+    eng = P.reconfigure(eng, **exact.changes())
+    out = P.run(eng, avatar, a[:int(sr * 0.8)], sr, keep_faces=True)
+    assert cosine(out.latents, ref.latents) > 0.9999

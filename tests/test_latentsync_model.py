@@ -220,7 +220,7 @@ def test_shallow_branch_reproduces_the_full_call_on_its_own_features(tiny_pair):
 
 
 def test_feature_cache_schedule(tiny_pair):
-    from lab.pipelines import latentsync_sampling as smp
+    from lab.pipelines.latentsync import sampling as smp
 
     ours = tiny_pair[0]
     f = 2  # small shapes: 4 × 20 UNet calls
@@ -239,7 +239,7 @@ def test_feature_cache_schedule(tiny_pair):
 
 
 def test_feature_cache_under_dpm_solver(tiny_pair):
-    from lab.pipelines import latentsync_sampling as smp
+    from lab.pipelines.latentsync import sampling as smp
 
     ours = tiny_pair[0]
     f = 2
@@ -260,7 +260,7 @@ def test_feature_cache_under_dpm_solver(tiny_pair):
 
 
 def test_feature_cache_steps_with_the_guided_shortcuts_compute_the_same():
-    from lab.pipelines import latentsync_sampling as smp
+    from lab.pipelines.latentsync import sampling as smp
 
     m = ls.load_latentsync_unet("random", "tiny", seed=5).model
     x, t, a = _guided(m)
@@ -307,7 +307,7 @@ def test_attention_kernels_per_kind_keep_the_output(tiny_pair):
 
 
 def test_attention_kernels_per_shape_padded_and_in_one_graph():
-    from lab.pipelines import latentsync_sampling as sampling
+    from lab.pipelines.latentsync import sampling as sampling
 
     m = ls.load_latentsync_unet("random", "tiny", seed=2).model
     sites = ls.attention_sites(m, latent=8)
@@ -354,7 +354,7 @@ def test_a_compiled_attention_keeps_the_kernel_it_was_traced_with():
 
 
 def _guided(m, seed=0):
-    from lab.pipelines import latentsync_sampling as sampling
+    from lab.pipelines.latentsync import sampling as sampling
 
     x, t, a = sampling.example_inputs(m, 1, 4, (8, 8), "cpu", torch.float32, seed=seed)
     return torch.cat([x, x]), torch.cat([t, t]), torch.cat([torch.zeros_like(a), a])

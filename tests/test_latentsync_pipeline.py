@@ -1,4 +1,6 @@
 """Tiny LatentSync pipeline on CPU: streaming blocks, ping-pong, the short last block, bad inputs."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -6,7 +8,7 @@ import torch
 from lab import data
 from lab.errors import InputError, WeightsError
 from lab.pipelines import latentsync as P
-from lab.pipelines.musetalk import avatar_loop
+from lab.avatar import avatar_loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,24 +29,25 @@ def frames():
     return avatar_loop(3, (128, 192))
 
 
-def _run(engine, job, **cfg):
-    old = {k: getattr(engine.cfg, k) for k in cfg}
-    for k, v in cfg.items():
-        setattr(engine.cfg, k, v)
-    try:
-        out = []
-        rep = P.run(engine, job, sink=out.append)
-        return rep, np.concatenate(out)
-    finally:
-        for k, v in old.items():
-            setattr(engine.cfg, k, v)
+def _job(engine, frames, clip):
+    return P.make_job(engine, P.prepare(engine, frames), *clip)
+
+
+def _run(engine, job, keep_faces=False, **changes):
+    before = engine.cfg
+    e = P.reconfigure(engine, **changes)
+    out = []
+    rep = P.run(e, None, job=job, sink=out.append, keep_faces=keep_faces)
+    assert engine.cfg is before   # the engine reconfigured from keeps its own configuration
+    return rep, np.concatenate(out)
 
 
 def test_streams_every_frame_and_keeps_the_background(engine, clip, frames):
-    job = P.prepare(engine, frames, *clip)
+    job = _job(engine, frames, clip)
     assert job.n_out == 10 and job.tokens.shape == (10, 50, 64)
     rep, out = _run(engine, job, keep_faces=True)
     assert out.shape == (10, 192, 128, 3) and rep.blocks == 3 and rep.n_frames == 10
+    assert rep.counts == {"blocks": 3, "unet_calls": 6, "unet_full_calls": 6} and rep.first_frame_s <= rep.wall_s
     assert rep.faces.shape == (10, 3, 64, 64) and rep.latents.shape == (10, 4, 8, 8)
     src = frames[job.source_index(np.arange(10))]
     changed = np.abs(out.astype(int) - src.astype(int)).max(-1) > 2
@@ -57,16 +60,16 @@ def test_streams_every_frame_and_keeps_the_background(engine, clip, frames):
 
 
 def test_pingpong_when_video_is_shorter(engine, clip, frames):
-    job = P.prepare(engine, frames, *clip)
+    job = _job(engine, frames, clip)
     assert list(job.source_index(np.arange(10))) == [0, 1, 2, 2, 1, 0, 0, 1, 2, 2]
-    single = P.prepare(engine, frames[:1], *clip)
+    single = _job(engine, frames[:1], clip)
     assert set(single.source_index(np.arange(10))) == {0}
 
 
 def test_short_last_block_changes_its_statistics(engine, clip, frames):
     """10 frames in blocks of 4: the last block has 2 frames. 'short' runs it at 2 frames (upstream):
     its ResNet GroupNorms pool over 2 frames instead of 4, so its frames differ from 'pad'."""
-    job = P.prepare(engine, frames, *clip)
+    job = _job(engine, frames, clip)
     short, _ = _run(engine, job, keep_faces=True, last_block="short")
     pad, _ = _run(engine, job, keep_faces=True, last_block="pad")
     assert torch.equal(short.latents[:8], pad.latents[:8])
@@ -75,7 +78,7 @@ def test_short_last_block_changes_its_statistics(engine, clip, frames):
 
 
 def test_modes_share_the_noise(engine, clip, frames):
-    job = P.prepare(engine, frames, *clip)
+    job = _job(engine, frames, clip)
     a, _ = _run(engine, job, keep_faces=True, mode="ddim2")
     b, _ = _run(engine, job, keep_faces=True, mode="dpm2")
     assert torch.isfinite(b.latents).all() and not torch.equal(a.latents, b.latents)
@@ -87,20 +90,21 @@ def test_bad_inputs(engine, clip, frames):
         P.Config(block=25).check()
     with pytest.raises(InputError, match="sampling mode"):
         P.Config(mode="fast").check()
+    avatar = P.prepare(engine, frames)
     with pytest.raises(InputError, match="silent"):
-        P.prepare(engine, frames, np.zeros(16000, np.float32), 16000)
-    old = engine.cfg.allow_silence
-    engine.cfg.allow_silence = True
-    try:
-        assert P.prepare(engine, frames, np.zeros(8000, np.float32), 16000).n_out == 12
-    finally:
-        engine.cfg.allow_silence = old
+        P.make_job(engine, avatar, np.zeros(16000, np.float32), 16000)
+    quiet = P.reconfigure(engine, allow_silence=True)
+    assert P.make_job(quiet, avatar, np.zeros(8000, np.float32), 16000).n_out == 12
+    with pytest.raises(InputError, match="silent"):   # the engine it came from still refuses silence
+        P.make_job(engine, avatar, np.zeros(16000, np.float32), 16000)
     with pytest.raises(InputError, match="uint8"):
-        P.prepare(engine, frames.astype(np.float32), *clip)
+        P.prepare(engine, frames.astype(np.float32))
     with pytest.raises(InputError, match="points"):
-        P.prepare(engine, frames, *clip, points=np.zeros((2, 3, 2)))
+        P.prepare(engine, frames, points=np.zeros((2, 3, 2)))
     with pytest.raises(InputError, match="no face"):
-        P.prepare(engine, np.zeros_like(frames), *clip)
+        P.prepare(engine, np.zeros_like(frames))
+    with pytest.raises(InputError, match="needs audio"):
+        P.run(engine, avatar)
 
 
 def test_wrong_checkpoint_is_refused(tmp_path):
@@ -146,8 +150,7 @@ def test_alignment_roundtrip():
 def test_render_writes_the_video(engine, clip, frames, tmp_path):
     from lab.video import read_video_info
 
-    job = P.prepare(engine, frames, *clip)
-    rep = P.render(engine, job, str(tmp_path / "out.mp4"), preset="ultrafast")
+    rep = P.run(engine, P.prepare(engine, frames), *clip, out_path=str(tmp_path / "out.mp4"))
     info = read_video_info(tmp_path / "out.mp4")
     assert rep.n_frames == 10 and info.n_frames == 10 and info.has_audio and abs(info.fps - 25) < 1e-6
 
@@ -162,11 +165,11 @@ def test_notebook_parameters_checked_before_any_work():
 
 
 def test_exact_switches_keep_the_output_and_the_encode_cache_hits(clip, frames):
-    eng = P.build(P.Config(size="tiny", mode="ddim2", block=4, keep_faces=True))
-    job = P.prepare(eng, frames, *clip)                 # 3 source frames looped to 10
-    ref = P.run(eng, job)
-    fast_eng = P.build(P.Config(size="tiny", mode="ddim2", block=4, keep_faces=True, guided_shortcuts=True,
-                                fused_qkv=True, cache_encodes=True, folded_upsamplers=True,
+    eng = P.build(P.Config(size="tiny", mode="ddim2", block=4))
+    job = _job(eng, frames, clip)                       # 3 source frames looped to 10
+    ref = P.run(eng, None, job=job, keep_faces=True)
+    fast_eng = P.build(P.Config(size="tiny", mode="ddim2", block=4,
+                                techniques=("guided_shortcuts", "fused_qkv", "cache_encodes", "folded_upsamplers"),
                                 attention_kernels={"spatial 8²": "math+pad", "temporal 4²": "flash+pad"}))
     assert fast_eng.unet.model.down_blocks[0].attentions[0].transformer_blocks[0].attn1.kernel == "math+pad"
     from lab.techniques.nearest_conv import FoldedUpsample
@@ -175,8 +178,8 @@ def test_exact_switches_keep_the_output_and_the_encode_cache_hits(clip, frames):
     calls = []
     enc = fast_eng.vae.model.encode
     fast_eng.vae.model.encode = lambda x: calls.append(len(x)) or enc(x)
-    job2 = P.prepare(fast_eng, frames, *clip)
-    rep = P.run(fast_eng, job2)
+    job2 = _job(fast_eng, frames, clip)
+    rep = P.run(fast_eng, None, job=job2, keep_faces=True)
     assert sorted(job2.encodes) == [0, 1, 2]
     assert len(calls) < 2 * rep.blocks                 # cached blocks skipped both encodes
     torch.testing.assert_close(rep.latents, ref.latents, rtol=1e-4, atol=1e-4)
@@ -184,53 +187,50 @@ def test_exact_switches_keep_the_output_and_the_encode_cache_hits(clip, frames):
 
 
 def test_vae_runners_take_both_encodes_in_one_call_and_a_short_block_padded(clip, frames):
-    eng = P.build(P.Config(size="tiny", mode="ddim2", block=4, keep_faces=True))
-    job = P.prepare(eng, frames, *clip)                 # 10 frames: blocks of 4, 4, 2
-    ref = P.run(eng, job)
+    eng = P.build(P.Config(size="tiny", mode="ddim2", block=4))
+    job = _job(eng, frames, clip)                       # 10 frames: blocks of 4, 4, 2
+    ref = P.run(eng, None, job=job, keep_faces=True)
     enc, calls = eng.vae.encoder_module(), []
     dec, dec_calls = eng.vae.decoder_module(), []
     # plain modules stand in for the compiled / captured runners (those need a GPU; tested there)
-    P.set_vae_fast(eng, "compile", runner=lambda z: dec_calls.append(len(z)) or dec(z),
-                   encoder=lambda x: calls.append(x.clone()) or enc(x))
+    fast = P.reconfigure(eng, techniques=("vae_runtime",), runners={"vae": (lambda z: dec_calls.append(len(z)) or dec(z),
+                                                                            lambda x: calls.append(x.clone()) or enc(x))})
     eager_calls = []
     plain = eng.vae.model.encode
     eng.vae.model.encode = lambda x: eager_calls.append(len(x)) or plain(x)
     try:
-        rep = P.run(eng, job)
+        rep = P.run(fast, None, job=job, keep_faces=True)
     finally:
         eng.vae.model.encode = plain
-        P.set_vae_fast(eng, "eager")
+    eng = P.reconfigure(fast, techniques=(), runners={"vae": None})
     # every block one call of 2 × 4 images, the last block's 2 faces padded by repeating the last one; none eager
     assert [len(x) for x in calls] == [8, 8, 8] and eager_calls == [] and dec_calls == [4, 4, 4]
     last = calls[-1]
     assert torch.equal(last[2], last[1]) and torch.equal(last[3], last[1]) and torch.equal(last[6], last[5])
-    assert eng.vae_encode is None and eng.vae_decode is None and eng.cfg.vae_fast == "eager"
+    assert eng.vae_encode is None and eng.vae_decode is None and eng.cfg.techniques == ()
     torch.testing.assert_close(rep.latents, ref.latents, rtol=1e-4, atol=1e-4)
     assert rep.n_frames == 10 and np.abs(rep.faces.int() - ref.faces.int()).max() <= 1   # the padding is dropped
 
 
 def test_feature_cache_mode_runs_its_two_step_runners_and_a_short_block_eager(clip, frames):
-    from lab.pipelines import latentsync_sampling as sampling
+    from lab.pipelines.latentsync import sampling
 
-    eng = P.build(P.Config(size="tiny", mode="deepcache3", block=4, keep_faces=True))
-    job = P.prepare(eng, frames, *clip)                 # 10 frames: blocks of 4, 4, 2
-    ref = P.run(eng, job)
+    eng = P.build(P.Config(size="tiny", mode="deepcache3", block=4))
+    job = _job(eng, frames, clip)                       # 10 frames: blocks of 4, 4, 2
+    ref = P.run(eng, None, job=job, keep_faces=True)
     model, calls = eng.unet.model, []
     full, shallow = sampling.DeepStep(model, True, True), sampling.ShallowStep(model, True)
     # plain modules stand in for the compiled / captured runners (those need a GPU; tested there)
     runners = (lambda *a: calls.append("full") or full(*a), lambda *a: calls.append("shallow") or shallow(*a))
-    eng.cfg.guided_shortcuts = True
-    try:
-        P.set_fast(eng, "compile", cache_runners=runners)
-        rep = P.run(eng, job)
-        assert calls.count("full") == 2 * 7 and calls.count("shallow") == 2 * 13   # the two full blocks only
-        eng.cfg.mode = "exact20"    # a mode of the other kind: no runner for it, refused with the fix named
-        with pytest.raises(InputError, match="set_fast"):
-            P.run(eng, job)
-    finally:
-        eng.cfg.mode, eng.cfg.guided_shortcuts = "deepcache3", False
-        P.set_fast(eng, "eager")
-    assert eng.cache_runners is None and eng.cfg.fast == "eager"
+    fast = P.reconfigure(eng, runtime="compile", techniques=("guided_shortcuts",), runners={"cache": runners})
+    rep = P.run(fast, None, job=job, keep_faces=True)
+    assert calls.count("full") == 2 * 7 and calls.count("shallow") == 2 * 13   # the two full blocks only
+    assert rep.counts["unet_full_calls"] == 3 * 7 and rep.counts["unet_calls"] == 3 * 20
+    fast.cfg.mode = "exact20"    # a mode of the other kind set behind reconfigure's back: no runner for it
+    with pytest.raises(InputError, match="reconfigure"):
+        P.run(fast, None, job=job)
+    eng = P.reconfigure(fast, mode="deepcache3", runtime="eager", techniques=())
+    assert eng.cache_runners is None and eng.runner is None and eng.cfg.runtime == "eager"
     torch.testing.assert_close(rep.latents, ref.latents, rtol=1e-4, atol=1e-4)
 
 
@@ -386,3 +386,74 @@ def test_job_costs_a_new_process_loads_the_checkpoint_and_keeps_its_engine(tmp_p
     # a child that fails is a row that says why, not a stack trace
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "Traceback …\nWeightsError: bad"))
     assert X.job_costs(ctx) == [{"job": "a job in a new process", "status": "failed: WeightsError: bad"}]
+
+
+def test_a_technique_missing_its_requirement_is_refused_with_its_name():
+    with pytest.raises(InputError, match="'pdl' needs a runtime with 'graph'"):
+        P.Config(techniques=("pdl",)).check()
+    with pytest.raises(InputError, match="no technique 'vae_fast'"):
+        P.Config(techniques=("vae_fast",)).check()
+    with pytest.raises(InputError, match="'triton_temporal_attention' needs a CUDA device"):
+        P.build(P.Config(size="tiny", techniques=("triton_temporal_attention",)), "cpu")
+    with pytest.raises(InputError, match="runtime='graph'.*CUDA device"):
+        P.build(P.Config(size="tiny", runtime="graph"), "cpu")
+
+
+def test_presets_on_a_cpu_build_and_run_and_exact_keeps_the_output(clip, frames):
+    """The presets as a CPU runs them (tiny): what a CPU cannot run is left out; the exact preset's techniques give
+    upstream's output, the fast preset another sampler. A preset on a CPU runs eager (torch.compile of the tiny UNet
+    takes minutes there; the compiled runners' equality is tested on the GPU host)."""
+    from lab.pipelines import config
+
+    cfgs = {name: config("latentsync", name, device="cpu", size="tiny", block=4) for name in ("upstream", "exact", "fast")}
+    assert cfgs["exact"].runtime == "eager" and "triton_temporal_attention" not in cfgs["exact"].techniques
+    assert config("latentsync", "exact", device="cpu", size="tiny", runtime="compile").runtime == "compile"   # asked for
+    assert cfgs["exact"].techniques[:4] == ("channels_last", "guided_shortcuts", "fused_qkv", "fused_norms")
+    assert cfgs["upstream"].techniques == () and cfgs["fast"].mode == "dpm4"
+    reps = {}
+    for name, cfg in cfgs.items():
+        eng = P.build(cfg)
+        reps[name] = P.run(eng, P.prepare(eng, frames), *clip, max_frames=6, keep_faces=True)
+        assert reps[name].n_frames == 6 and reps[name].mode == cfg.mode
+    torch.testing.assert_close(reps["exact"].latents, reps["upstream"].latents, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(reps["fast"].latents, reps["upstream"].latents, atol=1e-3)
+
+
+def test_reconfigure_keeps_the_networks_and_refuses_what_they_were_built_for(engine, clip, frames):
+    nets = (engine.unet.model, engine.vae.model, engine.whisper)
+    avatar = P.prepare(engine, frames)
+    ref = P.run(engine, avatar, *clip, max_frames=4, keep_faces=True)
+    shortcuts = P.reconfigure(engine, mode="dpm2", techniques=("guided_shortcuts",))
+    # techniques that leave the networks as they are share them; the Whisper encoder is always shared
+    assert shortcuts is not engine and (shortcuts.unet.model, shortcuts.vae.model, shortcuts.whisper) == nets
+    eng = P.reconfigure(engine, mode="dpm2", techniques=("guided_shortcuts", "fused_qkv", "channels_last"))
+    # rewriting techniques get a copy of the networks, made once per form
+    assert eng.unet.model is not engine.unet.model and eng.whisper is engine.whisper
+    assert P.reconfigure(shortcuts, techniques=("fused_qkv", "channels_last")).unet is eng.unet
+    assert eng.unet.model.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    other = P.run(eng, avatar, *clip, max_frames=4, keep_faces=True)
+    assert not torch.equal(other.latents, ref.latents)           # another sampler
+    for field, value in (("size", "full"), ("seed", 1), ("dtype", "bf16"), ("weights", {"unet": "x.pt"})):
+        with pytest.raises(InputError, match=f"cannot change {field}"):
+            P.reconfigure(engine, **{field: value})
+    with pytest.raises(InputError, match="no field"):
+        P.reconfigure(engine, fast="compile")
+    # the engine reconfigured from is untouched: its networks, its configuration, its output
+    assert engine.cfg.mode == "ddim2" and engine.cfg.techniques == ()
+    assert not engine.unet.model.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    again = P.run(engine, avatar, *clip, max_frames=4, keep_faces=True)
+    assert torch.equal(again.latents, ref.latents)
+    back = P.run(P.reconfigure(eng, mode="ddim2", techniques=()), avatar, *clip, max_frames=4, keep_faces=True)
+    assert torch.equal(back.latents, ref.latents)                    # derived back: the same output
+
+
+def test_prepare_takes_the_bundled_avatar_and_an_image(engine, tmp_path):
+    from PIL import Image
+
+    from lab import data
+
+    a = P.prepare(engine)
+    assert a.frames.shape == (1, 512, 512, 3) and a.transforms.shape == (1, 2, 3)
+    Image.fromarray(data.default_avatar()).save(tmp_path / "face.png")
+    b = P.prepare(engine, str(tmp_path / "face.png"))
+    assert np.array_equal(a.frames, b.frames) and np.allclose(a.transforms, b.transforms)

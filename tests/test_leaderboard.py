@@ -1,5 +1,5 @@
-"""Notebook 09's parts: the family interface, the HUD fed from the pipeline's timer, the compile panel,
-the leaderboard's parameter rules and profile. Tiny models on CPU."""
+"""Notebook 09's parts: the shared comparison interface (family × preset), the HUD fed from the pipeline's
+timer, the compile panel, the leaderboard's parameter rules and profile. Tiny models on CPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ import torch
 
 from lab import params
 from lab.errors import BackendUnavailable, InputError
-from lab.experiments import families as F
+from lab.experiments import compare as F
 from lab.experiments import leaderboard as L
 from lab.experiments import studio as S
 from lab.experiments.common import notebook_path
@@ -24,7 +24,7 @@ def clip():
 
 @pytest.fixture(scope="module")
 def musetalk(clip):
-    return F.build(F.Setting("musetalk", batch=4), clip, "cpu", size="tiny")
+    return F.build(F.Setting("musetalk", "exact", batch=4), clip, "cpu", size="tiny")
 
 
 def _check(**kw):
@@ -44,59 +44,47 @@ def test_profile_sizes():
     base = _check()
     q = L.profile(dict(base, quick=True), torch.device("cpu"))
     assert q["size"] == "tiny" and q["n_frames"] <= 8 and q["repeats"] == 1
-    assert all(c == [("eager", 4)] for c in q["candidates"].values()) and q["quality_frames"] <= q["n_frames"]
+    assert q["batch"] == 4 and q["runtime"] == "eager" and q["quality_frames"] <= q["n_frames"]
     cpu = L.profile(dict(base), torch.device("cpu"))
     assert cpu["size"] == "tiny" and cpu["n_frames"] <= 32
     gpu = L.profile(dict(base), torch.device("cuda"))
-    assert gpu["size"] == "full" and gpu["n_frames"] == base["n_frames"] and gpu["precision"] == "fp16"
-    assert gpu["candidates"]["ditto"] == gpu["candidates"]["latentsync"] == [("cudagraph", 16), ("compile+cudagraph", 16)]
-    assert ("cudagraph", 16) in gpu["candidates"]["musetalk"]
+    assert gpu["size"] == "full" and gpu["n_frames"] == base["n_frames"] and gpu["batch"] == 16
+    assert gpu["runtime"] is None     # each preset at its own runtime
 
 
-def test_gpu_settings_carry_the_notebooks_exact_switches(clip):
-    """On a GPU each family's config has the exact switches its notebook adopted; on a CPU the plain path."""
+@pytest.mark.parametrize("family", F.FAMILIES)
+def test_settings_are_the_presets(clip, family):
+    """A setting is the family's preset; on a CPU, what of it a CPU runs; an override only changes its field."""
+    from lab.pipelines import preset
+
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    d = F._ditto_cfg(F.Setting("ditto", "compile+cudagraph", batch=16), clip, "tiny", 0, gpu)
-    assert d.compile == "default" and d.cuda_graphs and d.pad_channels and d.fuse_spade and d.fft_mask
-    assert d.tap_occlusion and d.fused_mix and d.motion_compile and d.stream_motion and d.early_start and not d.channels_last
-    assert d.motion_precision == "tf32x3" and d.motion_attention == "triton" and not d.putback_box
-    assert d.lowres_seg and d.fold_shortcut
-    g = F._ditto_cfg(F.Setting("ditto", "cudagraph", batch=16), clip, "tiny", 0, gpu)
-    assert g.cuda_graphs and g.compile == "none" and g.pad_channels and not (g.tap_occlusion or g.fused_mix or g.motion_compile)
-    assert g.motion_precision == "fp32" and g.motion_attention == "sdpa"
-    assert not (g.lowres_seg or g.fold_shortcut)
-    c = F._ditto_cfg(F.Setting("ditto", "eager", batch=4), clip, "tiny", 0, cpu)
-    assert not (c.pad_channels or c.stream_motion or c.cuda_graphs) and c.compile == "none"
-    ls = F._latentsync_cfg(F.Setting("latentsync", "compile+cudagraph", batch=16), "tiny", 0, gpu)
-    assert ls.fast == ls.vae_fast == "compile+cudagraph" and ls.guided_shortcuts and ls.fused_qkv and ls.cache_encodes
-    assert ls.fused_norms
-    assert not F._latentsync_cfg(F.Setting("latentsync", "eager", batch=4), "tiny", 0, cpu).guided_shortcuts
-    m = F._musetalk_cfg(F.Setting("musetalk", "compile+cudagraph", batch=16), clip, "tiny", 0)
-    assert m.compile == "reduce-overhead"
-    for s in (d, g, c, ls, m):
-        s.check()
+    exact = preset(family, "exact")
+    g = F.config_for(F.Setting(family, "exact"), "tiny", 0, gpu)
+    assert g.techniques == exact.techniques and g.runtime == exact.runtime
+    c = F.config_for(F.Setting(family, "exact"), "tiny", 0, cpu)
+    assert set(c.techniques) <= set(exact.techniques) and "graph" not in c.runtime
+    up = F.config_for(F.Setting(family, "upstream", runtime="eager"), "tiny", 0, cpu)
+    assert up.techniques == () and up.runtime == "eager"
 
 
 def test_setting_checks():
-    with pytest.raises(InputError, match="switch 'cache'"):
-        F.Setting("musetalk", options={"cache": True}).check()
-    with pytest.raises(InputError, match="stride"):
-        F.Setting("ditto", options={"stride": 5}).check()
-    with pytest.raises(InputError, match="backend"):
-        F.Setting("latentsync", backend="openvino").check()
-    s = F.Setting("musetalk", options={"decoder": "taesd"})
-    assert not s.exact and "decoder=taesd" in s.label() and F.Setting("latentsync").exact
+    with pytest.raises(InputError, match="no field"):
+        F.Setting("musetalk", changes={"cache": True}).check()
+    with pytest.raises(InputError, match="no preset 'fastest'"):
+        F.Setting("ditto", "fastest").check()
+    with pytest.raises(InputError, match="runtime"):
+        F.Setting("latentsync", runtime="openvino").check()
+    with pytest.raises(InputError, match="family"):
+        F.Setting("wav2lip").check()
+    assert "fast" in F.Setting("musetalk", "fast").label()
 
 
-def test_unavailable_backends_say_why(clip):
-    opts = {b: (ok, why) for b, ok, why in F.backend_options("ditto", "cpu")}
-    assert opts["eager"][0] and not opts["cudagraph"][0] and "CUDA" in opts["cudagraph"][1]
-    assert not opts["compile+cudagraph"][0] and opts["compile+cudagraph"][1]
-    assert not opts["tensorrt"][0] and opts["tensorrt"][1]
-    prec = {p: (ok, why) for p, ok, why in F.precision_options("ditto", "cpu")}
-    assert not prec["fp8"][0] and "FP8" in prec["fp8"][1] and not prec["bf16"][0]
+def test_unavailable_runtimes_say_why(clip):
+    opts = {b: (ok, why) for b, ok, why in F.runtime_options("cpu")}
+    assert opts["eager"][0] and not opts["graph"][0] and "CUDA" in opts["graph"][1]
+    assert not opts["compile+graph"][0] and opts["compile+graph"][1]
     with pytest.raises(BackendUnavailable, match="CUDA graphs"):
-        F.build(F.Setting("latentsync", backend="cudagraph"), clip, "cpu", size="tiny")
+        F.build(F.Setting("latentsync", runtime="graph"), clip, "cpu", size="tiny")
 
 
 def test_watching_sees_only_timers_made_inside():
@@ -132,31 +120,33 @@ def test_outcome_and_quality(musetalk, clip):
     assert 30 < q["psnr_db"] < 60 and q["ssim"] < 1
 
 
-def test_ditto_first_frame_from_its_timer(clip):
-    b = F.build(F.Setting("ditto", batch=4, options={"motion": "rms"}), clip, "cpu", size="tiny")
-    out = F.render(b)
-    assert 0 < out.first_frame_s <= out.wall_s and out.n_frames == clip.n_frames
+@pytest.mark.parametrize("family", ["ditto", "latentsync"])
+def test_every_family_renders_through_the_same_words(clip, family):
+    b = F.build(F.Setting(family, "exact", batch=4), clip, "cpu", size="tiny")
+    out = F.render(b, keep=2)
+    assert 0 < out.first_frame_s <= out.wall_s and out.n_frames == clip.n_frames and out.exact
+    assert out.frames.shape == (2, 192, 128, 3)
 
 
 def test_panel_headless(clip, tmp_path):
     pytest.importorskip("ipywidgets")
-    p = S.Panel(clip, torch.device("cpu"), "tiny", tmp_path, interactive=False, precision="fp32", period_s=0.01)
-    assert [v for _, v in p.backend.options] == ["eager", "compile"] and "fp8" not in p.precision.options
-    assert "CUDA graphs" in p.notes.value and "TensorRT" in p.notes.value
+    p = S.Panel(clip, torch.device("cpu"), "tiny", tmp_path, interactive=False, period_s=0.01)
+    assert [v for _, v in p.runtime.options] == ["eager", "compile"] and "CUDA graphs" in p.notes.value
     p.family.value = "ditto"
-    assert set(p._toggles) == set(F.TOGGLES["ditto"])
-    p._toggles["motion"].value = "rms"
+    assert tuple(p.preset.options)[:3] == ("upstream", "exact", "fast") and p.preset.value == "exact"
+    assert "techniques:" in p.techniques.value
+    p.preset.value = "upstream"
     out = p.start()
     assert out is not None and out.family == "ditto" and "done" in p.status.value
     assert (tmp_path / "studio_clip.png").stat().st_size > 0 and p.hud.final["fps"] == out.fps
 
 
-@pytest.mark.parametrize("family, first, then", [("musetalk", {"decoder": "taesd", "stride": 2}, {}),
-                                                 ("latentsync", {"mode": "dpm4"}, {"mode": "ddim8"})])
+@pytest.mark.parametrize("family, first, then", [("musetalk", ("fast", {}), ("exact", {})),
+                                                 ("latentsync", ("fast", {}), ("exact", {}))])
 def test_derived_engine_renders_like_a_fresh_one(clip, family, first, then):
-    base = F.build(F.Setting(family, batch=4, options=first), clip, "cpu", size="tiny")
-    derived = F.build(F.Setting(family, batch=4, options=then), clip, "cpu", size="tiny", base=base)
-    fresh = F.build(F.Setting(family, batch=4, options=then), clip, "cpu", size="tiny")
+    base = F.build(F.Setting(family, first[0], batch=4, changes=first[1]), clip, "cpu", size="tiny")
+    derived = F.build(F.Setting(family, then[0], batch=4, changes=then[1]), clip, "cpu", size="tiny", base=base)
+    fresh = F.build(F.Setting(family, then[0], batch=4, changes=then[1]), clip, "cpu", size="tiny")
     a, b = F.render(derived, keep=4), F.render(fresh, keep=4)
     assert derived.engine is not base.engine and np.array_equal(a.frames, b.frames)
     assert F.render(base, keep=1).label == base.setting.label()   # the base keeps its own switches

@@ -198,7 +198,7 @@ def test_lanczos_crop():
 
 def test_avatar_upstream_paths_and_cache(tmp_path):
     from lab.models import face
-    from lab.pipelines.musetalk import avatar_loop
+    from lab.avatar import avatar_loop
 
     frames = avatar_loop(2, (128, 192))
     det = face.detect_face_or_raise(frames[0], "x")
@@ -241,12 +241,13 @@ torch.set_num_threads(1)
 from lab import memory
 from lab.pipelines import musetalk as mt
 seconds = float(sys.argv[1])
-cfg = mt.Config(size="tiny", frame_size=(128, 192), crop=32, loop_frames=3, batch_size=4, dtype="fp32",
-                writer="null", fps=0.5, face_crop="geometric")
-e = mt.build_engine(cfg, "cpu"); mt.prepare(e); mt.warmup(e)
+from lab.pipelines import Encode
+cfg = mt.Config(size="tiny", frame_size=(128, 192), crop=32, batch_size=4, dtype="fp32", resampler="torchaudio_gpu",
+                encode=Encode(writer="null", queue=3), fps=0.5, face_crop="geometric")
+e = mt.build(cfg, "cpu"); av = mt.prepare(e, mt.avatar_loop(3, (128, 192))); mt.warmup(e, av)
 audio = (0.1 * np.random.default_rng(0).standard_normal(int(seconds * 24000), dtype=np.float32))
 before = memory.reset_peak()
-r = mt.run(e, audio, 24000, None)
+r = mt.run(e, av, audio, 24000)
 peak = memory.peak_rss_bytes()
 print(json.dumps({"frames": r.n_frames, "before": before, "peak": peak, "input": audio.nbytes}))
 """

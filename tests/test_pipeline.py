@@ -4,22 +4,34 @@ import pytest
 import soundfile as sf
 import torch
 
+from dataclasses import replace
+
 from lab import data
 from lab.errors import InputError, WeightsError
 from lab.experiments import profiling
+from lab.pipelines import Encode
 from lab.pipelines import musetalk as mt
+from lab.pipelines.musetalk import loop
 from lab.video import encoder_rate, read_video_info
 
 FS = (128, 192)  # composite (width, height)
+NULL = replace(mt.Config().encode, writer="null")     # frames discarded (or handed to a sink)
+MODE = {"sequential": (), "async": ("async_encode",)}
+YUV = ("gpu_blend", "yuv420p_pipe", "async_encode")   # the blend and I420 conversion on the device (here CPU tensors)
 
 
 @pytest.fixture(scope="module")
 def engine():
-    cfg = mt.Config(size="tiny", frame_size=FS, crop=64, loop_frames=5, batch_size=4, dtype="fp32")
-    e = mt.build_engine(cfg, "cpu")
-    mt.prepare(e)
-    mt.warmup(e)
+    cfg = mt.Config(size="tiny", frame_size=FS, crop=64, batch_size=4, dtype="fp32")
+    e = mt.build(cfg, "cpu")
+    av = mt.prepare(e, mt.avatar_loop(5, FS))
+    mt.warmup(e, av)
     return e
+
+
+def render(e, audio, sr, out=None, **kw):
+    """run() with the avatar the engine was prepared (and reconfigured) with."""
+    return mt.run(e, e.avatar, audio, sr, out_path=out, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -40,23 +52,23 @@ def test_upstream_shapes_full_config():
 
 def test_vault_latents_and_avatar(engine):
     av = engine.avatar
-    assert av.crops.shape == (5, 64, 64, 3) and av.masks.shape == (5, 64, 64)
-    assert engine.masked_latents.shape == (5, 4, 8, 8) == engine.ref_latents.shape
+    assert isinstance(av, mt.Avatar) and av.crops.shape == (5, 64, 64, 3) and av.masks.shape == (5, 64, 64)
+    assert av.masked_latents.shape == (5, 4, 8, 8) == av.ref_latents.shape
     # the masked input differs from the reference: the lower half was zeroed before encoding
-    assert not torch.allclose(engine.masked_latents, engine.ref_latents)
+    assert not torch.allclose(av.masked_latents, av.ref_latents)
 
 
 @pytest.mark.parametrize("mode", ["sequential", "async"])
 def test_run_writes_video_with_right_frames(engine, speech, tmp_path, mode):
     a, sr = speech
-    e = mt.reconfigure(engine, mode=mode)
+    e = mt.reconfigure(engine, techniques=MODE[mode])
     out = tmp_path / f"{mode}.mp4"
-    r = mt.run(e, a, sr, out)
+    r = render(e, a, sr, out)
     assert r.n_frames == 18  # 0.6 s at 30 fps
     info = read_video_info(out)
     assert info.n_frames == 18 and abs(info.duration - 0.6) < 0.05 and info.has_audio
-    stages = {s["stage"] for s in r.stages}
-    assert {"resample", "whisper", "unet", "vae_decode", "blend", "encode"} <= stages
+    assert {"resample", "whisper", "unet", "vae_decode", "blend", "encode"} <= set(r.stages)
+    assert r.mode == mode and r.counts == {"unet_frames": 18} and r.host_peak_mb > 0 and r.gpu_peak_mb is None
     assert r.fps > 0 and r.first_frame_s <= r.wall_s
     if mode == "async":
         assert 0.0 <= r.hidden_fraction <= 1.0
@@ -64,33 +76,27 @@ def test_run_writes_video_with_right_frames(engine, speech, tmp_path, mode):
         assert r.hidden_fraction is None
 
 
-def test_sequential_and_async_render_the_same_frames(engine, speech, tmp_path):
+def test_sequential_and_async_render_the_same_frames(engine, speech, tmp_path, monkeypatch):
     a, sr = speech
     frames = {}
+    orig = loop._blend_cpu
     for mode in ("sequential", "async"):
-        e = mt.reconfigure(engine, mode=mode, writer="null")
+        e = mt.reconfigure(engine, techniques=MODE[mode], encode=NULL)
         got = []
-        orig = mt._blend_cpu
-        mt._blend_cpu = lambda eng, faces, idx, _o=orig: got.append(_o(eng, faces, idx)) or got[-1]
-        try:
-            mt.run(e, a, sr, None)
-        finally:
-            mt._blend_cpu = orig
+        monkeypatch.setattr(loop, "_blend_cpu", lambda av, faces, idx: got.append(orig(av, faces, idx)) or got[-1])
+        render(e, a, sr)
         frames[mode] = np.concatenate(got)
     assert np.array_equal(frames["sequential"], frames["async"])
 
 
-def test_blend_only_touches_the_face_box(engine, speech):
+def test_blend_only_touches_the_face_box(engine, speech, monkeypatch):
     a, sr = speech
     got = []
-    orig = mt._blend_cpu
-    mt._blend_cpu = lambda eng, faces, idx, _o=orig: got.append((_o(eng, faces, idx), idx)) or got[-1][0]
+    orig = loop._blend_cpu
+    monkeypatch.setattr(loop, "_blend_cpu", lambda av, faces, idx: got.append((orig(av, faces, idx), idx)) or got[-1][0])
     # the detector box and its geometric mask: random FAN landmarks may give a jaw mask that is zero in the box
-    e = mt.reconfigure(engine, writer="null", landmarks="none")
-    try:
-        mt.run(e, a, sr, None, n_frames=4)
-    finally:
-        mt._blend_cpu = orig
+    e = mt.reconfigure(engine, encode=NULL, landmarks="none")
+    render(e, a, sr, n_frames=4)
     out, idx = got[0]
     src = e.avatar.frames[mt.pingpong(idx, len(e.avatar.frames))]
     x0, y0, x1, y1 = e.avatar.boxes[0]
@@ -103,7 +109,7 @@ def test_blend_only_touches_the_face_box(engine, speech):
 @pytest.mark.parametrize("stride,expect", [(1, 18), (2, 10), (3, 7)])
 def test_stride_runs_unet_on_keyframes_only(engine, speech, stride, expect):
     a, sr = speech
-    r = mt.run(mt.reconfigure(engine, stride=stride, writer="null"), a, sr, None)
+    r = render(mt.reconfigure(engine, stride=stride, encode=NULL), a, sr)
     assert r.n_frames == 18 and r.unet_frames == expect
 
 
@@ -113,20 +119,20 @@ def test_pingpong_loops_avatar_forward_then_backward():
 
 def test_audio_longer_than_avatar_loops(engine, speech):
     a, sr = speech  # 18 frames over a 5-frame avatar
-    r = mt.run(mt.reconfigure(engine, writer="null"), a, sr, None)
+    r = render(mt.reconfigure(engine, encode=NULL), a, sr)
     assert r.n_frames == 18
 
 
 def test_audio_shorter_than_one_frame(engine):
     with pytest.raises(InputError, match="shorter than one video frame"):
-        mt.run(engine, np.full(300, 0.1, np.float32), 24000, None)
+        render(engine, np.full(300, 0.1, np.float32), 24000)
 
 
 def test_silence_only(engine):
     silent = np.zeros(12000, np.float32)
     with pytest.raises(InputError, match="silent throughout"):
-        mt.run(engine, silent, 24000, None)
-    r = mt.run(mt.reconfigure(engine, allow_silence=True, writer="null"), silent, 24000, None)
+        render(engine, silent, 24000)
+    r = render(mt.reconfigure(engine, allow_silence=True, encode=NULL), silent, 24000)
     assert r.n_frames == 15
 
 
@@ -139,18 +145,20 @@ def test_image_with_no_face(engine, tmp_path):
     iio.imwrite(p, np.full((192, 128, 3), 128, np.uint8))
     with pytest.raises(InputError, match="wall.png"):
         mt.prepare(engine, load_image(p)[None], source_name=str(p))
+    with pytest.raises(InputError, match="wall.png"):
+        mt.prepare(engine, p)     # a path: loaded with lab.data.load_source, named by it
 
 
 def test_missing_weights_path(tmp_path):
     cfg = mt.Config(size="tiny", frame_size=FS, crop=64, dtype="fp32",
                     weights={"unet": str(tmp_path / "musetalkV15" / "unet.pth")})
     with pytest.raises(WeightsError, match="unet.pth.*not found"):
-        mt.build_engine(cfg, "cpu")
+        mt.build(cfg, "cpu")
 
 
 def test_bad_config():
-    with pytest.raises(InputError, match="mode"):
-        mt.Config(mode="parallel").check()
+    with pytest.raises(InputError, match="no technique 'parallel'"):
+        mt.Config(techniques=("parallel",)).check()
     with pytest.raises(InputError, match="stride"):
         mt.Config(stride=0).check()
     with pytest.raises(InputError, match="batch_size"):
@@ -164,10 +172,10 @@ def test_writer_error_leaves_no_file(engine, speech, tmp_path, monkeypatch):
     def boom(*args, **kw):
         raise RuntimeError("decoder exploded")
 
-    e = mt.reconfigure(engine, mode="async")
+    e = mt.reconfigure(engine, techniques=MODE["async"])
     monkeypatch.setattr(e, "dec_fn", boom)
     with pytest.raises(RuntimeError, match="exploded"):
-        mt.run(e, a, sr, out)
+        render(e, a, sr, out)
     assert not out.exists()
 
 
@@ -177,7 +185,7 @@ def test_loaded_audio_file_end_to_end(engine, tmp_path):
     st = np.stack([np.sin(2 * np.pi * 220 * t), np.sin(2 * np.pi * 330 * t)], 1) * 0.3
     sf.write(tmp_path / "in.wav", st, sr)
     a, r_sr = data.load_audio(tmp_path / "in.wav")
-    rep = mt.run(mt.reconfigure(engine, writer="null"), a, r_sr, None)
+    rep = render(mt.reconfigure(engine, encode=NULL), a, r_sr)
     assert rep.n_frames == 12
 
 
@@ -199,19 +207,41 @@ def test_neural_bench_and_trace(engine, speech, tmp_path):
     assert any(e.get("name", "").startswith("aten::") for e in events)  # the run's ops were recorded
 
 
-def test_load_avatar_image_and_video(tmp_path):
+def test_load_source_image_and_video(tmp_path):
     import imageio.v3 as iio
 
     from lab.video import FFmpegWriter
 
     iio.imwrite(tmp_path / "a.png", np.full((51, 33, 3), 90, np.uint8))
-    fr = mt.load_avatar(tmp_path / "a.png")
+    fr = data.load_source(tmp_path / "a.png")
     assert fr.shape == (1, 50, 32, 3)  # cropped to even sizes for yuv420p
     with FFmpegWriter(tmp_path / "v.mp4", 25, (32, 48)) as w:
         w.write(np.full((5, 48, 32, 3), 120, np.uint8))
-    assert mt.load_avatar(tmp_path / "v.mp4").shape == (5, 48, 32, 3)
+    assert data.load_source(tmp_path / "v.mp4").shape == (5, 48, 32, 3)
     with pytest.raises(InputError, match="nope.png"):
-        mt.load_avatar(tmp_path / "nope.png")
+        data.load_source(tmp_path / "nope.png")
+
+
+def test_prepare_from_a_path_an_image_and_frames(engine, tmp_path):
+    """prepare() takes a video's path, an (H, W, 3) image or (N, H, W, 3) frames: the same avatar from each."""
+    from lab.video import FFmpegWriter
+
+    frames = mt.avatar_loop(3, FS)
+    with FFmpegWriter(tmp_path / "anchor.mp4", 25, FS, crf=0) as w:
+        w.write(frames)
+    e = mt.reconfigure(engine, face_crop="geometric")
+    from_path = mt.prepare(e, tmp_path / "anchor.mp4")
+    from_frames = mt.prepare(e, frames)
+    from_image = mt.prepare(e, frames[0])
+    assert from_path.frames.shape == from_frames.frames.shape == (3, FS[1], FS[0], 3)
+    assert from_path.source_name.endswith("anchor.mp4") and from_image.frames.shape == (1, FS[1], FS[0], 3)
+    assert from_frames.masked_latents.shape == (3, 4, 8, 8) and e.avatar is from_image
+    assert np.array_equal(from_image.crops[0], from_frames.crops[0])
+    for bad in (np.zeros((4, 4), np.uint8), np.zeros((2, 8, 8, 3), np.float32), 3):
+        with pytest.raises(InputError, match="prepare\\(source=...\\)"):
+            mt.prepare(e, bad)
+    r = mt.run(e, from_path, np.sin(np.arange(9600) / 7).astype(np.float32), 16000, n_frames=4)
+    assert r.n_frames == 4
 
 
 def test_gpu_blend_path_matches_cpu_blend(engine, speech, monkeypatch, collector):
@@ -221,8 +251,8 @@ def test_gpu_blend_path_matches_cpu_blend(engine, speech, monkeypatch, collector
     got = {}
     for blend in ("cpu", "gpu"):
         w = collector()
-        monkeypatch.setattr(mt, "_open_writer", lambda *args, _w=w: _w)
-        mt.run(mt.reconfigure(engine, blend=blend, pipe_format="rgb24"), a, sr, "unused.mp4", n_frames=8)
+        monkeypatch.setattr(loop, "_open_writer", lambda *args, _w=w: _w)
+        render(mt.reconfigure(engine, techniques=("gpu_blend",) if blend == "gpu" else ()), a, sr, "unused.mp4", n_frames=8)
         got[blend] = np.concatenate(w.frames)
     assert got["cpu"].shape == got["gpu"].shape == (8, FS[1], FS[0], 3)
     assert np.abs(got["cpu"].astype(int) - got["gpu"].astype(int)).max() <= 1
@@ -231,13 +261,13 @@ def test_gpu_blend_path_matches_cpu_blend(engine, speech, monkeypatch, collector
 def test_gpu_blend_yuv_pipe_writes_the_video(engine, speech, tmp_path):
     a, sr = speech
     out = tmp_path / "yuv.mp4"
-    r = mt.run(mt.reconfigure(engine, blend="gpu", pipe_format="yuv420p", mode="async"), a, sr, out)
+    r = render(mt.reconfigure(engine, techniques=YUV + ("region_composite",)), a, sr, out)
     info = read_video_info(out)
     assert info.n_frames == r.n_frames == 18 and info.has_audio
-    assert "composite_yuv420p" in {s["stage"] for s in r.stages}
+    assert "composite_yuv420p" in r.stages
     assert 0 < r.encoder_start_s <= r.encoder_end_s <= r.wall_s
-    with pytest.raises(InputError, match="needs blend='gpu'"):
-        mt.run(mt.reconfigure(engine, blend="cpu", pipe_format="yuv420p"), a, sr, tmp_path / "x.mp4")
+    with pytest.raises(InputError, match=r"'yuv420p_pipe' needs \['gpu_blend'\]"):
+        render(mt.reconfigure(engine, techniques=("yuv420p_pipe",)), a, sr, tmp_path / "x.mp4")
     assert not (tmp_path / "x.mp4").exists()
 
 
@@ -247,20 +277,52 @@ def test_region_composite_pipes_the_same_planes_as_whole_frames(engine, speech, 
     a, sr = speech
 
     got = {}
-    for comp, wait in (("frame", "spin"), ("region", "sleep")):
-        e = mt.reconfigure(engine, blend="gpu", pipe_format="yuv420p", mode="async", composite=comp, host_wait=wait)
+    for comp, extra in (("frame", ()), ("region", ("region_composite", "sleep_wait"))):
+        e = mt.reconfigure(engine, techniques=YUV + extra)
         w = collector()
-        r = mt.run(e, a, sr, None, n_frames=10, sink=w)
+        r = render(e, a, sr, n_frames=10, sink=w)
         got[comp] = np.concatenate(w.frames)
-        assert ("composite_yuv420p" if comp == "region" else "yuv420p") in {s["stage"] for s in r.stages}
+        assert ("composite_yuv420p" if comp == "region" else "yuv420p") in r.stages
     assert got["region"].shape == (10, FS[0] * FS[1] * 3 // 2)
     assert np.array_equal(got["region"], got["frame"])
 
 
-@pytest.mark.parametrize("bad", [dict(composite="box"), dict(host_wait="yield"), dict(pipe_buffer=-1), dict(host_copy="mapped")])
-def test_transport_knobs_are_checked(bad):
-    with pytest.raises(InputError, match=next(iter(bad))):
+@pytest.mark.parametrize("bad, needle", [
+    (dict(techniques=("region_composite",)), r"'region_composite' needs \['yuv420p_pipe'\]"),   # a requirement, named
+    (dict(techniques=("gpu_blend", "region_composite")), r"'region_composite' needs \['yuv420p_pipe'\]"),
+    (dict(techniques=("mapped_copy",)), "no technique 'mapped_copy'"),
+    (dict(techniques="zero_copy"), "tuple of technique names"),
+    (dict(encode=Encode(pipe_buffer=-1)), "pipe_buffer"), (dict(encode=Encode(writer="gstreamer")), "writer"),
+    (dict(runtime="jit"), "runtime"), (dict(resampler="sinc"), "resampler"), (dict(decoder="vqgan"), "decoder")])
+def test_techniques_and_transport_are_checked(bad, needle):
+    with pytest.raises(InputError, match=needle):
         mt.Config(**bad).check()
+
+
+def test_reconfigure_refuses_what_the_networks_were_built_from(engine):
+    with pytest.raises(InputError, match=r"cannot change \['size'\]"):
+        mt.reconfigure(engine, size="full")
+    with pytest.raises(InputError, match="no field"):
+        mt.reconfigure(engine, mode="async")
+    assert mt.reconfigure(engine, size="tiny", seed=0).cfg.size == "tiny"   # the same values: fine
+
+
+@pytest.mark.parametrize("name", ["upstream", "exact", "fast"])
+def test_presets_run_on_a_cpu(name, speech):
+    """Each preset as a CPU runs it (CUDA-only parts left out by config(device=...); eager, to skip Inductor's C++
+    build): builds, prepares and renders a few frames."""
+    from lab.pipelines import config
+
+    cfg = config("musetalk", name, device="cpu", size="tiny", frame_size=FS, crop=64, runtime="eager", dtype="fp32",
+                 face_crop="geometric", encode=NULL)
+    assert cfg.techniques == mt.PRESETS[name].techniques and cfg.stride == (2 if name == "fast" else 1)
+    e = mt.build(cfg, "cpu")
+    av = mt.prepare(e, mt.avatar_loop(2, FS))
+    mt.warmup(e, av)
+    a, sr = speech
+    r = mt.run(e, av, a, sr, n_frames=5)
+    assert r.n_frames == 5 and r.mode == ("sequential" if name == "upstream" else "async")
+    assert r.unet_frames == (3 if name == "fast" else 5)
 
 
 def test_batch_plan_edges():
@@ -281,13 +343,13 @@ def test_edge_batches_render_the_same_frames(engine, speech, stride, collector):
     a, sr = speech
     out = {}
     for edge in (0, 2):
-        e = mt.reconfigure(engine, writer="null", mode="async", stride=stride, edge_batch=edge)
+        e = mt.reconfigure(engine, encode=NULL, techniques=MODE["async"], stride=stride, edge_batch=edge)
         mt.warmup(e)
         shapes, gen, dec = [], e.gen_fn, e.dec_fn
         e.gen_fn = lambda x, au, _g=gen: shapes.append(("unet", len(x))) or _g(x, au)
         e.dec_fn = lambda z, _d=dec: shapes.append(("dec", len(z))) or _d(z)
         sink = collector()
-        r = mt.run(e, a, sr, None, n_frames=17, sink=sink)   # 17 = 2 + 3·4 + a tail of 3 frames: 2 + 1
+        r = render(e, a, sr, n_frames=17, sink=sink)   # 17 = 2 + 3·4 + a tail of 3 frames: 2 + 1
         out[edge] = np.concatenate(sink.frames)
         assert r.n_frames == 17 == len(out[edge])
         assert {b for _, b in shapes} == ({4} if edge == 0 else {2, 4})
@@ -305,36 +367,36 @@ def test_edge_batch_is_checked(edge):
 
 
 def test_subpixel_decoder_renders_the_same_frames(engine, speech):
-    """subpixel=True folds SD-VAE's upsample convs: same function, so the same faces (fp32, CPU)."""
+    """'subpixel' folds SD-VAE's upsample convs: same function, so the same faces (fp32, CPU)."""
     from lab.techniques.subpixel import SubpixelUpsampleConv
 
     a, sr = speech
-    folded_engine = mt.reconfigure(engine, writer="null", subpixel=True)
+    folded_engine = mt.reconfigure(engine, encode=NULL, techniques=("subpixel",))
     assert any(isinstance(m, SubpixelUpsampleConv) for m in folded_engine.decoder.modules())
     assert not any(isinstance(m, SubpixelUpsampleConv) for m in engine.decoder.modules())  # original untouched
     z = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         torch.testing.assert_close(folded_engine.dec_fn(z), engine.dec_fn(z), rtol=1e-4, atol=1e-5)
-    r = mt.run(folded_engine, a, sr, None)
+    r = render(folded_engine, a, sr)
     assert r.n_frames == 18
-    # TAESD has no Upsample2D: the flag is ignored there
-    taesd = mt.reconfigure(engine, decoder="taesd", subpixel=True)
+    # TAESD has no Upsample2D: the technique does nothing there
+    taesd = mt.reconfigure(engine, decoder="taesd", techniques=("subpixel",))
     assert not any(isinstance(m, SubpixelUpsampleConv) for m in taesd.decoder.modules())
     with pytest.raises(InputError, match="cannot be unfolded"):
-        fresh = mt.build_engine(mt.Config(size="tiny", frame_size=FS, crop=64, dtype="fp32", subpixel=True))
-        mt.reconfigure(fresh, subpixel=False)
+        fresh = mt.build(mt.Config(size="tiny", frame_size=FS, crop=64, dtype="fp32", techniques=("subpixel",)))
+        mt.reconfigure(fresh, techniques=())
 
 
 def test_upstream_inputs_by_default_geometric_as_option(engine):
     """The default engine crops from FAN landmarks (random weights here: the box is meaningless,
     and the record says so) and the geometric 1.5× square stays available."""
-    assert engine.cfg.face_crop == "upstream" and engine.cfg.audio_windows == "upstream"
+    assert engine.cfg.face_crop == "upstream" and "centred_windows" not in engine.cfg.techniques
     assert engine.avatar.params["crop_path"] in ("landmarks", "detector box")
     assert engine.weights["fan"] == "random (seed 0)"
     geo = mt.reconfigure(engine, face_crop="geometric")
     x0, y0, x1, y1 = geo.avatar.boxes[0]
     assert x1 - x0 == y1 - y0 and geo.avatar.params["crop_path"] == "geometric" and "fan" not in geo.weights
-    assert geo.masked_latents.shape == engine.masked_latents.shape
+    assert geo.avatar.masked_latents.shape == engine.avatar.masked_latents.shape
     back = mt.reconfigure(geo, face_crop="upstream")
     assert back.avatar is engine.avatar  # reused, not re-prepared
     none = mt.reconfigure(engine, landmarks="none")
@@ -346,19 +408,18 @@ def test_run_feeds_the_unet_the_whole_clip_windows(engine, speech, monkeypatch):
     from lab.timing import StageTimer
 
     a, sr = speech
-    e = mt.reconfigure(engine, writer="null")
+    e = mt.reconfigure(engine, encode=NULL)
     seen = []
     gen = e.gen_fn
     monkeypatch.setattr(e, "gen_fn", lambda x, audio: seen.append(audio.clone()) or gen(x, audio))
-    r = mt.run(e, a, sr, None)
+    r = render(e, a, sr)
     _, whole = mt.prepare_audio(e, a, sr, StageTimer("cpu"))
     got = torch.cat(seen)[: r.n_frames]
     assert torch.equal(got, whole.to(got.dtype))
 
 
 def test_bad_fidelity_config():
-    with pytest.raises(InputError, match="audio_windows"):
-        mt.Config(audio_windows="middle").check()
+    assert not mt.PRESETS["exact"].techniques.count("centred_windows")   # an approximation, in no exact preset
     with pytest.raises(InputError, match="face_crop"):
         mt.Config(face_crop="square").check()
     with pytest.raises(InputError, match="extra_margin"):
@@ -381,6 +442,11 @@ def test_encoder_ceiling_rate_and_bad_option(engine, speech, tmp_path):
         encoder_rate(frames, pix, FS, 30.0, 4, "ultrafast", 18, args=["-tune", "nonsense"])
 
 
+# the notebook's engine on a GPU (blend, conversion and composite on the device), run here on CPU tensors
+NOTEBOOK = ("channels_last", "pinned_copy", "async_encode", "gpu_blend", "yuv420p_pipe", "region_composite", "sleep_wait",
+            "zero_copy")
+
+
 def test_e2e_steps_and_crops_tables_from_medians(engine, speech, tmp_path):
     """The end-to-end path's rows (cumulative changes, each with the ceiling of its own writer
     settings) and the per-crop rows: medians of `repeats` runs, each run's FPS kept, the run's own
@@ -390,8 +456,8 @@ def test_e2e_steps_and_crops_tables_from_medians(engine, speech, tmp_path):
     run = profiling.start({"device": "cpu", "quick": True, "out_dir": str(tmp_path / "run"), "repeats": 2})
     torch.set_num_threads(threads)  # start() sets one thread for a quick CPU run; the module's engine keeps its own
     clip = profiling.Clip(a, sr, 12, None, "default avatar")
-    e = mt.reconfigure(engine, blend="gpu", pipe_format="yuv420p", mode="async")
-    assert profiling.measure_e2e_steps(run, mt.reconfigure(e, blend="cpu", pipe_format="rgb24"), clip) == []
+    e = mt.reconfigure(engine, techniques=NOTEBOOK, encode=replace(engine.cfg.encode, pipe_buffer=1 << 20))
+    assert profiling.measure_e2e_steps(run, mt.reconfigure(e, techniques=()), clip) == []
     profiling.profiled_run(run, e, clip)
     assert len(run.result.metrics["run"]["fps_runs"]) == 2 and (run.folder / "render.mp4").exists()
     profiling.measure_encoder(run, e, clip)
@@ -428,7 +494,7 @@ def test_profiling_fidelity_knobs_are_checked(bad, name):
 
 def test_waterfall_rows_are_the_median_of_repeats(engine, speech):
     a, sr = speech
-    steps = [("base", dict(mode="sequential", batch_size=1)), ("+ batch 4, async", dict(mode="async", batch_size=4))]
+    steps = [("base", {"-": ("async_encode",), "batch_size": 1}), ("+ batch 4, async", {"+": ("async_encode",), "batch_size": 4})]
     rows = profiling.waterfall(engine, a, sr, 8, steps=steps, repeats=3, progress=False, batch1_frames=4)
     assert [r["step"] for r in rows] == ["base", "+ batch 4, async"]
     assert [r["frames"] for r in rows] == [4, 8]  # batch-1 rows render fewer frames, the others all
@@ -448,7 +514,7 @@ def test_e2e_step_that_runs_out_of_recompiles_is_a_failed_row(engine, speech, tm
     run = profiling.start({"device": "cpu", "quick": True, "out_dir": str(tmp_path / "run"), "repeats": 1})
     torch.set_num_threads(threads)
     clip = profiling.Clip(a, sr, 12, None, "default avatar")
-    e = mt.reconfigure(engine, blend="gpu", pipe_format="yuv420p", mode="async")
+    e = mt.reconfigure(engine, techniques=NOTEBOOK, encode=replace(engine.cfg.encode, pipe_buffer=1 << 20))
     real = profiling._e2e_step
 
     def step(run_, engine_, e_, *args):

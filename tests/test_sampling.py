@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from lab.pipelines import latentsync_sampling as smp
+from lab.pipelines.latentsync import sampling as smp
 from lab.errors import InputError
 
 B, F, H, W, D = 1, 3, 4, 4, 8
@@ -143,3 +143,25 @@ def test_a_sampler_combines_with_the_feature_cache():
     # full UNet calls per block: steps 0, k, 2k, … of N
     assert [smp.parse_mode(m).full_calls for m in ("exact20", "dpm8", "deepcache3", "dpm8+deepcache3", "dpm8+deepcache2")] \
         == [20, 8, 7, 3, 4]
+
+
+def test_the_sampler_registry_drives_parse_mode_and_the_mode_lists(monkeypatch):
+    """A new sampler is one entry in SAMPLERS: parse_mode accepts '<kind><N>' for it (alone and with the feature
+    cache), make_scheduler builds it; the lab's mode lists come from MODES and every listed mode parses."""
+    made = []
+    monkeypatch.setitem(smp.SAMPLERS, "euler", smp.Sampler("euler", "a stand-in", lambda: made.append(1) or smp._ddim()))
+    assert smp.parse_mode("euler6") == smp.Mode("euler6", "euler", 6)
+    assert smp.parse_mode("euler6+deepcache2").full_calls == 3 and not smp.parse_mode("euler20").exact
+    assert smp.make_scheduler("euler") is not None and made == [1]
+    monkeypatch.delitem(smp.SAMPLERS, "euler")
+    with pytest.raises(InputError, match="'ddim<N>', 'dpm<N>'"):
+        smp.parse_mode("euler6")
+    with pytest.raises(InputError, match=r"scheduler kind must be one of \('ddim', 'dpm'\)"):
+        smp.make_scheduler("euler")
+    assert smp.modes()[0] == smp.EXACT and set(smp.modes("full")) <= set(smp.modes("notebook"))
+    assert smp.modes("calibrate") == ("exact20", "ddim8", "dpm4")
+    assert [r["mode"] for r in smp.mode_rows() if r["exact"]] == ["exact20"]
+    with pytest.raises(InputError, match="mode list 'nb'"):
+        smp.modes("nb")
+    monkeypatch.setitem(smp.MODES, "dpm6", ("compare",))
+    assert smp.modes("compare")[-1] == "dpm6"

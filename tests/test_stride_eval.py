@@ -23,13 +23,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def engine():
-    from lab.pipelines.musetalk import Config, build_engine, prepare, warmup
+    from lab.pipelines import Encode
+    from lab.pipelines.musetalk import Config, avatar_loop, build, prepare, warmup
 
-    cfg = Config(size="tiny", frame_size=(128, 192), crop=64, loop_frames=6, batch_size=4, dtype="fp32", fps=FPS,
-                 writer="null", decoder="taesd")
-    e = build_engine(cfg, "cpu")
-    prepare(e)
-    warmup(e)
+    cfg = Config(size="tiny", frame_size=(128, 192), crop=64, batch_size=4, dtype="fp32", fps=FPS,
+                 resampler="torchaudio_gpu", encode=Encode(writer="null", queue=3), decoder="taesd")
+    e = build(cfg, "cpu")
+    warmup(e, prepare(e, avatar_loop(6, (128, 192))))
     return e
 
 
@@ -227,14 +227,14 @@ def test_per_frame_ssim_matches_metrics():
 # ----------------------------------------------------------------------------- pipeline consistency
 
 def test_generated_latents_are_what_the_pipeline_interpolates(engine, feats):
-    from lab.pipelines.musetalk import _Latents
+    from lab.pipelines.musetalk.stages import _Latents
 
     a16, f = feats
     dense = se.generated_latents(engine, f)
     assert dense.shape[0] == N
     for s in (2, 3, "adaptive"):
         keys = se.plan_indices(s, N, a16, FPS, engine.cfg.max_gap)
-        lat = _Latents(engine, f, keys)
+        lat = _Latents(engine, engine.avatar, f, keys)
         with torch.inference_mode():
             piped = torch.cat([lat.batch(b, min(b + 4, N)) for b in range(0, N, 4)])
         ours = st.expand_keyframes(dense[torch.as_tensor(keys)], keys, N, "slerp")
@@ -256,7 +256,7 @@ def test_pipeline_unet_frames_and_full_batches(engine, clip, feats, stride):
         return gen(x, a)
 
     e.gen_fn = counting
-    r = run(e, clip[0], clip[1], None, n_frames=N)
+    r = run(e, e.avatar, clip[0], clip[1], n_frames=N)
     keys = se.plan_indices(stride, N, a16, FPS, engine.cfg.max_gap)
     assert r.n_frames == N and r.unet_frames == len(keys) and r.duty_cycle == pytest.approx(len(keys) / N)
     # look-ahead: the UNet sees full batches of keyframes, not ~batch/k per frame batch

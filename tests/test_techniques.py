@@ -48,6 +48,18 @@ def test_usable_drops_what_a_cpu_cannot_run_and_what_needed_it(toy):
     assert kept == ("t_base",)
     assert [d[0] for d in dropped] == ["t_gpu", "t_after_gpu", "t_compiled"]
     assert T.usable_runtime("compile+graph", "cpu") == "compile" and T.usable_runtime("graph", "cuda") == "graph"
+    # a preset's runtime was measured on a GPU: a CPU runs it eager, an explicit choice keeps compile
+    assert T.usable_runtime("compile+graph", "cpu", preset=True) == "eager"
+    assert T.usable_runtime("compile+graph", "cuda", preset=True) == "compile+graph"
+
+
+def test_config_on_a_cpu_runs_a_preset_eager_unless_asked():
+    from lab.pipelines import PIPELINES, config, preset
+
+    for fam in PIPELINES:
+        assert config(fam, "exact", device="cpu").runtime == "eager"
+        if "compile" in preset(fam, "exact").runtime:
+            assert config(fam, "exact", device="cpu", runtime="compile").runtime == "compile"
 
 
 def test_a_name_declared_twice_differently_is_refused(toy):
@@ -103,3 +115,29 @@ def test_unknown_family_and_preset_are_named():
         config("ditto", "fastest")
     with pytest.raises(InputError, match="no field"):
         config("ditto", "exact", nonsense=1)
+
+
+def test_the_techniques_page_is_generated_from_the_registry_and_presets():
+    from lab.pipelines import techniques_page
+    from lab.results import ROOT
+
+    page = techniques_page()
+    for fam in ("ditto", "latentsync", "musetalk"):
+        assert f"## {fam}" in page and f"lab render {fam} --preset NAME" in page
+    assert all(f"`{t.name}`" in page for t in T.registry().values()) and len(T.registry()) > 40
+    # the committed page is what `lab report --docs` writes now (a technique or preset changed: regenerate)
+    assert (ROOT / "docs" / "techniques.md").read_text(encoding="utf-8") == page
+
+
+def test_lab_report_docs_writes_the_techniques_page(tmp_path):
+    import shutil
+
+    from lab.cli import main
+    from lab.pipelines import techniques_page
+    from lab.results import ROOT
+
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    (tmp_path / "docs" / "techniques.md").write_text("stale", encoding="utf-8")
+    assert main(["report", "--docs", "--root", str(tmp_path)]) == 0
+    assert (tmp_path / "docs" / "techniques.md").read_text(encoding="utf-8") == techniques_page()

@@ -110,7 +110,7 @@ def test_motion_window_with_the_switch_is_the_fp32_window():
     from lab.models import ditto as D
     from lab.pipelines import ditto as P
 
-    engine = P.build(P.Config(size="tiny", sampling_steps=3), "cpu")
+    engine = P.build(P.Config(size="tiny", sampling_steps=3, techniques=("batch_cfg",)), "cpu")   # one call per step
     torch.manual_seed(3)
     L = engine.dims.seq_frames
     cond = torch.randn(L, engine.dims.cond_dim)
@@ -126,7 +126,7 @@ def test_motion_window_with_the_switch_is_the_fp32_window():
         calls.append(a[1].shape)
         return real(*a)
 
-    tf32x3_engine = P.reconfigure(engine, motion_precision="tf32x3")
+    tf32x3_engine = P.reconfigure(engine, techniques=("batch_cfg", "motion_tf32x3"))
     try:
         tf32x3.linear = counting   # the pipeline looks the function up when it builds the step
         got = P.sample_window(tf32x3_engine, cf, cond, sched, noises, None, x=x)
@@ -139,14 +139,14 @@ def test_motion_window_with_the_switch_is_the_fp32_window():
     real_att = tf32x3.attention
     try:
         tf32x3.attention = lambda *a: att_calls.append(a[1].shape) or real_att(*a)
-        both = P.sample_window(P.reconfigure(engine, motion_precision="tf32x3", motion_attention="triton"),
+        both = P.sample_window(P.reconfigure(engine, techniques=("batch_cfg", "motion_tf32x3", "motion_triton_attention")),
                                cf, cond, sched, noises, None, x=x)
     finally:
         tf32x3.attention = real_att
     assert len(att_calls) == 3 * 2 * layers   # self- and cross-attention per layer and step
     assert torch.allclose(both, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
-    with pytest.raises(InputError, match="motion_attention"):
-        P.reconfigure(engine, motion_attention="flash")
+    with pytest.raises(InputError, match="no technique 'motion_flash_attention'"):
+        P.reconfigure(engine, techniques=("motion_flash_attention",))
 
 
 def test_waterfall_adds_the_attention_row_only_where_the_motion_table_measured_it_faster():
@@ -163,18 +163,19 @@ def test_waterfall_adds_the_attention_row_only_where_the_motion_table_measured_i
     # the copy-stream row closes every GPU waterfall (after the motion rows); off the GPU it is absent
     last = lambda c: [n for n, _ in X.waterfall_steps(c) if n != X.COPY_STREAM][-1]   # noqa: E731
     gpu_steps = X.waterfall_steps(ctx([gemm, faster]))
-    assert gpu_steps[-1][0] == X.COPY_STREAM and gpu_steps[-1][1]["copy_stream"]
+    assert gpu_steps[-1][0] == X.COPY_STREAM and "copy_stream" in gpu_steps[-1][1]["techniques"]
     assert not any(n == X.COPY_STREAM for n, _ in X.waterfall_steps(ctx([gemm, faster], "cpu")))
     assert X.motion_attention_helps(ctx([gemm, faster]))
     assert last(ctx([gemm, faster])) == X.MOTION_ATTENTION
-    assert X.waterfall_steps(ctx([gemm, faster]))[-1][1]["motion_attention"] == "triton"
+    assert "motion_triton_attention" in X.waterfall_steps(ctx([gemm, faster]))[-1][1]["techniques"]
     for rows in ([gemm, faster | {"ms_per_window": 60.0}], [gemm, {"variant": X.ATTENTION_ROW, "status": "failed"}], [gemm], []):
         assert not X.motion_attention_helps(ctx(rows))
         assert last(ctx(rows)) == X.MOTION_TF32X3
     assert last(ctx([gemm, faster], "cpu")) != X.MOTION_ATTENTION   # no split-TF32 row off the GPU, so no attention row
     # PDL: a row after the attention row only where the table measured the window faster with it
     pdl = {"variant": X.PDL_ROW, "status": "ok", "ms_per_window": 46.0}
-    assert last(ctx([gemm, faster, pdl])) == X.MOTION_PDL and X.waterfall_steps(ctx([gemm, faster, pdl]))[-1][1]["motion_pdl"]
+    assert last(ctx([gemm, faster, pdl])) == X.MOTION_PDL
+    assert "motion_pdl" in X.waterfall_steps(ctx([gemm, faster, pdl]))[-1][1]["techniques"]
     assert last(ctx([gemm, faster, pdl | {"ms_per_window": 51.0}])) == X.MOTION_ATTENTION
     assert last(ctx([gemm, faster | {"ms_per_window": 60.0}, pdl])) == X.MOTION_TF32X3   # no attention row: no PDL row
 

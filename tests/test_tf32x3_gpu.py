@@ -43,7 +43,7 @@ def test_motion_window_with_split_tf32_matches_the_eager_fp32_window(monkeypatch
     from lab.models import ditto as D
     from lab.pipelines import ditto as P
 
-    engine = P.build(P.Config(size="full"), "cuda")
+    engine = P.build(P.Config(size="full", techniques=("batch_cfg",)), "cuda")
     g = torch.Generator().manual_seed(0)
     L, S = engine.dims.seq_frames, engine.cfg.sampling_steps
     cond = torch.randn(L, engine.dims.cond_dim, generator=g).cuda()
@@ -57,8 +57,8 @@ def test_motion_window_with_split_tf32_matches_the_eager_fp32_window(monkeypatch
         real = getattr(tf32x3, f"{name}_triton")
         monkeypatch.setattr(tf32x3, f"{name}_triton",
                             lambda *a, _real=real, _name=name, **k: ran.__setitem__(_name, ran[_name] + 1) or _real(*a, **k))
-    for extra in ({}, {"motion_attention": "triton"}):
-        fast = P.reconfigure(engine, motion_compile=True, cuda_graphs=True, motion_precision="tf32x3", **extra)
+    for extra in ((), ("motion_triton_attention",)):
+        fast = P.reconfigure(engine, runtime="graph", techniques=("batch_cfg", "motion_compile", "motion_tf32x3", *extra))
         a = P.sample_window(fast, cf, cond, sched, noises, None, x=x)
         assert ran["linear"] > 0 and (ran["attention"] > 0) == bool(extra)
         b = P.sample_window(fast, cf, cond, sched, noises, None, x=x)   # a graph replay
@@ -71,8 +71,8 @@ def test_motion_window_with_pdl_is_the_same_window(monkeypatch):
     from lab.models import ditto as D
     from lab.pipelines import ditto as P
 
-    engine = P.build(P.Config(size="full", motion_compile=True, cuda_graphs=True, motion_precision="tf32x3",
-                              motion_attention="triton"), "cuda")
+    engine = P.build(P.Config(size="full", runtime="graph", techniques=("batch_cfg", "motion_compile", "motion_tf32x3",
+                                                                         "motion_triton_attention")), "cuda")
     g = torch.Generator().manual_seed(0)
     L, S = engine.dims.seq_frames, engine.cfg.sampling_steps
     args = (torch.randn(D.MOTION_DIM, generator=g).cuda(), torch.randn(L, engine.dims.cond_dim, generator=g).cuda(),
@@ -84,7 +84,7 @@ def test_motion_window_with_pdl_is_the_same_window(monkeypatch):
     seen = []
     real = tf32x3.linear_triton
     monkeypatch.setattr(tf32x3, "linear_triton", lambda *a, **k: seen.append(pdl_mod.enabled()) or real(*a, **k))
-    pdl = P.reconfigure(engine, motion_pdl=True)
+    pdl = P.reconfigure(engine, techniques=engine.cfg.techniques + ("motion_pdl",))
     a = P.sample_window(pdl, *args, x=x).clone()
     assert seen and all(seen) and not pdl_mod.enabled()   # on while the window's kernels launched, off after
     assert torch.equal(a, P.sample_window(pdl, *args, x=x))   # a replay of the graph captured with PDL

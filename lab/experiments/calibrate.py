@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from lab import env
-from lab.techniques import stride as st
-from lab.errors import LabError
-from lab.experiments import families as F
+from lab.errors import InputError, LabError
+from lab.experiments import compare as F
+from lab.pipelines import pipeline, preset
 
 
 @dataclass
@@ -35,116 +35,101 @@ class Plan:
     frame_size: tuple[int, int]
     n_frames: int
     batches: dict[str, list[int]]
-    backends: dict[str, list[str]]
+    runtimes: dict[str, list[str]]
     choices: dict[str, list[dict]] = field(default_factory=dict)
 
 
-CHOICES = {
-    "musetalk": [{"decoder": d, "stride": k} for d in ("sd-vae", "taesd") for k in (1, 2, 3)],
-    "ditto": [{"stride": k} for k in (1, 2, 3)],
-    "latentsync": [{"mode": m} for m in ("exact20", "ddim8", "dpm4")],
-}
-HEAVY = {"musetalk": ("unet",), "ditto": ("render",), "latentsync": ("unet",)}
+def _batch(family: str) -> int:
+    P = pipeline(family)
+    return int(preset(family, "exact").knobs.get(P.MEASURES.batch_field, getattr(P.Config(), P.MEASURES.batch_field)))
 
 
-def plan(device: torch.device, quick: bool) -> Plan:
+def plan(device: torch.device, quick: bool, families: tuple[str, ...] = F.FAMILIES) -> Plan:
     """quick (or a CPU): tiny models, 8 frames, eager only, two batches — a smoke run whose numbers are
-    not results. A GPU: full size, eager and CUDA graphs (MuseTalk's CUDA graphs come with torch.compile,
-    minutes of build: left out, as is compile everywhere)."""
-    gpu = device.type == "cuda"
-    if quick or not gpu:
-        return Plan("tiny", (128, 192), 8 if quick else 32, {"musetalk": [2, 4], "ditto": [2, 4], "latentsync": [4]},
-                    {f: ["eager"] for f in F.FAMILIES}, dict(CHOICES))
-    return Plan("full", (1280, 720), 48, {"musetalk": [16, 32], "ditto": [8, 16], "latentsync": [16]},
-                {"musetalk": ["eager"], "ditto": ["eager", "cudagraph"], "latentsync": ["eager", "cudagraph"]}, dict(CHOICES))
+    not results. A GPU: full size, each family's exact preset at its runtime and at eager, at its batch
+    and half of it."""
+    choices = {f: [dict(c) for c in pipeline(f).MEASURES.calibrate] for f in families}
+    if quick or device.type != "cuda":
+        return Plan("tiny", (128, 192), 8 if quick else 32, {f: [2, 4] for f in families},
+                    {f: ["eager"] for f in families}, choices)
+    runtimes = {f: list(dict.fromkeys(["eager", preset(f, "exact").runtime])) for f in families}
+    return Plan("full", (1280, 720), 48, {f: sorted({max(1, _batch(f) // 2), _batch(f)}) for f in families}, runtimes, choices)
+
+
+def _engines(out: F.Outcome) -> list[dict]:
+    n = out.n_frames
+    return [{"engine": name, "ms_per_frame": 1e3 * sec / n, "fps": n / sec} for name, sec in out.stages.items()
+            if "/" not in name and name != "resample" and sec > 0]
 
 
 def _duty(family: str, choice: dict, n: int, batch: int | None = None) -> float:
-    """Share of the heavy network's dense work the choice keeps. A stride keeps keyframes / n of the
-    frames; with `batch` it keeps whole calls, as the pipelines run them (the last call padded)."""
-    if family == "latentsync":
-        from lab.pipelines import latentsync_sampling as sampling
+    """Share of the heavy network's dense work the choice keeps (whole calls of `batch`, if given)."""
+    P = pipeline(family)
+    from dataclasses import replace
 
-        return sampling.parse_mode(choice["mode"]).full_calls / 20
-    k = int(choice.get("stride", 1))
-    if k <= 1:
-        return 1.0
-    keys = len(st.keyframe_indices(n, k))
-    if batch is None:
-        return keys / n
-    return -(-keys // batch) / -(-n // batch)
+    kept = P.MEASURES.work_kept(replace(P.Config(), **choice), n, batch, None)
+    return 1.0 if kept is None else kept
 
 
-def _engines(family: str, out: F.Outcome) -> list[dict]:
-    n = out.n_frames
-    rows = []
-    for name, sec in out.stages.items():
-        if "/" in name or name in ("resample",):
-            continue
-        if sec <= 0:
-            continue
-        rows.append({"engine": name, "ms_per_frame": 1e3 * sec / n, "fps": n / sec})
-    return rows
+def _basis_key(family: str, choice: dict) -> str:
+    """The dense run a choice is projected from: the choice without the knobs whose work is scaled."""
+    rest = {k: v for k, v in choice.items() if k not in pipeline(family).MEASURES.scaled}
+    return ", ".join(f"{k}={v}" for k, v in rest.items()) or "dense"
 
 
 def project(family: str, basis: dict[str, F.Outcome], choice: dict, n: int, batch: int | None = None) -> float:
-    """Projected FPS of `choice` from the dense basis run(s): per-frame wall time with the heavy
-    network's share scaled by the work kept (whole calls of `batch`, if given), and (MuseTalk) the
-    decoder stage of that decoder's run."""
-    key = choice.get("decoder", "dense")
-    b = basis[key]
+    """Projected FPS of `choice` from its dense basis run: per-frame wall time with the heavy network's
+    share scaled by the work kept (whole calls of `batch`, if given)."""
+    b = basis[_basis_key(family, choice)]
     per_frame = b.wall_s / b.n_frames
-    heavy = sum(b.stages.get(s, 0.0) for s in HEAVY[family]) / b.n_frames
+    heavy = sum(b.stages.get(s, 0.0) for s in pipeline(family).MEASURES.heavy_stages) / b.n_frames
     return 1.0 / (per_frame - heavy * (1.0 - _duty(family, choice, n, batch)))
-
-
-def _setting(family: str, backend: str, batch: int, choice: dict, device: torch.device) -> F.Setting:
-    prec = "fp16" if device.type == "cuda" else "fp32"
-    return F.Setting(family, backend, prec, batch, dict(choice))
 
 
 def calibrate_family(family: str, p: Plan, device: torch.device, clip: F.Clip, seed: int = 0,
                      log: Any = print, base: F.Built | None = None) -> dict[str, Any]:
     """`base`: an engine of this family already built on `clip` (its networks are reused)."""
-    sweep, best, best_out = [], None, None
+    sweep, best, best_out, built = [], None, None, base
     skipped = []
-    for backend in p.backends[family]:
-        ok = {b: (u, why) for b, u, why in F.backend_options(family, device)}[backend]
-        if not ok[0]:
-            skipped.append({"backend": backend, "reason": ok[1]})
+    usable = {r: (ok, why) for r, ok, why in F.runtime_options(device)}
+    dense = p.choices[family][0]
+    for runtime in p.runtimes[family]:
+        if not usable[runtime][0]:
+            skipped.append({"backend": runtime, "reason": usable[runtime][1]})
             continue
         for batch in p.batches[family]:
-            s = _setting(family, backend, batch, CHOICES[family][0], device)
-            built = F.build(s, clip, device, p.size, seed=seed, base=base)
+            built = F.build(F.Setting(family, "exact", batch, runtime, dict(dense)), clip, device, p.size, seed=seed, base=base)
             base = base or built
             out = F.render(built)
-            sweep.append({"backend": backend, "batch": batch, "fps": out.fps, "build_s": built.build_s})
-            log(f"  {family:10s} {backend:9s} b{batch:<3d} {out.fps:9.2f} FPS (dense, exact)")
+            sweep.append({"backend": runtime, "batch": batch, "fps": out.fps, "build_s": built.build_s})
+            log(f"  {family:10s} {runtime:13s} b{batch:<3d} {out.fps:9.2f} FPS (dense, exact)")
             if best_out is None or out.fps > best_out.fps:
-                best, best_out = (backend, batch), out
-    backend, batch = best
-    basis = {"dense": best_out, "sd-vae": best_out}
-    engines = [{"choice": "dense exact", **r} for r in _engines(family, best_out)]
-    if family == "musetalk":   # the other decoder's engine, in its own dense run at the same backend/batch
-        built = F.build(_setting(family, backend, batch, {"decoder": "taesd", "stride": 1}, device), clip, device, p.size, seed,
-                        base=base)
-        basis["taesd"] = F.render(built)
-        engines += [{"choice": "taesd dense", **r} for r in _engines(family, basis["taesd"]) if r["engine"] == "vae_decode"]
+                best, best_out = (runtime, batch), out
+    runtime, batch = best
+    basis = {_basis_key(family, dense): best_out}
+    engines = [{"choice": "dense exact", **r} for r in _engines(best_out)]
+    for ch in p.choices[family][1:]:   # another dense basis (e.g. another decoder), in its own run
+        key = _basis_key(family, ch)
+        if key not in basis:
+            rest = {k: v for k, v in ch.items() if k not in pipeline(family).MEASURES.scaled}
+            built = F.build(F.Setting(family, "exact", batch, runtime, {**dense, **rest}), clip, device, p.size, seed, base=base)
+            basis[key] = F.render(built)
+            engines += [{"choice": f"{key} dense", **r} for r in _engines(basis[key])]
     rows = []
     for ch in p.choices[family]:
         proj = project(family, basis, ch, clip.n_frames, batch)
-        is_basis = (family != "musetalk" and ch == CHOICES[family][0]) or (family == "musetalk" and ch.get("stride") == 1)
+        is_basis = _duty(family, ch, clip.n_frames) == 1.0 and _basis_key(family, ch) in basis
         if is_basis:
-            meas = basis[ch.get("decoder", "dense")]
+            meas = basis[_basis_key(family, ch)]
         else:
-            built = F.build(_setting(family, backend, batch, ch, device), clip, device, p.size, seed=seed, base=base)
+            built = F.build(F.Setting(family, "exact", batch, runtime, {**dense, **ch}), clip, device, p.size, seed=seed, base=base)
             meas = F.render(built)
         rows.append({"choice": ", ".join(f"{k}={v}" for k, v in ch.items()), "kind": "basis (measured)" if is_basis else "projected",
                      "duty_cycle": _duty(family, ch, clip.n_frames), "calls_kept": _duty(family, ch, clip.n_frames, batch),
                      "projected_fps": proj, "measured_fps": meas.fps,
                      "error_pct": 100 * (proj - meas.fps) / meas.fps})
         log(f"  {family:10s} {rows[-1]['choice']:24s} projected {proj:9.2f}  measured {meas.fps:9.2f} FPS")
-    return {"best": {"backend": backend, "batch": batch, "fps": best_out.fps}, "sweep": sweep, "skipped": skipped,
+    return {"best": {"backend": runtime, "batch": batch, "fps": best_out.fps}, "sweep": sweep, "skipped": skipped,
             "engines": engines, "projections": rows, "weights": dict(built.weights)}
 
 
@@ -157,17 +142,13 @@ def calibrate(device: str = "auto", quick: bool = False, seed: int = 0, families
     reusing those networks (notebook 09 passes its leaderboard's)."""
     bad = [f for f in families if f not in F.FAMILIES]
     if bad or not families:
-        from lab.errors import InputError
-
         raise InputError(f"families {list(families)}: expected one or more of {F.FAMILIES}")
     dev = env.pick_device(device)
     if dev.type == "cpu":
         torch.set_num_threads(1)   # tiny models on a shared CPU: one thread is fastest and steadiest
-    p = plan(dev, quick)
+    p = plan(dev, quick, tuple(families))
     if n_frames is not None:
         if isinstance(n_frames, bool) or not isinstance(n_frames, int) or n_frames < 2:
-            from lab.errors import InputError
-
             raise InputError(f"n_frames={n_frames!r}: expected an integer >= 2")
         p.n_frames = n_frames
     if clip is None:

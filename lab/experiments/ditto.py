@@ -30,7 +30,10 @@ import torch
 from lab import env, metrics, params, plots
 from lab.techniques import silence as sil
 from lab.experiments.common import notebook_path, run_steps
+from lab.experiments.ditto_variants import (AGREEMENT_VARIANTS, CL, FOLD, FULL_VARIANTS, VARIANT_TEXT, VARIANTS,
+                                            _compiles, _graphs, with_renderer, with_techniques)
 from lab.models import ditto as D
+from lab.pipelines import Encode, preset
 from lab.pipelines import ditto as P
 from lab.results import Result, atomic_write_text, run_dir, save_figure
 from lab.timing import bench, count_flops, matmul_ceiling
@@ -67,70 +70,6 @@ ANCHOR_H200 = {"b1_fps": 65.9, "b8_fps": 135.5, "compile_b8_fps": 240.5, "best_s
 TARGETS = {"renderer_fps": 360.0, "renderer_psnr_db": 50.0, "e2e_fps": 150.0, "encoder_share": 0.90, "rss_growth": 0.05}
 # seconds per step at full size on an H200, for the deadline (the motion table: ~100 s for six variants, measured)
 ESTIMATE_S = {"motion": 120, "final": 100, "renderer": 30, "stages": 15, "waterfall": 60, "strides": 60, "encoder": 10, "memory": 60, "compiled": 60}
-def _variant(precision: str, fold: bool, channels_last: bool, pad: bool, compile: str, graphs: bool,
-             cl3d: bool = False, fuse: bool = False, fft: bool = False, tap: bool = False, mix: bool = False,
-             lowseg: bool = False, sc: bool = False) -> dict:
-    return dict(precision=precision, fold_spectral_norm=fold, channels_last=channels_last, pad_channels=pad,
-                compile=compile, cuda_graphs=graphs, channels_last_3d=cl3d, fuse_spade=fuse, fft_mask=fft,
-                tap_occlusion=tap, fused_mix=mix, lowres_seg=lowseg, fold_shortcut=sc)
-
-
-VARIANTS = {
-    "upstream": _variant("autocast", False, False, False, "none", False),
-    "fp16+fold-nchw": _variant("fp16", True, False, False, "none", False),
-    "fp16+fold": _variant("fp16", True, True, False, "none", False),
-    "fp16+fold+graph": _variant("fp16", True, True, False, "none", True),
-    "fp16+pad8+graph": _variant("fp16", True, False, True, "none", True),
-    "compile": _variant("fp16", True, True, False, "default", False),
-    "compile+graph": _variant("fp16", True, True, False, "default", True),
-    "compile+graph+pad8": _variant("fp16", True, True, True, "default", True),
-    "fp16+cl3d+graph": _variant("fp16", True, True, False, "none", True, cl3d=True),
-    "fp16+fuse+cl3d+graph": _variant("fp16", True, True, False, "none", True, cl3d=True, fuse=True),
-    "compile+graph+fuse+cl3d": _variant("fp16", True, True, False, "default", True, cl3d=True, fuse=True),
-    "fp16+pad8+fuse+graph": _variant("fp16", True, False, True, "none", True, fuse=True),
-    "compile+graph+pad8+fuse": _variant("fp16", True, False, True, "default", True, fuse=True),
-    "fp16+pad8+fuse+fft+graph": _variant("fp16", True, False, True, "none", True, fuse=True, fft=True),
-    "compile+graph+pad8+fuse+fft": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True),
-    "compile+graph+pad8+fuse+fft+cl3d": _variant("fp16", True, False, True, "default", True, cl3d=True, fuse=True, fft=True),
-    "compile+graph+pad8+fuse+fft+tap": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True, tap=True),
-    "compile+graph+pad8+fuse+fft+tap+mix": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True, tap=True,
-                                                    mix=True),
-    "compile+graph+pad8+fuse+fft+tap+mix+lowseg": _variant("fp16", True, False, True, "default", True, fuse=True, fft=True,
-                                                           tap=True, mix=True, lowseg=True),
-    "compile+graph+pad8+fuse+fft+tap+mix+lowseg+sc": _variant("fp16", True, False, True, "default", True, fuse=True,
-                                                              fft=True, tap=True, mix=True, lowseg=True, sc=True),
-    "compile+graph+pad8+fuse+fft+tap+mix+cl3d": _variant("fp16", True, False, True, "default", True, cl3d=True, fuse=True,
-                                                         fft=True, tap=True, mix=True),
-    "compile+graph+pad8+fuse+fft+cl": _variant("fp16", True, True, True, "default", True, fuse=True, fft=True),
-}
-VARIANT_TEXT = {
-    "upstream": "upstream's precision: fp32 weights under fp16 autocast, spectral-norm hooks, NCHW, eager",
-    "fp16+fold-nchw": "fp16 weights, spectral norm folded into the conv weights once, NCHW, eager",
-    "fp16+fold": "the same with the decoder's convs channels-last",
-    "fp16+fold+graph": "the same captured into one CUDA graph per batch size",
-    "compile": "the same through torch.compile (inductor, default mode)",
-    "compile+graph": "the compiled renderer captured into a CUDA graph",
-    "fp16+pad8+graph": "fp16, folded, NCHW, conv channels zero-padded to multiples of 8 (142 → 144, 22 → 24, 110 → 112), CUDA graph",
-    "compile+graph+pad8": "compile + CUDA graph with the channel padding",
-    "fp16+cl3d+graph": "fp16, folded, the warp network's 3-D convs channels-last (NDHWC), decoder channels-last, CUDA graph",
-    "fp16+fuse+cl3d+graph": "the same with the SPADE modulation convs merged (one 3×3 conv per resolution, γβ as one conv)",
-    "compile+graph+fuse+cl3d": "merged SPADE convs, NDHWC 3-D convs, torch.compile (default mode), CUDA graph",
-    "fp16+pad8+fuse+graph": "fp16, folded, NCHW, dense-motion channels padded to 8, merged SPADE convs, CUDA graph",
-    "compile+graph+pad8+fuse": "the same through torch.compile (default mode), CUDA graph",
-    "fp16+pad8+fuse+fft+graph": "fp16+pad8+fuse+graph with the 7³ mask conv through FFTs in fp32 (lab.techniques.fft_conv), CUDA graph",
-    "compile+graph+pad8+fuse+fft": "the same through torch.compile (default mode), CUDA graph",
-    "compile+graph+pad8+fuse+fft+cl3d": "the same with the dense motion's 3-D convs channels-last (NDHWC), padded ones included",
-    "compile+graph+pad8+fuse+fft+tap": "compile+graph+pad8+fuse+fft with the 1-channel occlusion conv as one matmul + shifted sum "
-                                       "(lab.techniques.tap_conv)",
-    "compile+graph+pad8+fuse+fft+tap+mix": "the same with the 22-way motion mix as multiply + sum (fused with the softmax)",
-    "compile+graph+pad8+fuse+fft+tap+mix+lowseg": "compile+graph+pad8+fuse+fft+tap+mix with the 128² and 256² SPADE shared "
-                                                   "convs computed on the 64² segmap they are upsampled from (lab.techniques."
-                                                   "nearest_conv: 16/36 and 36/144 of the taps, the same function)",
-    "compile+graph+pad8+fuse+fft+tap+mix+lowseg+sc": "the same with each learned shortcut's 1×1 conv composed into its "
-                                                      "norm's β conv (fin − fout of its channels never computed)",
-    "compile+graph+pad8+fuse+fft+tap+mix+cl3d": "the same with the dense motion's 3-D convs channels-last (NDHWC)",
-    "compile+graph+pad8+fuse+fft+cl": "compile+graph+pad8+fuse+fft with the decoder's 2-D convs channels-last",
-}
 
 
 ALL_STRIDES = [("output", 2), ("output", 3), ("feature", 2), ("feature", 3), ("motion", 2)]
@@ -155,21 +94,6 @@ class Profile:
     side_variants: tuple[str, ...] = ("upstream", "fp16+fold+graph")   # at batches other than `batch`
     repeats: int = 1              # waterfall / stride rows: median of this many runs (of the fast ones)
     memory_stride: int = 1        # memory_flat runs the final configuration at this output stride
-
-
-# measured before on the H200 at B = 16: NDHWC 3-D convs slower (123 vs 129 FPS), NCHW + channel padding faster
-# (161; `fp16+fold-nchw` separates the layout from the padding): the full profile keeps the variants that can
-# still win, the others stay in VARIANTS for the notebook (later: NDHWC also slower with the FFT mask conv, 357.0 vs
-# 364.9 FPS; a channels-last decoder slower, 320.3 vs 321.1)
-FULL_VARIANTS = ["upstream", "fp16+fold-nchw", "fp16+fold+graph", "fp16+pad8+graph", "fp16+pad8+fuse+graph",
-                 "fp16+pad8+fuse+fft+graph", "compile+graph", "compile+graph+pad8+fuse", "compile+graph+pad8+fuse+fft",
-                 "compile+graph+pad8+fuse+fft+tap", "compile+graph+pad8+fuse+fft+tap+mix",
-                 "compile+graph+pad8+fuse+fft+tap+mix+lowseg", "compile+graph+pad8+fuse+fft+tap+mix+lowseg+sc"]
-
-
-# the renderer variants held against upstream's code (lab.parity.ditto.renderer_agreement): upstream's runtime,
-# the plain fp16 graph, the fastest eager graph and the fastest exact variant
-AGREEMENT_VARIANTS = ["upstream", "fp16+fold+graph", "fp16+pad8+fuse+fft+graph", "compile+graph+pad8+fuse+fft+tap+mix+lowseg+sc"]
 
 
 def upstream_agreement(ctx: "Context", batch: int | None = None) -> list[dict]:
@@ -264,14 +188,9 @@ def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str
         torch.backends.cudnn.benchmark = True
     W = {} if weights == "random" else ({c: weights for c in D.COMPONENTS} if isinstance(weights, str) else dict(weights))
     cfg = P.Config(size=prof.size, precision=prof.precision, batch_size=1, frame_size=prof.frame_size,
-                   sampling_steps=prof.steps, seed=seed, weights=W, writer="null")
+                   sampling_steps=prof.steps, seed=seed, weights=W, encode=Encode(writer="null"))
     engine = P.build(cfg, dev)
-    frames = None
-    if source is not None:
-        from lab.pipelines.musetalk import load_avatar
-
-        frames = load_avatar(source)
-    avatar = P.prepare(engine, frames, "default avatar" if source is None else Path(source).name)
+    avatar = P.prepare(engine, source, "default avatar" if source is None else Path(source).name)
     audio = speech_with_pauses(prof.clip_s, prof.pauses)
     machine = env.machine_label()
     random_w = any("random" in v for v in engine.weights.values())
@@ -294,7 +213,7 @@ def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str
 def _inputs(ctx: Context, batch: int, n_sets: int = 3) -> list[tuple[torch.Tensor, ...]]:
     """Real f_s of the avatar and keypoints jittered around its own (several sets, rotated: no warm L2)."""
     g = torch.Generator(device="cpu").manual_seed(ctx.seed)
-    av = P.pool_view(P.reconfigure(ctx.engine, source_pool="vram"), ctx.avatar)
+    av = P.pool_view(P.reconfigure(ctx.engine, **with_techniques({}, ("vram_pool",))), ctx.avatar)
     out = []
     for _ in range(n_sets):
         fs = av.f_s_dev[torch.zeros(batch, dtype=torch.long, device=ctx.dev)].float()
@@ -325,17 +244,17 @@ def renderer_table(ctx: Context, variants: list[str] | None = None) -> list[dict
         ref = None
         todo = [v for v in (variants or prof.variants) if (v, b) not in done
                 and (b == prof.batch or v in prof.side_variants or not prof.full_gpu)]
-        if not any(VARIANTS[v]["compile"] == "none" or b == prof.batch for v in todo):
+        if not any(not _compiles(VARIANTS[v]) or b == prof.batch for v in todo):
             continue
         for name in ["upstream"] + [v for v in todo if v != "upstream"]:
             if (name, b) in done and name != "upstream":
                 continue
             v = VARIANTS[name]
             row = {"variant": name, "batch": b}
-            if (v["cuda_graphs"] or v["compile"] != "none") and ctx.dev.type != "cuda":
+            if (_graphs(v) or _compiles(v)) and ctx.dev.type != "cuda":
                 rows.append(row | {"status": "skipped", "reason": "needs a CUDA device"})
                 continue
-            if v["compile"] != "none" and b != prof.batch:
+            if _compiles(v) and b != prof.batch:
                 continue  # each batch shape is a fresh compile: only the pipeline's batch
             e = P.reconfigure(ctx.engine, batch_size=b, **v)
             t0 = time.perf_counter()
@@ -394,8 +313,8 @@ def stage_profile(ctx: Context) -> list[dict]:
     b = ctx.prof.batch
     e = P.reconfigure(ctx.engine, batch_size=b, **VARIANTS["fp16+fold"])
     dt = P._in_dtype(e)
-    warp = P._module(e, "warp_network", e.cfg.precision if ctx.dev.type == "cuda" else "fp32", True, False)
-    dec = P._module(e, "decoder", e.cfg.precision if ctx.dev.type == "cuda" else "fp32", True, True)
+    warp = P._module(e, "warp_network", e.cfg.precision if ctx.dev.type == "cuda" else "fp32", (FOLD,))
+    dec = P._module(e, "decoder", e.cfg.precision if ctx.dev.type == "cuda" else "fp32", (FOLD, CL))
     dm = warp.dense_motion_network
     fs, ks, kd = (x.to(dt) for x in _inputs(ctx, b, 1)[0])
     d = ctx.engine.dims
@@ -451,8 +370,8 @@ def _host_costs(ctx: Context) -> list[dict]:
     from lab.techniques import putback as pb
 
     b = ctx.prof.batch
-    e_host = P.reconfigure(ctx.engine, source_pool="host")
-    e_vram = P.reconfigure(ctx.engine, source_pool="vram")
+    e_host = P.reconfigure(ctx.engine, **with_techniques({}, drop=("vram_pool",)))
+    e_vram = P.reconfigure(ctx.engine, **with_techniques({}, ("vram_pool",)))
     av = ctx.avatar
     P.pool_view(e_host, av)
     P.pool_view(e_vram, av)
@@ -474,7 +393,8 @@ def _host_costs(ctx: Context) -> list[dict]:
     # what a batch costs the device up to the bytes the encoder takes (yuv420p), the whole frame vs the crop's box
     frames = np.arange(b)
     for label, box in (("whole frame", False), ("the crop's footprint into cached background planes", True)):
-        e = P.reconfigure(e_vram, putback="gpu", writer="ffmpeg", putback_box=box)
+        e = P.reconfigure(e_vram, encode=Encode(writer="ffmpeg"),
+                          techniques=("vram_pool", "gpu_putback") + (("putback_box",) if box else ()))
         P._putback_and_write(e, av, faces, frames, src, _Discard(), mask, mask_np, {}, set())   # builds the box plan
         r = bench(lambda: P._putback_and_write(e, av, faces, frames, src, _Discard(), mask, mask_np, {}, set()),
                   warmup=2, iters=it, device=ctx.dev)
@@ -508,7 +428,7 @@ def lmdm_costs(ctx: Context) -> list[dict]:
     graph_opts = (False, True) if ctx.dev.type == "cuda" else (False,)
     for graphs in graph_opts:
         for batched in (False, True):
-            e = P.reconfigure(e0, batch_cfg=batched, cuda_graphs=graphs)
+            e = P.reconfigure(e0, techniques=("batch_cfg",) if batched else (), runtime="graph" if graphs else "eager")
             sched = D.Schedule.make(e.cfg.sampling_steps)
             gen = torch.Generator().manual_seed(0)
             noises = torch.randn(e.cfg.sampling_steps, 1, L, D.MOTION_DIM, generator=gen).to(ctx.dev)
@@ -527,13 +447,12 @@ def lmdm_costs(ctx: Context) -> list[dict]:
 GEMM_ROW = "compiled + CUDA graph, split-TF32 GEMMs"
 ATTENTION_ROW = "compiled + CUDA graph, split-TF32 GEMMs + Triton attention"
 PDL_ROW = ATTENTION_ROW + " + PDL"
-MOTION_VARIANTS = (("eager", {}), ("CUDA graph", dict(cuda_graphs=True)), ("compiled", dict(motion_compile=True)),
-                   ("compiled + CUDA graph", dict(cuda_graphs=True, motion_compile=True)),
-                   (GEMM_ROW, dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3")),
-                   (ATTENTION_ROW, dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3", motion_attention="triton")),
-                   (PDL_ROW, dict(cuda_graphs=True, motion_compile=True, motion_precision="tf32x3", motion_attention="triton",
-                                  motion_pdl=True)),
-                   ("compiled + CUDA graph, bf16 autocast", dict(cuda_graphs=True, motion_compile=True, motion_precision="bf16")))
+# (row, runtime, motion techniques beside batch_cfg): the window four ways, then the compiled window's kernels
+_MC, _TF, _TA = "motion_compile", "motion_tf32x3", "motion_triton_attention"
+MOTION_VARIANTS = (("eager", "eager", ()), ("CUDA graph", "graph", ()), ("compiled", "eager", (_MC,)),
+                   ("compiled + CUDA graph", "graph", (_MC,)), (GEMM_ROW, "graph", (_MC, _TF)),
+                   (ATTENTION_ROW, "graph", (_MC, _TF, _TA)), (PDL_ROW, "graph", (_MC, _TF, _TA, "motion_pdl")),
+                   ("compiled + CUDA graph, bf16 autocast", "graph", (_MC, "motion_bf16")))
 
 
 def _kernels_per_step(fn, steps: int, device: torch.device) -> float | None:
@@ -558,7 +477,7 @@ def motion_costs(ctx: Context) -> list[dict]:
     the compiled step (inductor), the compiled step inside the graph. ms per window and per DDIM step,
     and the largest difference from the eager window on the same inputs (same initial and step noise).
     The compiled rows need inductor's C++ build on a CPU (~45 s for the tiny model): GPU only."""
-    e0 = P.reconfigure(ctx.engine, batch_cfg=True)
+    e0 = P.reconfigure(ctx.engine, techniques=("batch_cfg",))
     d, L, S = e0.dims, e0.dims.seq_frames, e0.cfg.sampling_steps
     g = torch.Generator().manual_seed(ctx.seed)
     cond = torch.randn(L, d.cond_dim, generator=g).to(ctx.dev)
@@ -568,12 +487,12 @@ def motion_costs(ctx: Context) -> list[dict]:
     sched = D.Schedule.make(S)
     gpu = ctx.dev.type == "cuda"
     rows, ref, eager_ms = [], None, None
-    for name, ch in MOTION_VARIANTS:
+    for name, runtime, techs in MOTION_VARIANTS:
         row = {"variant": name, "steps": S}
-        if ch and not gpu:
+        if (techs or runtime != "eager") and not gpu:
             rows.append(row | {"status": "skipped", "reason": "GPU only (CUDA graphs; inductor on a CPU builds C++ for ~45 s)"})
             continue
-        e = P.reconfigure(e0, **ch)
+        e = P.reconfigure(e0, runtime=runtime, techniques=("batch_cfg",) + techs)
         try:
             t0 = time.perf_counter()
             out = P.sample_window(e, cf, cond, sched, noises, None, x=x)
@@ -584,12 +503,12 @@ def motion_costs(ctx: Context) -> list[dict]:
                       iters=10 if ctx.prof.full_gpu else 2, device=ctx.dev)
         except Exception as exc:   # a failed compile is a row (and the waterfall leaves the switch off)
             rows.append(row | {"status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[:200]}"})
-            if ch.get("motion_compile"):
+            if _MC in techs:
                 ctx.res.metrics["motion_compile_failed"] = rows[-1]["reason"]
             print(f"  motion {name:24s} FAILED {exc}", flush=True)
             continue
         ref = out if ref is None else ref
-        kps = None if ch.get("cuda_graphs") else _kernels_per_step(
+        kps = None if runtime == "graph" else _kernels_per_step(
             lambda: P.sample_window(e, cf, cond, sched, noises, None, x=x), S, ctx.dev)
         ms = 1e3 * r.median_s
         eager_ms = ms if eager_ms is None else eager_ms
@@ -638,53 +557,79 @@ def motion_pdl_helps(ctx: Context) -> bool:
 
 
 PUTBACK_BOX = "+ putback over the crop's footprint (backgrounds' yuv420p converted once)"
-# the host side of the encoder, as notebook 01 measured it for MuseTalk (the encoded file is the same)
-TRANSPORT = dict(pipe_buffer=1 << 20, zero_copy=True, host_wait="sleep")
+TRANSPORT_ROW = "+ encoder transport (1 MiB pipe, zero-copy writes, host threads asleep)"
+# the rows of the exact preset's techniques, in its order, under the write-up's names (consecutive techniques of
+# one name are one row); the renderer's techniques are one row, the variant the renderer table measured best
+ROWS = {"vram_pool": "+ VRAM-resident source pool", "gpu_putback": "+ batched GPU putback",
+        "async_writer": "+ async bounded encoder queue", "stream_motion": "+ motion model streamed beside the renderer",
+        "motion_compile": "+ motion model compiled (inductor)", "zero_copy": TRANSPORT_ROW, "blocking_wait": TRANSPORT_ROW,
+        "putback_box": PUTBACK_BOX,
+        "early_start": "+ early start (audio features per motion window, first block one batch)",
+        "motion_tf32x3": MOTION_TF32X3, "motion_triton_attention": MOTION_ATTENTION, "motion_pdl": MOTION_PDL,
+        "copy_stream": COPY_STREAM}
+# the notebook's baseline guides the motion model in one batched call (as it always has; upstream makes two calls,
+# `lmdm_costs` measures both)
+BASELINE_TECHNIQUES = ("batch_cfg",)
+# measured rows not in the preset: PDL, after the attention row, where this run's motion table found it faster
+TRIED_AFTER = {"motion_triton_attention": ("motion_pdl",)}
+
+
+def _row_kept(ctx: Context, t: str, cur: dict) -> bool:
+    """Whether the waterfall adds technique `t` on this device and run (the rest of the rows always)."""
+    gpu, failed = ctx.dev.type == "cuda", "motion_compile_failed" in ctx.res.metrics
+    on = cur.get("techniques", ())
+    if t in ("motion_compile", "motion_tf32x3"):
+        # inductor's C++ build on a CPU takes longer than the whole quick run; a failed compile stays off; on a CPU
+        # the split-TF32 GEMMs fall back to F.linear: the row would repeat the one before
+        return gpu and not failed
+    if t == "motion_triton_attention":
+        return gpu and "motion_tf32x3" in on and motion_attention_helps(ctx)
+    if t == "motion_pdl":
+        return gpu and "motion_triton_attention" in on and motion_pdl_helps(ctx)
+    if t == "copy_stream":   # without a GPU there is no device copy to move
+        return gpu and "gpu_putback" in on
+    return True
 
 
 def waterfall_steps(ctx: Context) -> list[tuple[str, dict]]:
-    """(step, Config changes) cumulative: baseline → the five pillars in the write-up's order → beyond."""
+    """(step, Config changes) cumulative: baseline → the exact preset's techniques in its order (the five pillars in
+    the write-up's order, then beyond), with the batch + CUDA graphs and the fast preset's silence bypass after the
+    source pool, and the renderer as the variant the renderer table measured best."""
     b = ctx.prof.batch
     gpu = ctx.dev.type == "cuda"
-    base = VARIANTS["upstream"] | dict(source_pool="host", batch_size=1, silence="off", putback="cpu",
-                                       async_writer=False, writer="ffmpeg", stride=1)
+    exact, plain = preset("ditto", "exact"), P.Config()
+    base = {**preset("ditto", "upstream").changes(), "techniques": BASELINE_TECHNIQUES, "encode": Encode(writer="ffmpeg"),
+            **{k: getattr(plain, k) for k in ("precision", "batch_size", "silence", "stride")}}
     steps = [("baseline (host pool, B=1, CPU putback, sync encoder)", base)]
-    cur = dict(base)
-    for name, ch in (("+ VRAM-resident source pool", dict(source_pool="vram")),
-                     (f"+ batch {b}" + (" + CUDA graphs" if gpu else ""), dict(batch_size=b, cuda_graphs=gpu, hubert_batch=b)),
-                     ("+ silence bypass (Hermite-eased)", dict(silence="bypass")),
-                     ("+ batched GPU putback", dict(putback="gpu")),
-                     ("+ async bounded encoder queue", dict(async_writer=True)),
-                     ("+ motion model streamed beside the renderer", dict(stream_motion=True)),
-                     ("+ motion model compiled (inductor)", dict(motion_compile=True))):
-        if ch.get("motion_compile") and (not gpu or "motion_compile_failed" in ctx.res.metrics):
-            continue   # inductor's C++ build on a CPU takes longer than the whole quick run; a failed compile stays off
-        cur = cur | ch
-        steps.append((name, dict(cur)))
-    best = best_variant(ctx)[0]
-    if best != "upstream":
-        v = dict(VARIANTS[best])
-        if not gpu:
-            v |= dict(cuda_graphs=False, compile="none")
-        cur = cur | v
-        steps.append((f"+ renderer '{best}'", dict(cur)))
-    for name, ch in (("+ encoder transport (1 MiB pipe, zero-copy writes, host threads asleep)", TRANSPORT),
-                     (PUTBACK_BOX, dict(putback_box=True)),
-                     ("+ early start (audio features per motion window, first block one batch)", dict(early_start=True)),
-                     (MOTION_TF32X3, dict(motion_precision="tf32x3")),
-                     (MOTION_ATTENTION, dict(motion_attention="triton")),
-                     (MOTION_PDL, dict(motion_pdl=True))):
-        if ch.get("motion_precision") and (not gpu or "motion_compile_failed" in ctx.res.metrics):
-            continue   # on a CPU the GEMMs fall back to F.linear: the row would repeat the one before
-        if ch.get("motion_attention") and not (gpu and cur.get("motion_precision") == "tf32x3" and motion_attention_helps(ctx)):
+    cur, renderer_done = dict(base), False
+    order = [t for t in exact.techniques if t not in BASELINE_TECHNIQUES]
+    order = [x for t in order for x in (t, *TRIED_AFTER.get(t, ()))]
+    for t in order:
+        if t in P.RENDERER_TECHNIQUES:
+            if not renderer_done:
+                renderer_done = True
+                best = best_variant(ctx)[0]
+                if best != "upstream":
+                    v = dict(VARIANTS[best])
+                    if not gpu:
+                        v["runtime"] = "eager"
+                    cur = with_renderer(cur, v)
+                    steps.append((f"+ renderer '{best}'", dict(cur)))
             continue
-        if ch.get("motion_pdl") and not (gpu and cur.get("motion_attention") == "triton" and motion_pdl_helps(ctx)):
+        if not _row_kept(ctx, t, cur):
             continue
-        cur = cur | ch
-        steps.append((name, dict(cur)))
-    if gpu and cur.get("putback") == "gpu":   # without a GPU there is no device copy to move
-        cur = cur | dict(copy_stream=True)
-        steps.append((COPY_STREAM, dict(cur)))
+        cur = with_techniques(cur, (t,))
+        if t in ("zero_copy", "blocking_wait"):
+            cur["encode"] = replace(cur["encode"], pipe_buffer=exact.knobs["encode"].pipe_buffer)
+        if steps[-1][0] == ROWS[t]:   # one row of several techniques (the encoder transport)
+            steps[-1] = (ROWS[t], dict(cur))
+        else:
+            steps.append((ROWS[t], dict(cur)))
+        if t == "vram_pool":
+            cur = cur | dict(batch_size=b, runtime="graph" if gpu else "eager", hubert_batch=b)
+            steps.append((f"+ batch {b}" + (" + CUDA graphs" if gpu else ""), dict(cur)))
+            cur = cur | dict(silence=preset("ditto", "fast").knobs["silence"])
+            steps.append(("+ silence bypass (Hermite-eased)", dict(cur)))
     return steps
 
 
@@ -698,8 +643,8 @@ def _timed(ctx: Context, changes: dict, keep_faces: bool = True, keep_frames: tu
         if ctx.prof.warm:
             P.warmup(e, ctx.avatar)
         for i in range(max(1, repeats)):
-            out = Path(tmp) / f"ditto{i}.mp4" if e.cfg.writer == "ffmpeg" else None
-            reps.append(P.run(e, ctx.avatar, ctx.audio, 16000, out, keep_faces=keep_faces and i == 0,
+            out = Path(tmp) / f"ditto{i}.mp4" if e.cfg.encode.writer == "ffmpeg" else None
+            reps.append(P.run(e, ctx.avatar, ctx.audio, 16000, out_path=out, keep_faces=keep_faces and i == 0,
                               keep_frames=keep_frames))
             if reps[0].wall_s > 6.0:
                 break
@@ -750,7 +695,7 @@ def _quality(rep: P.RunReport, ref: P.RunReport, mask: np.ndarray | None = None)
 
 def _stage_ms(rep: P.RunReport) -> dict:
     """ms per output frame of the run's own stages (CUDA events on a GPU)."""
-    st = {r["stage"]: r["ms_per_frame"] for r in rep.stages}
+    st = {r["stage"]: r["ms_per_frame"] for r in rep.stage_rows}
     return {"pre_loop_ms": sum(st.get(k, 0.0) for k in ("resample", "audio_features", "motion", "keypoints")),
             "render_ms": st.get("render"), "putback_encode_ms": st.get("putback_encode"),
             "writer_close_ms": st.get("writer_close")}
@@ -759,9 +704,9 @@ def _stage_ms(rep: P.RunReport) -> dict:
 def _row(step: str, rep: P.RunReport, ref: P.RunReport | None) -> dict:
     row = {"step": step, "fps": rep.fps, "ms_per_frame": 1e3 * rep.wall_s / rep.n_frames, "loop_fps": rep.loop_fps,
            "frames": rep.n_frames, "rendered": rep.counts["rendered"] + rep.counts["decoded"], "bypassed": rep.bypassed_frames,
-           "gpu_peak_mb": rep.gpu_peak_mb, "rss_peak_mb": rep.rss_peak_mb, "rss_start_mb": rep.rss_mb[0],
+           "gpu_peak_mb": rep.gpu_peak_mb, "rss_peak_mb": rep.host_peak_mb, "rss_start_mb": rep.host_mb[0],
            # the process's RSS also holds what earlier rows left (reference faces, each configuration's pinned ring)
-           "rss_run_mb": rep.rss_peak_mb - rep.rss_mb[0], "runs": getattr(rep, "runs", 1),
+           "rss_run_mb": rep.host_peak_mb - rep.host_mb[0], "runs": getattr(rep, "runs", 1),
            "fps_min": min(getattr(rep, "fps_runs", [rep.fps])), "fps_max": max(getattr(rep, "fps_runs", [rep.fps])),
            "first_frame_ms": 1e3 * rep.first_frame_s if rep.first_frame_s is not None else None,
            "zero_copy": rep.transport.get("zero_copy"), "zero_copy_note": rep.transport.get("zero_copy_note")}
@@ -788,7 +733,7 @@ def waterfall(ctx: Context) -> list[dict]:
         if ref is None:
             ref = rep
         row = _row(step, rep, ref)
-        if ch.get("silence") == "bypass" and ch.get("putback") == "gpu" and "eased" not in ctx.runs:
+        if ch.get("silence") == "bypass" and "gpu_putback" in ch["techniques"] and "eased" not in ctx.runs:
             eased = _timed(ctx, ch | dict(silence="ease"), repeats=ctx.prof.repeats)
             ctx.runs["eased"] = eased
             q = _quality(rep, eased, rep.alpha == 0)
@@ -804,7 +749,7 @@ def waterfall(ctx: Context) -> list[dict]:
     ctx.res.tables["waterfall"] = rows
     last = ctx.runs.get(waterfall_steps(ctx)[-1][0])
     if last is not None:
-        ctx.res.tables["e2e_stages"] = [dict(r) for r in last.stages]
+        ctx.res.tables["e2e_stages"] = [dict(r) for r in last.stage_rows]
     ctx.partial()
     return rows
 
@@ -821,7 +766,7 @@ def best_eager(ctx: Context) -> str:
     if forced:   # headless `--renderer`: the end-to-end rows compiled it already (cached), strides reuse it
         return forced
     ok = [r for r in ctx.res.tables.get("renderer", []) if r.get("status") == "ok" and r["batch"] == ctx.prof.batch
-          and VARIANTS[r["variant"]]["compile"] == "none"]
+          and not _compiles(VARIANTS[r["variant"]])]
     return max(ok, key=lambda r: r["fps"])["variant"] if ok else "fp16+fold+graph"
 
 
@@ -829,7 +774,7 @@ def stride_table(ctx: Context) -> list[dict]:
     """Strides over the fastest graph-captured renderer (no extra compiles), quality vs that variant's
     dense run; then output strides at the final (possibly compiled) configuration, unless measured."""
     final = final_changes(ctx)
-    base = final | (VARIANTS[best_eager(ctx)] if ctx.dev.type == "cuda" else {})
+    base = with_renderer(final, VARIANTS[best_eager(ctx)]) if ctx.dev.type == "cuda" else final
     reps = ctx.prof.repeats
     dense = _timed(ctx, base, repeats=reps)
     ctx.runs["stride 1"] = dense
@@ -869,17 +814,17 @@ def compiled_step(ctx: Context) -> list[dict]:
     gpu = ctx.dev.type == "cuda"
     if not gpu:
         return []
-    renderer_table(ctx, [v for v in ctx.prof.variants if VARIANTS[v]["compile"] != "none"])
+    renderer_table(ctx, [v for v in ctx.prof.variants if _compiles(VARIANTS[v])])
     name, _, best = best_variant(ctx)
     wf = ctx.res.tables.get("waterfall", [])
-    if VARIANTS[name]["compile"] != "none" and wf:
+    if _compiles(VARIANTS[name]) and wf:
         steps = waterfall_steps(ctx)
         step, ch = steps[-1]
         rep = _timed(ctx, ch, repeats=ctx.prof.repeats)
         ctx.runs[step] = rep
         ref = ctx.runs.get(steps[0][0])
         wf.append(_row(step, rep, ref))
-        ctx.res.tables["e2e_stages"] = [dict(r) for r in rep.stages]
+        ctx.res.tables["e2e_stages"] = [dict(r) for r in rep.stage_rows]
         print(f"  waterfall {step:55s} {rep.fps:8.1f} FPS", flush=True)
         _final_strides(ctx, ch, rep, (2, 3))
     ctx.partial()
@@ -911,13 +856,13 @@ def final_step(ctx: Context) -> list[dict]:
         top, top_ch = rep, ch
         print(f"  final {step:55s} {rep.fps:8.1f} FPS (median of {rep.runs})", flush=True)
         ctx.res.tables["e2e_final"] = rows
-        ctx.res.tables["e2e_stages"] = [dict(r) for r in top.stages]
+        ctx.res.tables["e2e_stages"] = [dict(r) for r in top.stage_rows]
         ctx.partial()   # a run cut short keeps every row measured so far
     ctx.res.tables["e2e_final"] = rows
     if top is None:
         return rows
     _final_strides(ctx, top_ch, top, (3, 2))
-    if ctx.dev.type == "cuda" and top_ch.get("motion_compile"):
+    if ctx.dev.type == "cuda" and "motion_compile" in top_ch["techniques"]:
         approximate_motion(ctx, top_ch, top)
     return rows
 
@@ -927,7 +872,8 @@ def approximate_motion(ctx: Context, changes: dict, exact: P.RunReport) -> list[
     stride 3, each against the exact dense run: its own table, apart from the exact rows."""
     rows = []
     for k in (1, 3):
-        ch = changes | dict(motion_precision="bf16") | (dict(stride=k, stride_space="output") if k > 1 else {})
+        ch = with_techniques(changes, ("motion_bf16",), ("motion_tf32x3",)) | (
+            dict(stride=k, stride_space="output") if k > 1 else {})
         try:
             rep = _timed(ctx, ch, repeats=ctx.prof.repeats)
         except Exception as exc:   # an approximate row that fails is recorded; the exact rows stand
@@ -964,7 +910,8 @@ def _encoder_rate(ctx: Context, changes: dict) -> dict:
 
     from lab.video import encoder_rate, rgb_to_yuv420p
 
-    e = P.reconfigure(ctx.engine, **(changes | dict(writer="null", putback="gpu")))
+    ch = with_techniques(changes, () if "gpu_putback" in changes["techniques"] else ("gpu_putback",))
+    e = P.reconfigure(ctx.engine, **(ch | dict(encode=replace(changes["encode"], writer="null"))))
     n = min(ctx.audio.size // D.SAMPLES_PER_FRAME, 300)
     rep = P.run(e, ctx.avatar, ctx.audio, 16000, keep_frames=tuple(range(n)))
     frames = np.stack([rep.frames[i] for i in range(n)])
@@ -972,11 +919,12 @@ def _encoder_rate(ctx: Context, changes: dict) -> dict:
                           for s in range(0, n, 16)])
     h, w = frames.shape[1:3]
     cfg = e.cfg
-    rates = [encoder_rate(yuv, "yuv420p", (w, h), cfg.fps, n, cfg.preset, cfg.crf, batch=cfg.batch_size,
-                          pipe_buffer=cfg.pipe_buffer, zero_copy=cfg.zero_copy)
+    enc, zero_copy = cfg.encode, "zero_copy" in cfg.techniques
+    rates = [encoder_rate(yuv, "yuv420p", (w, h), cfg.fps, n, enc.x264_preset, enc.crf, batch=cfg.batch_size,
+                          pipe_buffer=enc.pipe_buffer, zero_copy=zero_copy)
              for _ in range(max(1, ctx.prof.repeats))]
-    return {"encoder_fps": statistics.median(rates), "runs_fps": rates, "frames": n, "preset": cfg.preset,
-            "crf": cfg.crf, "size": f"{w}x{h}", "pipe_buffer": cfg.pipe_buffer, "zero_copy": cfg.zero_copy,
+    return {"encoder_fps": statistics.median(rates), "runs_fps": rates, "frames": n, "preset": enc.x264_preset,
+            "crf": enc.crf, "size": f"{w}x{h}", "pipe_buffer": enc.pipe_buffer, "zero_copy": zero_copy,
             "batch": cfg.batch_size}
 
 
@@ -999,14 +947,16 @@ def memory_flat(ctx: Context) -> dict:
     """Peak host RSS of the final configuration (at the profile's output stride: the long clip is ten
     minutes on the GPU) on a short and a long clip (blocks stream: flat)."""
     k = ctx.prof.memory_stride
-    final = final_changes(ctx) | dict(writer="null") | (dict(stride=k, stride_space="output") if k > 1 else {})
+    final = final_changes(ctx)
+    final = final | dict(encode=replace(final["encode"], writer="null")) | (
+        dict(stride=k, stride_space="output") if k > 1 else {})
     e = P.reconfigure(ctx.engine, **final)
     out: dict[str, Any] = {"stride": k}
     for label, secs in zip(("short", "long"), ctx.prof.long_s):
         a = np.resize(ctx.audio, int(secs * 16000)).astype(np.float32)
         rep = P.run(e, ctx.avatar, a, 16000)
-        out[label] = {"seconds": secs, "frames": rep.n_frames, "rss_peak_mb": rep.rss_peak_mb, "fps": rep.fps,
-                      "gpu_peak_mb": rep.gpu_peak_mb, "rss_start_mb": rep.rss_mb[0]}
+        out[label] = {"seconds": secs, "frames": rep.n_frames, "rss_peak_mb": rep.host_peak_mb, "fps": rep.fps,
+                      "gpu_peak_mb": rep.gpu_peak_mb, "rss_start_mb": rep.host_mb[0]}
     out["rss_growth"] = out["long"]["rss_peak_mb"] / out["short"]["rss_peak_mb"] - 1
     ctx.res.metrics["memory"] = out
     ctx.partial()
@@ -1402,7 +1352,7 @@ def save(ctx: Context) -> Path:
 
 
 def _eager_renderer(ctx: Context) -> list[dict]:
-    return renderer_table(ctx, [v for v in ctx.prof.variants if VARIANTS[v]["compile"] == "none"])
+    return renderer_table(ctx, [v for v in ctx.prof.variants if not _compiles(VARIANTS[v])])
 
 
 # headless order: what the targets need first, so a deadline cuts the least important steps

@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from lab import env, metrics, params, plots
-from lab.pipelines import latentsync_sampling as sampling
 from lab.errors import InputError
 from lab.experiments.common import run_steps
 from lab.pipelines import latentsync as P
+from lab.pipelines.latentsync import sampling
 from lab.results import Result, atomic_write_text, run_dir, save_figure
 
 NAME = "07_latentsync"
@@ -92,12 +92,9 @@ class Profile:
 
 def profile(quick: bool, device: torch.device) -> Profile:
     """Sizes from quick + device: full size only on a GPU; the CPU (quick or not) runs the tiny config."""
-    gpu = device.type == "cuda"
-    modes = ["exact20", "ddim12", "ddim8", "ddim4", "dpm12", "dpm8", "dpm4", "deepcache3", "dpm8+deepcache2",
-             "dpm8+deepcache3"]
+    gpu, modes = device.type == "cuda", list(sampling.modes("notebook"))
     if gpu and not quick:
-        return Profile("full", "fp16", 16, (1280, 720), 32, (10.0, 60.0), "ddim1",
-                       ["exact20", "dpm12", "dpm8", "dpm4", "deepcache3", "dpm8+deepcache2", "dpm8+deepcache3"],
+        return Profile("full", "fp16", 16, (1280, 720), 32, (10.0, 60.0), "ddim1", list(sampling.modes("full")),
                        ["channels_last", *LEVERS, "compile", "compile+cudagraph"],
                        ["auto"], 10, 3, True, vae_fast="compile+cudagraph",
                        loop_source=16)
@@ -107,7 +104,7 @@ def profile(quick: bool, device: torch.device) -> Profile:
                        vae_fast="cudagraph", loop_source=16)
     return Profile("tiny", "fp32", 4 if quick else 8, (128, 192), 8 if quick else 32,
                    (0.32, 0.96) if quick else (2.0, 8.0), "ddim1",
-                   ["exact20", "dpm8", "dpm4", "deepcache3", "dpm8+deepcache3"] if quick else modes,
+                   list(sampling.modes("quick")) if quick else modes,
                    list(LEVERS) if quick else ["channels_last", *LEVERS], ["auto", "math"], 2 if quick else 5, 1, False,
                    loop_source=2 if quick else 8)
 
@@ -167,7 +164,7 @@ def speech(seconds: float, sr_out: int = 16000) -> tuple[np.ndarray, int]:
 
 def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str | None = None,
           weights: dict[str, str] | str = "random", n_frames: int | None = None) -> Context:
-    from lab.pipelines.musetalk import avatar_loop
+    from lab.avatar import avatar_loop
 
     t_start = time.perf_counter()
     nb = Path(__file__).resolve().parents[2] / "notebooks" / f"{NAME}.ipynb"
@@ -185,7 +182,7 @@ def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str
     engine = P.build(cfg, dev)
     frames = avatar_loop(32, prof.frame_size, seed=seed)
     audio, sr = speech(prof.n_frames / cfg.fps + 0.02)
-    job = P.prepare(engine, frames, audio, sr)
+    job = P.make_job(engine, P.prepare(engine, frames), audio, sr)
     machine = env.machine_label()
     random_w = any(v == "random" for v in W.values())
     suffix = plots.title_suffix("random weights" if random_w else " + ".join(sorted(set(W.values()))), machine)
@@ -815,7 +812,7 @@ def vae_cost(ctx: Context) -> dict:
             if "channels_last" in prof.fast:
                 eng.vae.model.to(memory_format=torch.channels_last)
                 row["decode_fast_layout"] = "channels_last"
-            P.set_vae_fast(eng, prof.vae_fast)
+            eng.vae_decode, eng.vae_encode = P._vae_runners(eng, prof.vae_fast)
             build = time.perf_counter() - t0
             fast = bench(lambda: P.decode(eng, lat, faces), warmup=prof.warmup, iters=iters, device=ctx.dev)
             fast_enc = bench(lambda: P.encode(eng, faces, None), warmup=prof.warmup, iters=iters, device=ctx.dev)
@@ -830,13 +827,12 @@ def vae_cost(ctx: Context) -> dict:
                     "encode_fast_cosine": metrics.cosine(out_enc[:, 1:], ref_enc[:, 1:])}
         except Exception as e:  # reported; the eager decode still serves
             row["decode_fast"] = f"failed: {type(e).__name__}: {str(e)[:160]}"
-            P.set_vae_fast(eng, "eager")
+            eng.vae_decode = eng.vae_encode = None
     elif prof.vae_fast != "eager":
         row["decode_fast"] = f"skipped: {left:.0f} s left"
     best_dec = row.get("decode_fast_s_per_block", dec.median_s)
     row["vae_s_per_output_s_fast"] = (row.get("encode_fast_2x_s_per_block", enc.median_s) + best_dec) * per_s
     row["vae_s_per_output_s_cached_encodes"] = best_dec * per_s  # a looping video once every source frame is cached
-    eng.cfg.vae_fast = "eager"
     eng.vae_decode = eng.vae_encode = None  # the mode runs choose per row
     ctx.res.metrics["vae"] = row
     ctx.partial()
@@ -845,25 +841,27 @@ def vae_cost(ctx: Context) -> dict:
 
 # ----------------------------------------------------------------------------- 4. modes
 
-def _run(ctx: Context, mode: str, fast: str, keep: bool = True, job: Any = None, **cfg: Any):
-    """One pipeline run: "eager" = the plain model, eager VAE, no encode cache (the reference);
-    "fast" = the fastest exact UNet runner with the guided shortcuts, the decoder runner, cached encodes."""
-    eng = ctx.engine
-    old = {k: getattr(eng.cfg, k) for k in ("mode", "keep_faces", *cfg)}
-    eng.cfg.mode, eng.cfg.keep_faces = mode, keep
-    for k, v in cfg.items():
-        setattr(eng.cfg, k, v)
-    levers = [x for x in LEVERS if x in ctx.prof.fast]
-    eng.cfg.guided_shortcuts = fast != "eager" and "guided_shortcuts" in levers
-    eng.cfg.cache_encodes = fast != "eager"
-    eng.vae_decode = ctx.vae_runner if fast != "eager" else None
-    eng.vae_encode = ctx.vae_encoder if fast != "eager" else None
+def _rewritten(ctx: Context) -> tuple[str, ...]:
+    """The techniques the step waterfall left applied to the model (all exact; the mode runs keep them, so the
+    runners it built stay valid)."""
     from lab.techniques import block_norm
 
-    block_norm.set_triton(eng.unet.model, fast != "eager")   # the eager reference: BlockGroupNorm's own code
+    model = ctx.engine.unet.model
+    qkv = any(getattr(m, "qkv", None) is not None for m in model.modules())
+    return tuple(t for t, on in (("channels_last", _layout(ctx) != "eager"), ("fused_qkv", qkv),
+                                 ("fused_norms", block_norm.fused(model))) if on)
+
+
+def _run(ctx: Context, mode: str, fast: str, keep: bool = True, job: Any = None, flush_every_block: bool = False,
+         **cfg: Any):
+    """One pipeline run: "eager" = the plain model (its exact rewrites kept, the norms on BlockGroupNorm's code), eager
+    VAE, no encode cache (the reference); "fast" = the fastest exact UNet runner with the guided shortcuts, the VAE
+    runners, cached encodes. `cfg`: other Config values for this run."""
+    eng, levers = ctx.engine, [x for x in LEVERS if x in ctx.prof.fast]
+    rewritten = _rewritten(ctx)
+    runners: dict[str, Any] = dict.fromkeys(("unet", "cache", "vae"))
     if fast == "eager":
-        P.set_attention_kernels(eng, None)
-        P.set_fast(eng, "eager")
+        setup = dict(runtime="eager", techniques=tuple(t for t in rewritten if t != "fused_norms"), attention_kernels=None)
     else:
         name, runner = best_runner(ctx)
         # the kernels the runner was built with (a compiled runner would retrace on others; a short
@@ -871,20 +869,20 @@ def _run(ctx: Context, mode: str, fast: str, keep: bool = True, job: Any = None,
         kernels = ctx.runner_kernels.get(name) if runner is not None else \
             ctx.res.metrics.get("attention_kernels_chosen", {}).get("eager", {}).get("kernels") \
             if "attention_kernels" in levers else None
-        P.set_attention_kernels(eng, kernels or None)
-        if runner is None:
-            P.set_fast(eng, "eager")
-        else:
-            P.set_fast(eng, runner.backend, runner=runner, cache_runners=ctx.cache_runners.get(name))
+        techniques = rewritten + (("guided_shortcuts",) if "guided_shortcuts" in levers else ()) + ("cache_encodes",)
+        if ctx.vae_runner is not None:
+            techniques += ("vae_runtime",)
+            runners["vae"] = (ctx.vae_runner, ctx.vae_encoder)
+        if runner is not None:
+            runners.update(unet=runner, cache=ctx.cache_runners.get(name))
+            techniques += ("pdl",) if "PDL" in name else ()
+        setup = dict(runtime="eager" if runner is None else sampling.RUNTIME[runner.backend], techniques=techniques,
+                     attention_kernels=kernels or None)
+    # a derived engine: ctx.engine keeps its own configuration (its networks are copied once if the run's rewrites differ)
+    run_eng = P.reconfigure(eng, runners=runners, mode=mode, **cfg, **setup)
     out: list[np.ndarray] = []
-    try:
-        rep = P.run(eng, job or ctx.job, sink=out.append if keep else None)
-    finally:
-        for k, v in old.items():
-            setattr(eng.cfg, k, v)
-        eng.cfg.guided_shortcuts = eng.cfg.cache_encodes = False
-        eng.vae_decode = eng.vae_encode = None
-        P.set_attention_kernels(eng, None)
+    rep = P.run(run_eng, None, job=job or ctx.job, sink=out.append if keep else None, keep_faces=keep,
+                flush_every_block=flush_every_block)
     return rep, (np.concatenate(out) if out else None)
 
 
@@ -947,7 +945,7 @@ def mode_table(ctx: Context) -> list[dict]:
                "wall_s": rep.wall_s, "s_per_output_s": rep.seconds_per_output_second,
                "change_vs_exact20_eager_pct": 100 * (1 - rep.wall_s / ref.wall_s),
                "unet_s": rep.stages.get("unet"), "vae_s": rep.stages.get("vae_encode", 0) + rep.stages.get("vae_decode", 0),
-               "peak_vram_mb": rep.peak_gpu_mb, "host_rss_mb": rep.peak_rss_mb, "frames": rep.n_frames}
+               "peak_vram_mb": rep.gpu_peak_mb, "host_rss_mb": rep.host_peak_mb, "frames": rep.n_frames}
         row |= _drift(rep, fr, ref, ref_frames, ctx.dev) if label != "exact20 eager" else {"latent_cosine": 1.0}
         rows.append(row)
         ctx.res.tables["modes"] = rows
@@ -1012,7 +1010,7 @@ def looped_source(ctx: Context, runner: str, ref) -> list[dict]:
     run (cache empty) and a run with every source frame cached; the cached run's latents against
     the cold run's measure that the cache changes nothing (same seed, same draws)."""
     n = ctx.prof.loop_source
-    job = P.prepare(ctx.engine, ctx.frames[:n], ctx.audio, ctx.sr)
+    job = P.make_job(ctx.engine, P.prepare(ctx.engine, ctx.frames[:n]), ctx.audio, ctx.sr)
     rows = []
     cold = None
     for label, mode in ((f"exact20 fast, {n}-frame source looped, cold cache", "exact20"),
@@ -1024,8 +1022,8 @@ def looped_source(ctx: Context, runner: str, ref) -> list[dict]:
                      "s_per_output_s": rep.seconds_per_output_second,
                      "change_vs_exact20_eager_pct": 100 * (1 - rep.wall_s / ref.wall_s), "unet_s": rep.stages.get("unet"),
                      "vae_s": rep.stages.get("vae_encode", 0) + rep.stages.get("vae_decode", 0),
-                     "vae_encode_s": rep.stages.get("vae_encode", 0), "peak_vram_mb": rep.peak_gpu_mb,
-                     "host_rss_mb": rep.peak_rss_mb, "frames": rep.n_frames, "cached_source_frames": len(job.encodes),
+                     "vae_encode_s": rep.stages.get("vae_encode", 0), "peak_vram_mb": rep.gpu_peak_mb,
+                     "host_rss_mb": rep.host_peak_mb, "frames": rep.n_frames, "cached_source_frames": len(job.encodes),
                      **({"latent_cosine_vs_cold": metrics.cosine(rep.latents, cold.latents),
                          "latents_equal_cold": bool(torch.equal(rep.latents, cold.latents))} if mode == "exact20" else {})})
     return rows
@@ -1065,18 +1063,17 @@ def block_loop_costs(ctx: Context) -> list[dict]:
 def job_config(ctx: Context, weights: dict[str, str]) -> P.Config:
     """The pipeline Config of the notebook's fast stack as a job would set it: the profile's last runner backend
     (compile + CUDA graph at full size), the exact levers, this run's pinned attention kernels (SDPA's choice where
-    the table has not run), the VAE runners, cached encodes."""
+    the table has not run), the VAE on the same runtime, cached encodes."""
     prof = ctx.prof
     hows = [h for h in prof.fast if h in sampling.FAST_OPTIONS and (ctx.dev.type == "cuda" or "cudagraph" not in h)]
     fast = hows[-1] if hows else "eager"
-    levers = [x for x in LEVERS if x in prof.fast]
     chosen = ctx.res.metrics.get("attention_kernels_chosen", {}).get("compiled" if "compile" in fast else "eager", {})
-    kernels = chosen.get("kernels") if "attention_kernels" in levers else None
-    return P.Config(size=prof.size, dtype=prof.dtype, block=prof.block, fast=fast, channels_last="channels_last" in prof.fast,
-                    guided_shortcuts="guided_shortcuts" in levers, fused_qkv="fused_qkv" in levers,
-                    fused_norms="fused_norms" in levers, attention_kernels=kernels or None,
-                    vae_fast=prof.vae_fast if ctx.dev.type == "cuda" else "eager", cache_encodes=True, weights=weights,
-                    seed=ctx.seed)
+    kernels = chosen.get("kernels") if "attention_kernels" in prof.fast else None
+    vae = ("vae_runtime",) if ctx.dev.type == "cuda" and prof.vae_fast != "eager" else ()
+    techniques = tuple(t for t in ("channels_last", "guided_shortcuts", "fused_qkv", "fused_norms") if t in prof.fast) + \
+        ("cache_encodes", *vae)
+    return P.Config(size=prof.size, dtype=prof.dtype, block=prof.block, runtime=sampling.RUNTIME[fast],
+                    techniques=techniques, attention_kernels=kernels or None, weights=weights, seed=ctx.seed)
 
 
 def job_costs(ctx: Context) -> list[dict]:
@@ -1129,7 +1126,8 @@ def job_costs(ctx: Context) -> list[dict]:
             {"job": "next job on the engine it kept", "wall_s": d["second_job_s"], "job_s": d["second_job_s"],
              "x_kept": 1.0, "status": "ok"}]
     ctx.res.tables["jobs"] = rows
-    ctx.res.metrics["jobs"] = d | {"checkpoint_write_s": write_s, "process_wall_s": process_s, "fast": cfg.fast,
+    ctx.res.metrics["jobs"] = d | {"checkpoint_write_s": write_s, "process_wall_s": process_s,
+                                   "fast": sampling.BACKEND[cfg.runtime],
                                    "compile_caches": "empty (fresh inductor and Triton cache folders)"}
     ctx.partial()
     return rows
@@ -1155,11 +1153,10 @@ def _job_process() -> None:
     sync(dev)
     build_s = time.perf_counter() - t0
     out = {"import_s": import_s, "build_s": build_s, "unet_weights": eng.weights.get("latentsync_unet")}
-    cfg.keep_faces = True
     lat = []
     for key in ("first_job_s", "second_job_s"):
         t0 = time.perf_counter()
-        rep = P.run(eng, P.prepare(eng, frames, audio, spec["sr"]))
+        rep = P.run(eng, P.prepare(eng, frames), audio, spec["sr"], keep_faces=True)
         sync(dev)
         out[key] = time.perf_counter() - t0
         lat.append(rep.latents)
@@ -1199,7 +1196,7 @@ def memory_scaling(ctx: Context) -> list[dict]:
 
 def _memory_row(ctx: Context, seconds: float, last: str) -> dict:
     audio, sr = speech(seconds)
-    job = P.prepare(ctx.engine, ctx.frames, audio, sr)
+    job = P.make_job(ctx.engine, P.prepare(ctx.engine, ctx.frames), audio, sr)
     saved, ctx.job = ctx.job, job
     try:
         rep, _ = _run(ctx, ctx.prof.memory_mode, "fast", keep=False, last_block=last)
@@ -1209,8 +1206,8 @@ def _memory_row(ctx: Context, seconds: float, last: str) -> dict:
     full = rep.n_frames // block
     return {"input_s": seconds, "last_block": last, "frames": rep.n_frames, "mode": ctx.prof.memory_mode, "runner": best_runner(ctx)[0],
              "cache_encodes": True, "cached_source_frames": len(job.encodes), "wall_s": rep.wall_s,
-             "peak_rss_mb": rep.peak_rss_mb, "rss_first_block_mb": rep.rss_mb_per_block[0],
-             "rss_last_block_mb": rep.rss_mb_per_block[-1], "peak_gpu_mb": rep.peak_gpu_mb,
+             "peak_rss_mb": rep.host_peak_mb, "rss_first_block_mb": rep.rss_mb_per_block[0],
+             "rss_last_block_mb": rep.rss_mb_per_block[-1], "peak_gpu_mb": rep.gpu_peak_mb,
              "gpu_last_block_mb": rep.gpu_mb_per_block[-1], "last_block_frames": rep.n_frames - full * block,
              # a short last block runs its UNet eager at its own length: its peak apart from the others'
              "peak_gpu_mb_full_blocks": max(peaks[:full]) if peaks[:full] else None,

@@ -1,12 +1,11 @@
 """Notebook 09: the three families on one leaderboard, the studio panel with its HUD, and what the HUD costs.
 
-MuseTalk, Ditto and LatentSync get the same speech and the same avatar video on the same device.
-Each runs twice: at its fastest exact configuration (the fastest of the profile's backend × batch
-candidates with every switch on its exact value) and at its fastest approximate one (the same
-backend and batch with the family's speed/quality trades on: MuseTalk TAESD + stride 3, Ditto
-stride 3 + silence bypass, LatentSync DPM-Solver++ in 4 steps). Rows: FPS (median of `repeats`
-renders), real-time factor, time to first frame, peak GPU / host memory, compute saved, and PSNR /
-SSIM of the approximate output against the same family's exact output (face region). Ranked by FPS.
+Every family of `lab.pipelines.PIPELINES` gets the same speech and the same avatar video on the same
+device. Each runs twice: at its `exact` preset (the fastest configuration computing upstream's
+function) and at its `fast` preset (the fastest approximate one that passes the family's quality
+gate), both at the profile's batch. Rows: FPS (the render with the median FPS of `repeats`), real-time
+factor, time to first frame, peak GPU / host memory, compute saved, and PSNR / SSIM of the fast output
+against the same family's exact output (face region). Ranked by FPS.
 
     run = start(globals())
     rows = measure(run)            # the "leaderboard" table (ranked)
@@ -26,7 +25,7 @@ import torch
 
 from lab import params
 from lab.errors import InputError, LabError
-from lab.experiments import families as F
+from lab.experiments import compare as F
 from lab.experiments import studio
 from lab.experiments.common import Run, weights_label
 from lab.experiments.common import start as _start
@@ -36,8 +35,7 @@ SOURCE_HUD = "Beyond Eager PyTorch (studio §4–5)"
 SOURCE_CAL = "Temporal Cadence Strides (§6.2 /calibrate)"
 THEIR_HW = "RTX 5090 Laptop (write-up)"
 
-APPROX = {"musetalk": {"decoder": "taesd", "stride": 3}, "ditto": {"stride": 3, "silence": "bypass"},
-          "latentsync": {"mode": "dpm4"}}
+ROWS = (("exact fastest", "exact"), ("fastest approximate", "fast"))   # (row label, preset)
 
 
 def _families(name: str, v: Any) -> Any:
@@ -58,21 +56,17 @@ RULES: dict[str, params.Rule] = {
 
 
 def profile(p: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """quick (and any CPU run): tiny models, a 128×192 canvas, 8 frames, batch 4, eager, one render —
-    smoke-test numbers. A GPU: full-size models on a 1280×720 canvas at batch 16; MuseTalk eager and
-    compiled with its CUDA graphs (reduce-overhead), Ditto and LatentSync on CUDA graphs and on
-    torch.compile + CUDA graphs, each with the exact switches its notebook adopted (`families`)."""
+    """quick (and any CPU run): tiny models, a 128×192 canvas, 8 frames, batch 4, one render — smoke-test
+    numbers (each preset as far as a CPU runs it: eager, no CUDA-only techniques). A GPU: full-size models
+    on a 1280×720 canvas at batch 16, each preset at its own runtime."""
     q, gpu = bool(p["quick"]), device.type == "cuda"
     if q or not gpu:
         p.update(size="tiny", frame_size=(128, 192), loop_frames=4, n_frames=min(p["n_frames"], 8 if q else 32),
                  quality_frames=min(p["quality_frames"], 4), repeats=1 if q else p["repeats"],
                  overhead_repeats=1 if q else p["overhead_repeats"], hud_period_s=min(p["hud_period_s"], 0.05) if q else p["hud_period_s"],
-                 candidates={f: [("eager", 4)] for f in F.FAMILIES}, panel_batch=4, precision="fp32")
+                 batch=4, runtime="eager")
     else:
-        p.update(size="full", frame_size=(1280, 720), loop_frames=16,
-                 candidates={"musetalk": [("eager", 16), ("cudagraph", 16)],
-                             "ditto": [("cudagraph", 16), ("compile+cudagraph", 16)],
-                             "latentsync": [("cudagraph", 16), ("compile+cudagraph", 16)]}, panel_batch=16, precision="fp16")
+        p.update(size="full", frame_size=(1280, 720), loop_frames=16, batch=16, runtime=None)
     p["quality_frames"] = min(p["quality_frames"], p["n_frames"])
     return p
 
@@ -89,19 +83,14 @@ def start(namespace: dict[str, Any]) -> Run:
 
 def describe(run: Run) -> str:
     return (f"{run.machine} | {run.size} models, {run.n_frames} frames at {F.FPS:.0f} fps on a "
-            f"{run.frame_size[0]}×{run.frame_size[1]} canvas, {run.precision} | families {run.families} | "
+            f"{run.frame_size[0]}×{run.frame_size[1]} canvas, batch {run.batch} | families {run.families} | "
             f"run folder: {run.folder}")
 
 
-def _exact_options(run: Run, family: str) -> dict[str, Any]:
-    if family == "musetalk" and run.device.type == "cuda":
-        return {"mode": "async", "subpixel": True}   # both keep the output (notebooks 01 / 02)
-    return {}
-
-
 def _median(outs: list[F.Outcome]) -> F.Outcome:
-    """The render with the median FPS; memory peaks are the largest of all."""
-    o = sorted(outs, key=lambda x: x.fps)[len(outs) // 2]
+    """The render with the median FPS (of an even count, the lower middle one: a render that happened, not
+    a mean of two); memory peaks are the largest of all."""
+    o = sorted(outs, key=lambda x: x.fps)[(len(outs) - 1) // 2]
     o.first_frame_s = statistics.median(x.first_frame_s for x in outs)
     gp = [x.gpu_peak_mb for x in outs if x.gpu_peak_mb is not None]
     o.gpu_peak_mb = max(gp) if gp else None
@@ -124,28 +113,22 @@ def _row(kind: str, b: F.Built, o: F.Outcome, q: dict) -> dict[str, Any]:
 
 
 def _family_rows(run: Run, fam: str, box: tuple[slice, slice]) -> list[dict[str, Any]]:
-    best, base = None, None
-    for backend, batch in run.candidates[fam]:
-        s = F.Setting(fam, backend, run.precision, batch, _exact_options(run, fam))
-        b, o = _timed(run, s, base)
+    rows, exact, base = [], None, None
+    for label, name in ROWS:
+        b, o = _timed(run, F.Setting(fam, name, run.batch, run.runtime), base)
         base = base or b
         print(f"  {o.label:60s} {o.fps:9.2f} FPS", flush=True)
-        if best is None or o.fps > best[1].fps:
-            best = (b, o)
-    b, exact = best
-    run.built[fam] = b
-    rows = [_row("exact fastest", b, exact, {"psnr_db": float("inf"), "ssim": 1.0})]
-    s = F.Setting(fam, b.setting.backend, run.precision, b.setting.batch, _exact_options(run, fam) | APPROX[fam])
-    ba, approx = _timed(run, s, b)
-    print(f"  {approx.label:60s} {approx.fps:9.2f} FPS", flush=True)
-    rows.append(_row("fastest approximate", ba, approx, F.quality(approx, exact, box)))
-    run.outcomes[fam] = (exact, approx)
-    run.result.weights.update({f"{fam}:{k}": v for k, v in b.weights.items()})
+        q = {"psnr_db": float("inf"), "ssim": 1.0} if exact is None else F.quality(o, exact, box)
+        rows.append(_row(label, b, o, q))
+        if exact is None:
+            exact, run.built[fam] = o, b
+        run.outcomes.setdefault(fam, []).append(o)
+    run.result.weights.update({f"{fam}:{k}": v for k, v in base.weights.items()})
     return rows
 
 
 def measure(run: Run) -> Any:
-    """Every family: the exact candidates (fastest kept), then the approximate at its backend and batch.
+    """Every family: its exact preset, then its fast preset at the same batch (quality against the exact output).
     A family that fails (e.g. out of memory) is listed in the "failed" table; the others still run."""
     rows, failed = [], []
     box = run.clip.face_box()
@@ -166,7 +149,7 @@ def measure(run: Run) -> Any:
                                            "rss_peak_mb", "compute_saved_pct", "psnr_vs_exact_db", "ssim_vs_exact", "setting"])
 
 
-COLORS = {"musetalk": "#1f77b4", "ditto": "#2ca02c", "latentsync": "#d62728"}
+COLORS = dict(zip(F.FAMILIES, ("#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")))
 
 
 def leaderboard_figure(run: Run) -> Any:
@@ -199,7 +182,7 @@ def stages_table(run: Run) -> Any:
     """Per family and configuration: ms per frame of each top-level stage (the pipelines' own timers)."""
     rows = []
     for fam, pair in run.outcomes.items():
-        for kind, o in zip(("exact fastest", "fastest approximate"), pair):
+        for (kind, _), o in zip(ROWS, pair):
             top = {k: 1e3 * v / o.n_frames for k, v in o.stages.items() if "/" not in k}
             rows.append({"family": fam, "config": kind, **{k: round(v, 3) for k, v in top.items()}})
     return run.table("stages_ms_per_frame", rows)
@@ -262,9 +245,8 @@ def panel(run: Run, interactive: bool | None = None) -> studio.Panel:
     from lab.widgets import resolve_interactive
 
     return studio.Panel(run.clip, run.device, run.size, run.folder, family=run.panel_family,
-                        batch=run.panel_batch, seed=run.seed, suffix=run.suffix(),
-                        interactive=resolve_interactive(interactive), precision=run.precision, period_s=run.hud_period_s,
-                        bases=run.built, defaults={f: _exact_options(run, f) for f in F.FAMILIES})
+                        batch=run.batch, seed=run.seed, suffix=run.suffix(),
+                        interactive=resolve_interactive(interactive), period_s=run.hud_period_s, bases=run.built)
 
 
 def panel_run(run: Run, p: studio.Panel) -> Any:
@@ -310,10 +292,10 @@ def comparisons(run: Run) -> None:
                 verdict="not comparable" if pct is None or not full else ("reproduced" if abs(pct) < 3 else "differs"),
                 reason="the write-up quotes no overhead; ours is the same render with and without the HUD's reader thread"
                        + ("" if full else " (tiny CPU configs: noisy)"))
-    cal = {(r["family"], r["choice"]): r for r in res.tables.get("calibration", []) if "projected_fps" in r}
+    cal = {r["choice"]: r for r in res.tables.get("calibration", []) if "projected_fps" in r}
     for k, theirs in ((1, 351.6), (3, 620.0)):
-        r = cal.get(("musetalk", f"decoder=taesd, stride={k}"))
-        res.compare(source=SOURCE_CAL, claim=f"MuseTalk TAESD stride {k}: projected FPS", their_value=theirs,
+        r = cal.get(f"decoder=taesd, stride={k}")   # the one family with a TAESD decoder choice
+        res.compare(source=SOURCE_CAL, claim=f"the TAESD decoder at stride {k} (UNet + decoder): projected FPS", their_value=theirs,
                     their_hardware=THEIR_HW, our_value=None if r is None else f"{r['projected_fps']:.1f} projected, "
                     f"{r['measured_fps']:.1f} measured", our_hardware=ours_hw, unit="FPS", verdict="not comparable",
                     reason="theirs: UNet (TensorRT FP8) and TAESD engines alone on another GPU, never run; ours: projected "

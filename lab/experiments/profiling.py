@@ -29,11 +29,12 @@ from lab import data, params
 from lab.errors import BackendUnavailable, InputError
 from lab.experiments.common import Run, markdown, row
 from lab.experiments.common import start as _start
+from lab.experiments.encoder import (ENCODER_OPTIONS, _drop_recording, _recording, _transport,  # noqa: F401
+                                     ceiling, encoder_summary, measure_encoder, record_frames)
 from lab.pipelines import musetalk as mt
 from lab.pipelines.musetalk import Engine
 from lab.progress import tqdm
 from lab.timing import bench, count_flops, matmul_ceiling
-from lab.video import encoder_rate
 
 NAME = "01_profiling"
 SOURCE = "Accelerating Real-Time Lip-Sync Pt 2"
@@ -188,17 +189,32 @@ def load_clip(run: Run) -> Clip:
     else:
         audio, sr = data.load_audio(run.audio_path, allow_silence=run.allow_silence)  # silent: refused here, naming the file
     n = min(run.n_frames, int(len(audio) / sr * run.fps))
-    frames = mt.load_avatar(run.avatar_path) if run.avatar_path is not None else None
+    frames = data.load_source(run.avatar_path) if run.avatar_path is not None else None
     return Clip(audio, sr, n, frames, str(run.avatar_path or "default avatar"))
+
+
+def settings(device: Any, mode: str, writer: str = "null", x264_preset: str = "ultrafast", subpixel: bool = False,
+             fused_norm: bool = False) -> dict[str, Any]:
+    """The notebooks' engine as Config changes: the exact preset's techniques but those the knobs leave off (async
+    per `mode`, the decoder rewrites per their flags; the blend and I420 conversion on the device only on a GPU),
+    and its writer settings (1 MiB pipe, queue of 3) with the notebook's writer and libx264 preset."""
+    from dataclasses import replace
+
+    from lab.pipelines import preset
+
+    p, want = preset("musetalk", "exact"), {"async_encode": mode == "async", "subpixel": subpixel, "fused_norm": fused_norm}
+    gpu = torch.device(device).type == "cuda"
+    return {"techniques": tuple(t for t in p.techniques if want.get(t, True) and (gpu or t not in mt.GPU_PLACED)),
+            "encode": replace(p.knobs["encode"], writer=writer, x264_preset=x264_preset)}
 
 
 def config(run: Run, clip: Clip) -> mt.Config:
     frame_size = (clip.frames.shape[2], clip.frames.shape[1]) if clip.frames is not None else tuple(run.frame_size)
     return mt.Config(fps=run.fps, batch_size=run.batch_size, edge_batch=run.edge_batch, dtype=run.dtype, decoder=run.decoder,
-                     resampler=run.resampler, mode=run.mode, size=run.size, frame_size=frame_size, crop=run.crop,
-                     loop_frames=run.loop_frames, writer=run.writer, preset=run.preset, compile=run.compile,
-                     subpixel=run.subpixel, fused_norm=run.fused_norm, allow_silence=run.allow_silence, seed=run.seed,
-                     face_crop=run.face_crop, landmarks=run.landmarks,
+                     resampler=run.resampler, size=run.size, frame_size=frame_size, crop=run.crop,
+                     runtime=mt.RUNTIME_OF[run.compile], **settings(run.device, run.mode, run.writer, run.preset,
+                                                                    run.subpixel, run.fused_norm),
+                     allow_silence=run.allow_silence, seed=run.seed, face_crop=run.face_crop, landmarks=run.landmarks,
                      weights={"whisper": run.weights_whisper, "unet": run.weights_unet, "vae": run.weights_vae})
 
 
@@ -208,11 +224,12 @@ def build(run: Run, clip: Clip) -> Engine:
     cfg = config(run, clip)
     run.result.params["frame_size"] = list(cfg.frame_size)
     t = time.perf_counter()
-    engine = mt.build_engine(cfg, run.device)
+    engine = mt.build(cfg, run.device)
     t_load = time.perf_counter() - t
     vault = run.folder / "vault"
     t = time.perf_counter()
-    mt.prepare(engine, clip.frames, clip.source, cache_dir=vault)
+    frames = clip.frames if clip.frames is not None else mt.avatar_loop(run.loop_frames, cfg.frame_size, seed=cfg.seed)
+    mt.prepare(engine, frames, clip.source, cache_dir=vault)
     t_vault = time.perf_counter() - t
     t = time.perf_counter()
     mt.avatar_for(cfg, engine.avatar.frames, clip.source, cache_dir=vault, device=run.device)
@@ -225,7 +242,8 @@ def build(run: Run, clip: Clip) -> Engine:
                                     "compile_s": engine.compile_s, "face_crop": cfg.face_crop,
                                     "crop_path": av.get("crop_path"), "fan": av.get("fan"),
                                     "fallback_frames": av.get("fallback_frames"),
-                                    "blend_mask": _mask_kind(cfg, av), "audio_windows": cfg.audio_windows}
+                                    "blend_mask": _mask_kind(cfg, av),
+                                    "audio_windows": "centred" if mt.on(cfg, "centred_windows") else "upstream"}
     run.headline(**{"face crop": crop_label(run)})
     return engine
 
@@ -251,8 +269,8 @@ def build_summary(run: Run, engine: Engine) -> str:
     a = run.result.metrics["avatar"]
     lines = [f"models loaded in {a['model_load_s']:.1f} s; avatar vault built in {a['vault_build_s']:.2f} s, "
              f"reused from cache in {a['vault_cached_s']:.2f} s", f"weights: {engine.weights}"]
-    if engine.cfg.compile != "none":
-        lines.insert(0, f"torch.compile ({engine.cfg.compile}) of UNet + decoder: {engine.compile_s:.1f} s "
+    if engine.cfg.runtime != "eager":
+        lines.insert(0, f"torch.compile ({mt.compile_mode(engine.cfg)}) of UNet + decoder: {engine.compile_s:.1f} s "
                         "(once per process, excluded from the timings)")
     return "\n".join(lines)
 
@@ -286,13 +304,14 @@ def profiled_run(run: Run, engine: Engine, clip: Clip) -> mt.RunReport:
     reports = []
     for i in range(run.repeats):
         out = run.folder / ("render.mp4" if i == 0 else f".render_{i}.mp4")
-        reports.append(mt.run(engine, clip.audio, clip.sr, out, n_frames=clip.n_frames, progress=i == 0))
+        reports.append(mt.run(engine, engine.avatar, clip.audio, clip.sr, out_path=out, n_frames=clip.n_frames,
+                              progress=i == 0))
         if i:
             out.unlink(missing_ok=True)
     report = sorted(reports, key=lambda r: r.fps)[len(reports) // 2]
     report.output = str(run.folder / "render.mp4")
-    run.table("stages", [{k: r[k] for k in STAGE_COLS} for r in report.stages], show=False)
-    run.result.metrics["run"] = {**{k: v for k, v in report.to_dict().items() if k != "stages"},
+    run.table("stages", [{k: r[k] for k in STAGE_COLS} for r in report.stage_rows], show=False)
+    run.result.metrics["run"] = {**{k: v for k, v in report.to_dict().items() if k not in ("stages", "stage_rows")},
                                  "fps_runs": [r.fps for r in reports], "runs": len(reports)}
     run.headline(**{"end-to-end FPS": round(report.fps, 1), "frames": report.n_frames,
                     "first frame ms": round(1e3 * report.first_frame_s, 1)})
@@ -305,7 +324,7 @@ def profiled_run(run: Run, engine: Engine, clip: Clip) -> mt.RunReport:
 def run_summary(report: mt.RunReport) -> str:
     c = report.config
     lines = [f"{report.n_frames} frames in {report.wall_s:.2f} s → {report.fps:.1f} FPS end to end (the median run) "
-             f"(mode={c['mode']}, batch={c['batch_size']}, {c['dtype']}, {c['decoder']}); "
+             f"(mode={report.mode}, batch={c['batch_size']}, {c['dtype']}, {c['decoder']}); "
              f"first frame after {1e3 * report.first_frame_s:.0f} ms"]
     if report.hidden_fraction is not None:
         lines.append(f"async: {100 * report.hidden_fraction:.1f}% of blend+encode time hidden behind GPU work, "
@@ -314,7 +333,7 @@ def run_summary(report: mt.RunReport) -> str:
     if report.encoder_start_s is not None:
         lines.append(f"first frame reached the encoder after {1e3 * report.encoder_start_s:.0f} ms, the last after "
                      f"{report.encoder_end_s:.2f} s; writer transport: {report.transport}")
-    if report.output and c.get("writer") != "null":
+    if report.output and c["encode"]["writer"] != "null":
         from lab.video import read_video_info
 
         info = read_video_info(report.output)
@@ -326,29 +345,45 @@ def stages_figure(run: Run, report: mt.RunReport) -> Any:
     """Top-level stage busy times as one stacked bar (stages.png)."""
     from lab.plots import stacked_stages
 
-    top = {r["stage"]: r["seconds"] for r in report.stages if "/" not in r["stage"] and r["stage"] != "mux_close"}
-    fig = stacked_stages(top, title=f"stage busy time, {report.config['mode']}, {report.fps:.0f} FPS end to end"
+    top = {k: v for k, v in report.stages.items() if "/" not in k and k != "mux_close"}
+    fig = stacked_stages(top, title=f"stage busy time, {report.mode}, {report.fps:.0f} FPS end to end"
                          + run.suffix(), n_frames=report.n_frames)
     return run.figure(fig, "stages")
 
 
 # ---------------------------------------------------------------- waterfall
 
+# Each step changes Config knobs and techniques: "-" drops techniques, "+" adds them, "+gpu" adds them on a GPU only
+# (where the notebook's engine places that work), "pipe_buffer" is the writer's (cfg.encode); the rest are knobs.
 WATERFALL = [
     ("baseline: librosa kaiser_best, fp32, batch 1, sequential, SD-VAE",
-     dict(resampler="librosa_kaiser_best", dtype="fp32", batch_size=1, mode="sequential", decoder="sd-vae",
-          blend="cpu", pipe_format="rgb24", compile="none", stride=1, host_copy="pageable")),
+     {"resampler": "librosa_kaiser_best", "dtype": "fp32", "batch_size": 1, "decoder": "sd-vae", "runtime": "eager",
+      "stride": 1, "-": ("async_encode", "pinned_copy") + mt.GPU_PLACED}),
     ("+ GPU resampler (torchaudio)", dict(resampler="torchaudio_gpu")),
     ("+ fp16", dict(dtype="fp16")),
     ("+ batch 16", dict(batch_size=16)),
-    ("+ async blend/encode", dict(mode="async", host_copy="pinned")),   # its queue copies into page-locked buffers
-    ("+ blend on the GPU", dict(blend="auto")),
-    ("+ RGB→YUV420 on the GPU (half the pipe, no swscale)", dict(pipe_format="auto")),
-    ("+ torch.compile + CUDA graphs (UNet, decoder)", dict(compile="reduce-overhead")),
-    ("+ fold SD-VAE upsample convs (same function, 16 % fewer FLOPs)", dict(subpixel=True)),
-    ("+ SD-VAE GroupNorm + SiLU as channels-last Triton passes (same function)", dict(fused_norm=True)),
+    ("+ async blend/encode", {"+": ("async_encode", "pinned_copy")}),   # its queue copies into page-locked buffers
+    ("+ blend on the GPU", {"+gpu": ("gpu_blend",)}),
+    ("+ RGB→YUV420 on the GPU (half the pipe, no swscale)", {"+gpu": ("yuv420p_pipe", "region_composite")}),
+    ("+ torch.compile + CUDA graphs (UNet, decoder)", dict(runtime="compile+graph")),
+    ("+ fold SD-VAE upsample convs (same function, 16 % fewer FLOPs)", {"+": ("subpixel",)}),
+    ("+ SD-VAE GroupNorm + SiLU as channels-last Triton passes (same function)", {"+": ("fused_norm",)}),
     ("SD-VAE → TAESD (quality trade)", dict(decoder="taesd")),
 ]
+
+
+def apply(cfg: mt.Config, changes: dict[str, Any], device: Any) -> dict[str, Any]:
+    """reconfigure()'s keyword arguments for cfg after a waterfall or path step (see WATERFALL)."""
+    from dataclasses import replace
+
+    ch = {k: v for k, v in changes.items() if k not in ("-", "+", "+gpu", "pipe_buffer", "writer")}
+    add = tuple(changes.get("+", ())) + (tuple(changes.get("+gpu", ())) if torch.device(device).type == "cuda" else ())
+    techs = [t for t in cfg.techniques if t not in changes.get("-", ())]
+    ch["techniques"] = tuple(techs + [t for t in add if t not in techs])
+    enc = {k: changes[k] for k in ("pipe_buffer", "writer") if k in changes}
+    if enc:
+        ch["encode"] = replace(cfg.encode, **enc)
+    return ch
 
 
 def waterfall(engine: Engine, audio: np.ndarray, sr: int, n_frames: int, folder: str | Path | None = None,
@@ -366,7 +401,7 @@ def waterfall(engine: Engine, audio: np.ndarray, sr: int, n_frames: int, folder:
     cur = engine
     changes: dict[str, Any] = {}
     for i, (label, ch) in enumerate(tqdm(steps or WATERFALL, desc="waterfall", disable=not progress)):
-        changes.update(ch)
+        changes.update({k: v for k, v in ch.items() if k not in ("-", "+", "+gpu")})
         if batch_size is not None and changes.get("batch_size", 1) > 1:
             changes["batch_size"] = batch_size
         note = ""
@@ -377,17 +412,17 @@ def waterfall(engine: Engine, audio: np.ndarray, sr: int, n_frames: int, folder:
             changes["resampler"] = "librosa_soxr"
         if "batch_size" in ch and changes["batch_size"] != ch["batch_size"]:
             note = "; ".join(filter(None, [note, f"ran at batch {changes['batch_size']} (the run's batch_size)"]))
-        cur = mt.reconfigure(cur, **changes)
+        cur = mt.reconfigure(cur, **apply(cur.cfg, {**ch, **changes}, engine.device))  # the run's knobs over the step's
         mt.warmup(cur)
         out = Path(folder) / f"waterfall_{i}.mp4" if folder is not None else None
         frames = min(n_frames, batch1_frames) if batch1_frames and changes.get("batch_size", 1) == 1 else n_frames
         reps = []
         for _ in range(max(1, repeats)):
-            reps.append(mt.run(cur, audio, sr, out, n_frames=frames))
+            reps.append(mt.run(cur, cur.avatar, audio, sr, out_path=out, n_frames=frames))
             if out is not None and out.exists():
                 out.unlink()  # the row's video only proved the encode ran; keep the run folder small
         r = _middle(reps, lambda x: x.fps)
-        st = {s["stage"]: s["seconds"] for s in r.stages}
+        st = r.stages
         rows.append({"step": label, "fps": r.fps, "wall_s": r.wall_s, "speedup": 0.0, "frames": frames,
                      "resample_ms": 1e3 * st.get("resample", 0.0), "unet_s": st.get("unet", 0.0),
                      "vae_decode_s": st.get("vae_decode", 0.0), "blend_s": st.get("blend", 0.0),
@@ -409,11 +444,12 @@ def neural_bench(engine: Engine, batch_size: int | None = None, iters: int = 20,
     d = engine.generator.unet.config.cross_attention_dim
     sets = [(torch.randn(b, 8, h, h, generator=g).to(engine.device, engine.dtype),
              torch.randn(b, 50, d, generator=g).to(engine.device, engine.dtype)) for _ in range(3)]
-    if cfg.channels_last and engine.device.type == "cuda":
+    cl = mt.on(cfg, "channels_last") and engine.device.type == "cuda"
+    if cl:
         sets = [(x.contiguous(memory_format=torch.channels_last), a) for x, a in sets]
 
     def mark() -> None:
-        if cfg.compile == "reduce-overhead":
+        if mt.compile_mode(cfg) == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
 
     def step(x, a):
@@ -433,11 +469,10 @@ def neural_bench(engine: Engine, batch_size: int | None = None, iters: int = 20,
     r = bench(step, inputs=sets, warmup=min(3, iters), iters=iters, device=engine.device, flops=flops, ceiling_tflops=ceiling_tflops)
     ru = bench(unet, inputs=sets, warmup=min(3, iters), iters=iters, device=engine.device, flops=f_unet,
                ceiling_tflops=ceiling_tflops)
-    cl = cfg.channels_last and engine.device.type == "cuda"
     lat = [(engine.generator(*s_).contiguous(memory_format=torch.channels_last) if cl else engine.generator(*s_),) for s_ in sets]
     rd = bench(dec, inputs=lat, warmup=min(3, iters), iters=iters, device=engine.device, flops=flops - f_unet,
                ceiling_tflops=ceiling_tflops)
-    return {"batch": b, "dtype": cfg.dtype, "decoder": cfg.decoder, "compile": cfg.compile,
+    return {"batch": b, "dtype": cfg.dtype, "decoder": cfg.decoder, "compile": mt.compile_mode(cfg),
             "fps": r.throughput(b), "ms_per_batch": 1e3 * r.median_s, "gflop_per_frame": flops / b / 1e9,
             "tflops": r.tflops, "pct_of_ceiling": r.pct_of_ceiling,
             "unet_fps": ru.throughput(b), "unet_pct_of_ceiling": ru.pct_of_ceiling,
@@ -456,10 +491,10 @@ def profile_trace(engine: Engine, audio: np.ndarray, sr: int, path: str | Path, 
     from lab.results import atomic_write_bytes
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
-    e = mt.reconfigure(engine, writer="null") if engine.cfg.writer != "null" else engine
+    e = mt.reconfigure(engine, **apply(engine.cfg, {"writer": "null"}, engine.device))
     n = n_frames or 2 * engine.cfg.batch_size
     with profile(activities=acts, record_shapes=False) as prof:
-        mt.run(e, audio[: int(sr * (n + 1) / engine.cfg.fps)], sr, None, n_frames=n)
+        mt.run(e, e.avatar, audio[: int(sr * (n + 1) / engine.cfg.fps)], sr, n_frames=n)
     fd, tmp = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -480,8 +515,8 @@ BATCH_ROW = "+ batch 16"
 
 def waterfall_steps(compile: bool) -> list[tuple[str, dict]]:
     """The waterfall's steps; without `compile` the torch.compile step is left out (the baseline,
-    which sets compile="none", stays)."""
-    return list(WATERFALL) if compile else [s for s in WATERFALL if s[1].get("compile", "none") == "none"]
+    which sets runtime="eager", stays)."""
+    return list(WATERFALL) if compile else [s for s in WATERFALL if s[1].get("runtime", "eager") == "eager"]
 
 
 def measure_waterfall(run: Run, engine: Engine, clip: Clip) -> list[dict]:
@@ -601,7 +636,7 @@ def compare(run: Run) -> Any:
         c = rr["config"]
         res.compare(**base, claim="end-to-end FPS, async pipeline, 775 frames", their_value=44.01,
                     our_value=round(rr["fps"], 1), unit="FPS", verdict="differs" if full_run else nc,
-                    reason=f"{c['mode']}, batch {c['batch_size']}, {c['dtype']}, {c['decoder']}, libx264 {c['preset']}; different GPU")
+                    reason=f"{rr['mode']}, batch {c['batch_size']}, {c['dtype']}, {c['decoder']}, libx264 {c['encode']['x264_preset']}; different GPU")
         if rr["hidden_fraction"] is not None:
             h = rr["hidden_fraction"]
             res.compare(**base, claim="async pipeline hides blend+encode time", their_value=100.0,
@@ -621,133 +656,15 @@ def finish(run: Run) -> Any:
     return run.show_headline()
 
 
-# ---------------------------------------------------------------- the encoder's own ceiling
-
-class _Recorder:
-    """A sink that keeps what the pipeline would pipe to the encoder (first `limit` frames)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.frames = limit, []
-
-    def write(self, frames: Any) -> None:
-        have = sum(len(f) for f in self.frames)
-        if have < self.limit:
-            self.frames.append(np.array(frames[: self.limit - have]))
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-
-def record_frames(engine: Engine, clip: Clip, n: int) -> tuple[np.ndarray, str]:
-    """n composited frames exactly as the run pipes them to the encoder, and their pixel format."""
-    e = mt.reconfigure(engine, writer="ffmpeg") if engine.cfg.writer == "null" else engine
-    rec = _Recorder(n)
-    mt.run(e, clip.audio, clip.sr, None, n_frames=min(n, clip.n_frames), sink=rec)
-    return np.concatenate(rec.frames), mt.pipe_format(e)
-
-
-def _recording(run: Run, engine: Engine, clip: Clip) -> tuple[np.ndarray, str]:
-    """The run's recorded frames, recorded once per face crop and kept on the run until
-    `_drop_recording` (the encoder section and the path's steps encode the same ones)."""
-    kept = run.__dict__.setdefault("_recorded", {})
-    if engine.cfg.face_crop not in kept:
-        kept[engine.cfg.face_crop] = record_frames(engine, clip, run.encoder_distinct)
-    return kept[engine.cfg.face_crop]
-
-
-def _drop_recording(run: Run) -> None:
-    run.__dict__.pop("_recorded", None)
-
-
-ENCODER_OPTIONS = [  # each alone against the pipeline's own settings; none changes the output format
-    ("pipeline's settings", {}),
-    ("threads = host cores", {"args": ["-threads", "{cores}"]}),
-    ("sliced threads", {"args": ["-x264-params", "sliced-threads=1"]}),
-    ("lookahead off", {"args": ["-x264-params", "rc-lookahead=0"]}),
-    ("tune zerolatency", {"args": ["-tune", "zerolatency"]}),
-    ("2 parallel encoders (halves of the clip)", {"parallel": 2}),
-]
-
-
-def _expand(args: list[str] | None) -> list[str]:
-    import os
-
-    return [a.replace("{cores}", str(os.cpu_count() or 1)) for a in (args or [])]
-
-
-def _transport(cfg: mt.Config) -> dict:
-    return {"pipe_buffer": cfg.pipe_buffer, "zero_copy": cfg.zero_copy}
-
-
-def ceiling(run: Run, cfg: mt.Config, frames: np.ndarray, pix: str, repeats: int | None = None, **opt: Any) -> list[float]:
-    """`repeats` encoder-alone rates (FPS) of the recorded frames with cfg's writer settings."""
-    kw = {**_transport(cfg), **opt}
-    if "args" in kw:
-        kw["args"] = _expand(kw["args"])
-    return [encoder_rate(frames, pix, cfg.frame_size, cfg.fps, run.encoder_frames, cfg.preset, cfg.crf,
-                         folder=run.folder, batch=cfg.batch_size, **kw) for _ in range(repeats or run.repeats)]
-
-
-def measure_encoder(run: Run, engine: Engine, clip: Clip) -> list[dict]:
-    """The encoder's own ceiling, in this run: the run's frames recorded from the pipeline, re-encoded
-    through the writer with its settings and nothing else running ("pipeline's settings": median
-    of `repeats`), then each option alone (one run each); table "encoder_ceiling", headline: the
-    ceiling and end to end as a % of it."""
-    import statistics
-
-    cfg = engine.cfg
-    frames, pix = _recording(run, engine, clip)
-    rows = []
-    for label, opt in ENCODER_OPTIONS:
-        rates = ceiling(run, cfg, frames, pix, repeats=None if not opt else 1, **opt)
-        rows.append({"option": label, "fps": statistics.median(rates), "runs": len(rates), "rates": rates, "speedup": 0.0,
-                     "pix_fmt_in": pix, "frames": run.encoder_frames, "args": " ".join(_expand(opt.get("args"))),
-                     "parallel": opt.get("parallel", 1)})
-    for r in rows:
-        r["speedup"] = r["fps"] / rows[0]["fps"]
-    run.table("encoder_ceiling", rows, show=False)
-    ceil = rows[0]["fps"]
-    e2e = run.result.metrics.get("run", {}).get("fps")
-    run.result.metrics["encoder"] = {"ceiling_fps": ceil, "ceiling_runs": rows[0]["runs"],
-                                     "ceiling_runs_fps": rows[0]["rates"], "e2e_fps": e2e,
-                                     "e2e_runs": run.result.metrics.get("run", {}).get("runs"),
-                                     "preset": cfg.preset, "crf": cfg.crf, "pix_fmt_in": pix,
-                                     "frame_size": list(cfg.frame_size), "distinct_frames": int(len(frames)),
-                                     "frames": run.encoder_frames, **_transport(cfg),
-                                     "e2e_pct_of_ceiling": 100 * e2e / ceil if e2e else None,
-                                     "best_option": max(rows, key=lambda r: r["fps"])["option"]}
-    run.headline(**{"encoder ceiling FPS": round(ceil, 1)})
-    if e2e:
-        run.headline(**{"end-to-end % of encoder ceiling": round(100 * e2e / ceil, 1)})
-    return rows
-
-
-def encoder_summary(run: Run) -> str:
-    m, nb = run.result.metrics["encoder"], run.result.metrics.get("neural")
-    best = max(run.result.tables["encoder_ceiling"], key=lambda r: r["fps"])
-    lines = [f"libx264 {m['preset']} crf {m['crf']} on {m['frame_size'][0]}×{m['frame_size'][1]} {m['pix_fmt_in']} "
-             f"frames alone: {m['ceiling_fps']:.1f} FPS (the ceiling, median of {m['ceiling_runs']}); end to end "
-             f"{m['e2e_fps'] or float('nan'):.1f} FPS (median of {m['e2e_runs']}) = "
-             f"{m['e2e_pct_of_ceiling'] or float('nan'):.1f} % of it"]
-    if nb is not None:
-        lines.append(f"neural part: {nb['pct_of_ceiling'] or 0:.1f} % of the matrix ceiling")
-    lines.append(f"fastest option: {best['option']} ({best['speedup']:.2f}× the pipeline's settings)"
-                 if best["speedup"] > 1.03 else "no option lifts the ceiling by more than 3 %: the host's cores are the limit")
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------- the end-to-end path, step by step
 
-E2E_STEPS = [  # cumulative, from the earlier path to the pipeline's defaults; none changes a byte of the frames
+E2E_STEPS = [  # cumulative, from the earlier path to the notebook's engine; none changes a byte of the frames
     ("whole-frame blend + conversion, spinning waits, 64 KiB pipe, copying writes",
-     dict(composite="frame", host_wait="spin", pipe_buffer=0, zero_copy=False)),
-    ("+ face box only, into backgrounds converted once", dict(composite="region")),
-    ("+ host threads sleep on the GPU (no stream syncs in the loop)", dict(host_wait="sleep")),
+     {"-": ("region_composite", "sleep_wait", "zero_copy"), "pipe_buffer": 0}),
+    ("+ face box only, into backgrounds converted once", {"+": ("region_composite",)}),
+    ("+ host threads sleep on the GPU (no stream syncs in the loop)", {"+": ("sleep_wait",)}),
     ("+ 1 MiB pipe", dict(pipe_buffer=1 << 20)),
-    ("+ zero-copy pipe writes (vmsplice)", dict(zero_copy=True)),
+    ("+ zero-copy pipe writes (vmsplice)", {"+": ("zero_copy",)}),
 ]
 
 
@@ -756,7 +673,7 @@ def e2e_rates(run: Run, engine: Engine, clip: Clip, repeats: int | None = None) 
     out = []
     for i in range(repeats or run.repeats):
         path = run.folder / f".e2e_{i}.mp4"
-        out.append(mt.run(engine, clip.audio, clip.sr, path, n_frames=clip.n_frames).to_dict())
+        out.append(mt.run(engine, engine.avatar, clip.audio, clip.sr, out_path=path, n_frames=clip.n_frames).to_dict())
         path.unlink(missing_ok=True)
     return out
 
@@ -814,8 +731,8 @@ def e2e_beyond(run: Run) -> list[tuple[str, dict]]:
     """Rows past the pipeline's defaults (cumulative, after E2E_STEPS): the folded decoder, its GroupNorms
     on the Triton passes, then each [batch_size, edge_batch] of `e2e_batches`. The same functions, computed in other shapes: the frames
     differ from the defaults' by fp16 rounding (another kernel per shape), not by design."""
-    rows = [("+ SD-VAE upsample convs folded (same function)", dict(subpixel=True)),
-            ("+ SD-VAE GroupNorm + SiLU as channels-last Triton passes (same function)", dict(fused_norm=True))]
+    rows = [("+ SD-VAE upsample convs folded (same function)", {"+": ("subpixel",)}),
+            ("+ SD-VAE GroupNorm + SiLU as channels-last Triton passes (same function)", {"+": ("fused_norm",)})]
     for b, e in run.e2e_batches:
         label = f"+ batch {b}" + (f", first batch and the tail in batches of {e}" if e else "")
         rows.append((label, dict(batch_size=b, edge_batch=e)))
@@ -823,9 +740,9 @@ def e2e_beyond(run: Run) -> list[tuple[str, dict]]:
 
 
 def _same_path(engine: Engine, cfg: mt.Config) -> bool:
-    keys = ("composite", "host_wait", "pipe_buffer", "zero_copy", "face_crop", "subpixel", "fused_norm", "batch_size",
-            "edge_batch")
-    return all(getattr(engine.cfg, k) == getattr(cfg, k) for k in keys)
+    keys = ("face_crop", "batch_size", "edge_batch")
+    return all(getattr(engine.cfg, k) == getattr(cfg, k) for k in keys) and \
+        set(engine.cfg.techniques) == set(cfg.techniques) and engine.cfg.encode.pipe_buffer == cfg.encode.pipe_buffer
 
 
 def _e2e_step(run: Run, engine: Engine, e: Engine, clip: Clip, label: str, past: bool, main: dict | None,
@@ -836,8 +753,8 @@ def _e2e_step(run: Run, engine: Engine, e: Engine, clip: Clip, label: str, past:
         ceilings[key] = ceiling(run, e.cfg, *_recording(run, engine, clip))
     rep = main if main is not None and _same_path(engine, e.cfg) else _median_report(e2e_rates(run, e, clip))
     row = _e2e_row(label, rep, ceilings[key])
-    row.update(batch_size=e.cfg.batch_size, edge_batch=e.cfg.edge_batch, subpixel=e.cfg.subpixel,
-               fused_norm=e.cfg.fused_norm, first_frame_ms=1e3 * rep["first_frame_s"], past_defaults=past)
+    row.update(batch_size=e.cfg.batch_size, edge_batch=e.cfg.edge_batch, subpixel=mt.on(e.cfg, "subpixel"),
+               fused_norm=mt.on(e.cfg, "fused_norm"), first_frame_ms=1e3 * rep["first_frame_s"], past_defaults=past)
     if past:
         nb = neural_bench(e, iters=run.neural_iters)
         row.update(neural_fps=nb["fps"], unet_fps=nb["unet_fps"], decoder_fps=nb["decoder_fps"])
@@ -851,15 +768,14 @@ def measure_e2e_steps(run: Run, engine: Engine, clip: Clip) -> list[dict]:
     the profiled run and the measured ceiling; then the rows past the defaults (`e2e_beyond`), each
     with the neural part alone (UNet + decoder at its batch, `neural_bench`). Table "e2e_steps";
     [] without an ffmpeg writer and a GPU blend."""
-    if engine.cfg.writer != "ffmpeg" or mt.pipe_format(engine) != "yuv420p":
+    if engine.cfg.encode.writer != "ffmpeg" or mt.pipe_format(engine) != "yuv420p":
         return []
     main, enc = run.result.metrics.get("run"), run.result.metrics.get("encoder")
     ceilings = {tuple(_transport(engine.cfg).items()): enc["ceiling_runs_fps"]} if enc else {}
-    rows, changes = [], {}
+    rows, e = [], engine
     beyond = e2e_beyond(run)
     for i, (label, ch) in enumerate(E2E_STEPS + beyond):
-        changes.update(ch)
-        e = mt.reconfigure(engine, **changes)
+        e = mt.reconfigure(e, **apply(e.cfg, ch, engine.device))
         past = i >= len(E2E_STEPS)
         try:
             with _compile_budget():
@@ -869,8 +785,8 @@ def measure_e2e_steps(run: Run, engine: Engine, clip: Clip) -> list[dict]:
                 raise
             rows.append({"step": label, "status": "failed",
                          "reason": f"dynamo's recompile budget spent (not timed eager): {type(err).__name__}: {str(err)[:300]}",
-                         "batch_size": e.cfg.batch_size, "edge_batch": e.cfg.edge_batch, "subpixel": e.cfg.subpixel,
-                         "fused_norm": e.cfg.fused_norm, "past_defaults": past})
+                         "batch_size": e.cfg.batch_size, "edge_batch": e.cfg.edge_batch, "subpixel": mt.on(e.cfg, "subpixel"),
+                         "fused_norm": mt.on(e.cfg, "fused_norm"), "past_defaults": past})
     run.table("e2e_steps", rows, show=False)
     _drop_recording(run)
     return rows
@@ -914,14 +830,14 @@ def measure_memory(run: Run, engine: Engine, clip: Clip) -> list[dict]:
 
     if not run.memory_seconds:
         return []
-    e = mt.reconfigure(engine, writer="null")
+    e = mt.reconfigure(engine, **apply(engine.cfg, {"writer": "null"}, engine.device))
     rows = []
     for secs in run.memory_seconds:
         n = int(secs * clip.sr)
         audio = np.resize(clip.audio, n).astype(np.float32)  # speech repeated to the length
         gc.collect()
         before = memory.reset_peak(run.device)
-        r = mt.run(e, audio, clip.sr, None)
+        r = mt.run(e, e.avatar, audio, clip.sr)
         peak, gpu = memory.peak_rss_bytes(), memory.gpu_peak_bytes(run.device)
         rows.append({"audio_s": secs, "frames": r.n_frames, "fps": r.fps, "host_peak_mib": peak / 2**20,
                      "host_added_mib": (peak - before) / 2**20, "input_mib": audio.nbytes / 2**20,

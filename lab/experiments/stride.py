@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -444,7 +444,7 @@ def audio_features(engine: Any, audio: np.ndarray, sr: int, n_frames: int | None
 def _call(engine: Any, fn: Callable, *args: torch.Tensor) -> torch.Tensor:
     """fn(*args) as the pipeline calls it: under CUDA graphs (compile="reduce-overhead") each call
     starts a step and the output is copied out of the graph's reused memory."""
-    if engine.cfg.compile == "reduce-overhead":
+    if engine.cfg.runtime in ("graph", "compile+graph"):
         torch.compiler.cudagraph_mark_step_begin()
         return fn(*args).clone()
     return fn(*args)
@@ -455,24 +455,24 @@ def unet_keyframes(engine: Any, feats: torch.Tensor, keys: np.ndarray) -> torch.
     """The UNet on the given frames only, as the pipeline runs it: calls of exactly batch_size
     keyframes (the last chunk padded by repetition: one shape, no re-autotuning or recompiles),
     inputs = masked + reference latents of the ping-pong avatar frame and that frame's audio."""
-    from lab.pipelines.musetalk import pingpong
+    from lab.avatar import pingpong
 
-    b = engine.cfg.batch_size
+    b, av = engine.cfg.batch_size, engine.avatar
     keys = np.asarray(keys, dtype=np.int64)
     n = keys.size
     if n == 0:
         raise InputError("no keyframes given")
     padded = np.concatenate([keys, np.full((-n) % b, keys[-1])])
-    cl = engine.cfg.channels_last and engine.device.type == "cuda"
+    cl = "channels_last" in engine.cfg.techniques and engine.device.type == "cuda"
     # indices go to the device once: a pageable host→device copy per batch would synchronize the
     # stream each time and put the host's launch time between the batches
-    jj = torch.as_tensor(pingpong(padded, len(engine.masked_latents)), device=engine.device)
+    jj = torch.as_tensor(pingpong(padded, len(av.masked_latents)), device=engine.device)
     ii = torch.as_tensor(padded, device=feats.device)
     fn = engine.gen_fn if getattr(engine, "gen_fn", None) is not None else engine.generator
     out = []
     for s in range(0, padded.size, b):
         j = jj[s:s + b]
-        x = torch.cat([engine.masked_latents[j], engine.ref_latents[j]], dim=1)
+        x = torch.cat([av.masked_latents[j], av.ref_latents[j]], dim=1)
         if cl:
             x = x.contiguous(memory_format=torch.channels_last)
         out.append(_call(engine, fn, x, feats[ii[s:s + b]]))
@@ -492,7 +492,7 @@ def _decode_all(engine: Any, decoder: Callable, z: torch.Tensor) -> None:
     """Decode every frame as the pipeline does: batch_size latents per call (tail padded),
     channels-last on a GPU; the images are dropped (only the time counts)."""
     b = engine.cfg.batch_size
-    cl = engine.cfg.channels_last and engine.device.type == "cuda"
+    cl = "channels_last" in engine.cfg.techniques and engine.device.type == "cuda"
     for s in range(0, len(z), b):
         x = z[s:s + b]
         if len(x) < b:
@@ -506,7 +506,7 @@ def neural_speed(engine: Any, feats: torch.Tensor, plans: dict[str, np.ndarray],
     """UNet on keyframes (full batches) → SLERP infill → decode of all frames, per plan, timed apart.
 
     The UNet and the pipeline decoder are the engine's `gen_fn` / `dec_fn` (compiled when
-    cfg.compile says so), called on exactly batch_size items as `run` calls them.
+    cfg.runtime says so), called on exactly batch_size items as `run` calls them.
     Rounds run every plan (order rotated each round, so clock drift and cache state favour none);
     the first `warmup_rounds` are discarded (cuDNN picks kernels per new batch shape), then each
     phase's median over `repeats` rounds. The phases synchronize the device at their edges.
@@ -536,7 +536,7 @@ def neural_speed(engine: Any, feats: torch.Tensor, plans: dict[str, np.ndarray],
     times: dict[str, dict[str, list[float]]] = {p: {"unet": [], "infill": [], "decode": []} for p in names}
     extra_t: dict[str, list[float]] = {k: [] for k in extra}
     with torch.inference_mode():
-        unet_flops = count_flops(engine.generator, torch.cat([engine.masked_latents[:1], engine.ref_latents[:1]], 1),
+        unet_flops = count_flops(engine.generator, torch.cat([engine.avatar.masked_latents[:1], engine.avatar.ref_latents[:1]], 1),
                                  feats[:1])  # eager graph, one frame
         last = None
         for r in tqdm(range(warmup_rounds + repeats), desc="neural bench", disable=not progress):
@@ -606,22 +606,22 @@ def pipeline_speed(engine: Any, audio: np.ndarray, sr: int, strides: Sequence[in
     for w in writers:
         if w != "null" and folder is None:
             raise InputError(f"writer {w!r} writes a video: pass folder")
-    e0 = reconfigure(engine, stride=1, writer="null")
-    run(e0, audio, sr, None, n_frames=min(int(n_frames), engine.cfg.batch_size))  # Whisper/blend warm-up
+    e0 = reconfigure(engine, stride=1, encode=replace(engine.cfg.encode, writer="null"))
+    run(e0, e0.avatar, audio, sr, n_frames=min(int(n_frames), engine.cfg.batch_size))  # Whisper/blend warm-up
     rows = []
     jobs = [(s, lab, w) for w in writers for s, lab in zip(strides, labels)]
     for s, lab, w in tqdm(jobs, desc="pipeline", disable=not progress):
-        e = reconfigure(engine, stride=check_stride(s), writer=w, max_gap=max_gap)
+        e = reconfigure(engine, stride=check_stride(s), encode=replace(engine.cfg.encode, writer=w), max_gap=max_gap)
         out = None if w == "null" else Path(folder) / f"{lab.replace(' ', '_')}_{w}.mp4"
-        r = run(e, audio, sr, out, n_frames=n_frames)
+        r = run(e, e.avatar, audio, sr, out_path=out, n_frames=n_frames)
         if out is not None and out.exists() and not keep_video:
             out.unlink()
-        stg = {x["stage"]: x["seconds"] for x in r.stages}
+        stg = r.stages
         rows.append({"plan": lab, "writer": w, "n_frames": r.n_frames, "unet_frames": r.unet_frames,
                      "duty_cycle": r.duty_cycle, "fps": r.fps, "wall_s": r.wall_s,
                      **{f"{k}_s": stg.get(k, 0.0) for k in ("whisper", "unet", "vae_decode", "blend", "encode",
                                                             "wait_for_encoder")},
-                     "hidden": r.hidden_fraction, "mode": r.config["mode"]})
+                     "hidden": r.hidden_fraction, "mode": r.mode})
     for w in writers:
         base = next(x for x in rows if x["writer"] == w)
         for x in rows:
@@ -1070,19 +1070,19 @@ def start(namespace: dict[str, Any]) -> Run:
     its face box (`run.photo`, `run.box`), and the weights per component (`run.W`)."""
     from lab import data
     from lab.models.vae import load_vae
-    from lab.pipelines.musetalk import Config, build_engine, prepare, warmup
+    from lab.experiments.profiling import settings
+    from lab.pipelines.musetalk import RUNTIME_OF, Config, avatar_loop, build, prepare, warmup
 
     run = common.start(NAME, namespace, RULES, profile)
     if run.p.get("threads"):
         torch.set_num_threads(run.p["threads"])
     run.W = W = weights_dict(run.weights)
-    cfg = Config(fps=run.fps, batch_size=run.batch_size, dtype=run.dtype, decoder=run.decoder, mode=run.mode,
-                 compile=run.compile, size=run.size, frame_size=tuple(run.frame_size), crop=run.crop,
-                 loop_frames=run.loop_frames, writer="null", preset="ultrafast", stride=1, max_gap=run.max_gap,
-                 seed=run.seed, weights={"whisper": W["whisper"], "unet": W["unet"],
-                                         "vae": W["taesd"] if run.decoder == "taesd" else W["vae"]})
-    run.engine = build_engine(cfg, run.device)
-    prepare(run.engine)
+    cfg = Config(fps=run.fps, batch_size=run.batch_size, dtype=run.dtype, decoder=run.decoder, resampler="torchaudio_gpu",
+                 runtime=RUNTIME_OF[run.compile], size=run.size, frame_size=tuple(run.frame_size), crop=run.crop,
+                 stride=1, max_gap=run.max_gap, seed=run.seed, **settings(run.device, run.mode),
+                 weights={"whisper": W["whisper"], "unet": W["unet"], "vae": W["taesd"] if run.decoder == "taesd" else W["vae"]})
+    run.engine = build(cfg, run.device)
+    prepare(run.engine, avatar_loop(run.loop_frames, cfg.frame_size, seed=cfg.seed))
     warmup(run.engine)
     # the quality reference: MuseTalk's own autoencoder in fp32 (its latent space is the UNet's)
     run.vae = load_vae("sd-vae", W["vae"], size=run.size, device=run.device, dtype=torch.float32, seed=run.seed)

@@ -1,9 +1,8 @@
-"""The studio in a notebook: a compile panel (family, backend, precision, batch, the family's
-technique switches, "run") and a telemetry HUD fed live from the pipeline's own stage timer.
+"""The studio in a notebook: a compile panel (family, preset, runtime, batch, "run") and a telemetry HUD fed live from the pipeline's own stage timer.
 
     hud = Hud(built)                 # displayed: an HTML readout under a display id
     with hud:                        # every StageTimer the run makes is watched (lab.timing.watching)
-        out = families.render(built)
+        out = compare.render(built)
     hud.finish(out)                  # the final figures replace the live readout: a static snapshot
 
 The HUD reads the timer from a side thread a few times a second: the spans the pipeline already
@@ -28,31 +27,19 @@ import torch
 
 from lab import memory
 from lab.errors import BackendUnavailable, LabError
-from lab.experiments import families as F
+from lab.experiments import compare as F
+from lab.pipelines import pipeline
 from lab.timing import watching
 
-# the stage each family closes once per batch/block of finished frames, and what queues it has
-PROGRESS = {"musetalk": "encode", "ditto": "putback_encode", "latentsync": "write"}
-
-
 def frames_per_call(built: F.Built) -> int:
-    cfg = built.engine.cfg
-    if built.setting.family == "musetalk":
-        return cfg.batch_size
-    if built.setting.family == "ditto":
-        return max(16, cfg.batch_size * cfg.stride * 2)
-    return cfg.block
+    """Frames finished each time the family's progress stage closes."""
+    return pipeline(built.setting.family).MEASURES.frames_per_call(built.engine.cfg)
 
 
-def planned_saved(setting: F.Setting) -> float | None:
-    """The share of the heavy network's work the switches plan to skip (None: decided by the audio)."""
-    fam = setting.family
-    if fam in ("musetalk", "ditto"):
-        k = setting.opt("stride")
-        return None if k == "adaptive" else 1.0 - 1.0 / int(k)
-    from lab.pipelines import latentsync_sampling as sampling
-
-    return 1.0 - sampling.parse_mode(setting.opt("mode")).full_calls / 20
+def planned_saved(built: F.Built) -> float | None:
+    """The share of the heavy network's work the configuration plans to skip (None: decided by the audio)."""
+    kept = pipeline(built.setting.family).MEASURES.work_kept(built.engine.cfg, built.clip.n_frames, None, None)
+    return None if kept is None else 1.0 - kept
 
 
 class Hud:
@@ -103,9 +90,9 @@ class Hud:
 
     def reading(self) -> dict[str, Any]:
         self._collect()
-        fam = self.built.setting.family
+        m = pipeline(self.built.setting.family).MEASURES
         el = time.perf_counter() - (self.t0 or time.perf_counter())
-        done = min(self.n, self.counts.get(PROGRESS[fam], 0) * frames_per_call(self.built))
+        done = min(self.n, self.counts.get(m.progress_stage, 0) * frames_per_call(self.built))
         fps = done / el if el > 0 and done else 0.0
         dev = self.built.device
         gpu = torch.cuda.memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
@@ -114,11 +101,12 @@ class Hud:
         except BackendUnavailable:
             rss = None
         queue = None
-        if fam == "musetalk" and self.built.engine.cfg.mode == "async":
-            queue = max(0, self.counts.get("d2h", 0) - self.counts.get("encode", 0))
+        q = m.queue_stages(self.built.engine.cfg)
+        if q is not None:
+            queue = max(0, self.counts.get(q[0], 0) - self.counts.get(q[1], 0))
         r = {"elapsed_s": el, "frames": done, "of": self.n, "fps": fps, "rtf": fps / F.FPS,
              "stages_ms_per_frame": {k: 1e3 * v / max(done, 1) for k, v in self.totals.items() if "/" not in k},
-             "gpu_mb": gpu, "rss_mb": rss, "queue": queue, "compute_saved": planned_saved(self.built.setting)}
+             "gpu_mb": gpu, "rss_mb": rss, "queue": queue, "compute_saved": planned_saved(self.built)}
         self.readings.append(r)
         return r
 
@@ -237,57 +225,59 @@ def strip_figure(frames: np.ndarray, title: str = ""):
 
 
 class Panel:
-    """Family / backend / precision / batch / switches → "run": build, render with the HUD, a frame strip.
+    """Family / preset / runtime / batch → "run": build, render with the HUD, a frame strip.
 
-    Unusable backends and precisions are listed with the reason instead of being offered."""
+    Runtimes this device cannot run are listed with the reason instead of being offered."""
 
     def __init__(self, clip: F.Clip, device: torch.device, size: str, folder: Path | None = None,
-                 family: str = "musetalk", batches: tuple[int, ...] = (1, 2, 4, 8, 16), batch: int = 4, seed: int = 0,
-                 suffix: str = "", interactive: bool = True, precision: str = "fp16", period_s: float = 0.25,
-                 bases: dict[str, F.Built] | None = None, defaults: dict[str, dict[str, Any]] | None = None):
+                 family: str = F.FAMILIES[0], batches: tuple[int, ...] = (1, 2, 4, 8, 16), batch: int = 4, seed: int = 0,
+                 suffix: str = "", interactive: bool = True, preset: str = "exact", period_s: float = 0.25,
+                 bases: dict[str, F.Built] | None = None):
         import ipywidgets as W
 
-        self.interactive, self.default_precision, self.period_s = interactive, precision, period_s
+        self.interactive, self.default_preset, self.period_s = interactive, preset, period_s
         self.clip, self.device, self.size, self.folder, self.seed, self.suffix = clip, device, size, folder, seed, suffix
         self.family = W.Dropdown(options=list(F.FAMILIES), value=family, description="family")
-        self.backend = W.Dropdown(description="backend")
-        self.precision = W.Dropdown(description="precision")
+        self.preset = W.Dropdown(description="preset")
+        self.runtime = W.Dropdown(description="runtime")
         self.batch = W.Dropdown(options=list(batches), value=batch, description="batch")
-        self.switches = W.VBox()
+        self.techniques = W.HTML()
         self.notes = W.HTML()
         self.button = W.Button(description="run", button_style="primary")
         self.status = W.HTML("ready")
-        self.controls = W.VBox([W.HBox([self.family, self.backend]), W.HBox([self.precision, self.batch]),
-                                self.switches, self.notes, W.HBox([self.button, self.status])])
+        self.controls = W.VBox([W.HBox([self.family, self.preset]), W.HBox([self.runtime, self.batch]),
+                                self.techniques, self.notes, W.HBox([self.button, self.status])])
         self.hud: Hud | None = None
         self.outcome: F.Outcome | None = None
         self.built: dict[str, F.Built] = {}
         self.bases = dict(bases or {})     # family → an engine built before: its networks are reused
-        self.defaults = dict(defaults or {})   # family → switch values the controls start on
         self._pic: Any = None
         self._hud_handle: Any = None
         self.family.observe(self._family_changed, names="value")
+        self.preset.observe(self._preset_changed, names="value")
         self.button.on_click(self._clicked)
         self._family_changed()
 
     def _family_changed(self, *_: Any) -> None:
-        import ipywidgets as W
+        names = F.presets_of(self.family.value)
+        self.preset.options = list(names)
+        self.preset.value = self.default_preset if self.default_preset in names else names[0]
+        self._preset_changed()
 
-        fam = self.family.value
-        bk = F.backend_options(fam, self.device)
-        pr = F.precision_options(fam, self.device)
-        self.backend.options = [(F.BACKEND_TEXT[b], b) for b, ok, _ in bk if ok]
-        self.backend.value = "eager"
-        self.precision.options = [p for p, ok, _ in pr if ok]
-        self.precision.value = self.default_precision if self.default_precision in self.precision.options else "fp32"
-        self._toggles = {}
-        start = self.defaults.get(fam, {})
-        for name, (choices, default) in F.TOGGLES[fam].items():
-            self._toggles[name] = W.Dropdown(options=[(str(c), c) for c in choices], value=start.get(name, default),
-                                             description=name)
-        self.switches.children = tuple(self._toggles.values())
-        no = [f"{F.BACKEND_TEXT[b]}: {html.escape(why)}" for b, ok, why in bk if not ok] + \
-             [f"{p}: {html.escape(why)}" for p, ok, why in pr if not ok]
+    def _preset_changed(self, *_: Any) -> None:
+        from lab.pipelines import preset
+
+        if self.preset.value is None:
+            return
+        p = preset(self.family.value, self.preset.value)
+        opts = F.runtime_options(self.device)
+        self.runtime.options = [(F.RUNTIME_TEXT[r], r) for r, ok, _ in opts if ok]
+        ok = {r for r, u, _ in opts if u}
+        r = F.usable_runtime(p.runtime, self.device, preset=True)   # a CPU starts eager; compile stays offered
+        self.runtime.value = r if r in ok else "eager"
+        self.techniques.value = f"<small><b>{html.escape(self.preset.value)}</b>: {html.escape(p.text)}<br>techniques: " \
+                                f"{html.escape(', '.join(p.techniques) or 'none')}</small>"
+        no = [f"{F.RUNTIME_TEXT[r]}: {html.escape(why)}" for r, u, why in opts if not u]
         self.notes.value = "<small>not offered here — " + "<br>".join(no) + "</small>" if no else ""
 
     def _clicked(self, _b: Any) -> None:
@@ -297,8 +287,7 @@ class Panel:
             self.status.value = f"<span style='color:#b00'>{html.escape(type(e).__name__)}: {html.escape(str(e)[:300])}</span>"
 
     def setting(self) -> F.Setting:
-        return F.Setting(self.family.value, self.backend.value, self.precision.value, int(self.batch.value),
-                         {k: w.value for k, w in self._toggles.items()})
+        return F.Setting(self.family.value, self.preset.value, int(self.batch.value), self.runtime.value)
 
     def start(self) -> F.Outcome | None:
         """Build (reusing an engine built for the same setting), render the clip under the HUD, show a strip."""

@@ -237,7 +237,7 @@ def lmdm_sampling(device: str) -> dict[str, torch.Tensor]:
     from lab.pipelines import ditto as P
 
     x = _dev(sampling_inputs(), device)
-    cfg = P.Config(size="full", sampling_steps=x["steps"], motion_mode="offline", seed=0)
+    cfg = P.Config(size="full", sampling_steps=x["steps"], motion_mode="offline", seed=0)   # upstream's loop
     engine = P.Engine(cfg, torch.device(device), D.FULL, {"lmdm": _net("lmdm", device)}, None, {})
     assert P._overlap(engine) == x["overlap"]
     motion, windows = P.generate_motion(engine, x["cond"], x["motion_s"][0])
@@ -296,7 +296,7 @@ def putback(device: str) -> dict[str, torch.Tensor]:
 
 def renderer_agreement(settings: dict[str, dict[str, Any]], device: str = "cuda", batch: int = 16,
                        weights: str = "parity", progress: Any = print) -> list[dict[str, Any]]:
-    """Each renderer variant (name → Config switches) at full size on the bundled avatar: its f_s and keypoints
+    """Each renderer variant (name → Config changes: precision, runtime, techniques) at full size on the bundled avatar: its f_s and keypoints
     from the extractors, `batch` driven frames of which the first 4 are the `renderer_chain` fixture's. Three
     references: upstream's code (the fixture, fp32 on a CPU; only with the procedure's weights,
     `weights="parity"`), the fixture-certified eager model in fp32 (TF32 off, the whole batch) and upstream's
@@ -328,7 +328,7 @@ def renderer_agreement(settings: dict[str, dict[str, Any]], device: str = "cuda"
     engine = P.Engine(P.Config(size="full", batch_size=batch), torch.device(device), D.FULL, nets, None, {})
     rows, runtime = [], None
     for name, switches in [("fp32 eager", {"precision": "fp32"}), *settings.items()]:
-        if device != "cuda" and (switches.get("cuda_graphs") or switches.get("compile", "none") != "none"):
+        if device != "cuda" and switches.get("runtime", "eager") != "eager":
             rows.append({"variant": name, "status": "skipped", "reason": "needs a CUDA device"})
             continue
         e = P.reconfigure(engine, batch_size=batch, **switches)

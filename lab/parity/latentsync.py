@@ -165,7 +165,7 @@ def noise_inputs() -> dict[str, Any]:
        "repeated over the frames, × the scheduler's init sigma")
 @one_thread
 def initial_noise(device: str) -> dict[str, torch.Tensor]:
-    from lab.pipelines import latentsync_sampling as sampling
+    from lab.pipelines.latentsync import sampling
 
     x = noise_inputs()
     h = x["size"] // 8
@@ -191,23 +191,24 @@ def block_inputs() -> dict[str, Any]:
 def _block(device: str, exact: bool) -> dict[str, torch.Tensor]:
     """What `run` does per block between alignment and restore: encode, the guided DDIM 20 loop, decode and
     paste; the video (2 faces) ping-ponged to the audio's 3 frames, blocks of 2 (the last one short)."""
-    from lab.pipelines import latentsync_sampling as sampling
+    from lab.pipelines.latentsync import sampling
     from lab.pipelines import latentsync as P
 
     x = block_inputs()
     unet = L.LatentSyncUNet(unet_model(L.TINY, device), "parity weights", "tiny")
     eng = _engine("tiny", x["mask"], device, unet, block=x["block"])
-    eng.cfg.guided_shortcuts = eng.cfg.fused_qkv = exact
+    eng.cfg.techniques = ("guided_shortcuts", "fused_qkv") if exact else ()
     if exact:
         L.fuse_qkv(unet.model)
-    P.set_fast(eng, "eager")
+    eng.unet_fn = P.eager_unet(eng)
     side = x["faces_u8"].shape[-1]
     shape = (1, 4, side // 8, side // 8)
     noise = sampling.initial_noise(shape, x["block"], x["seed"], device)
     # upstream draws the initial noise and then every posterior sample from one generator: the same (CPU) stream
     gen = torch.Generator().manual_seed(x["seed"])
     torch.randn((1, 4, 1) + shape[2:], generator=gen)
-    job = P.Job(x["faces_u8"].permute(0, 2, 3, 1).numpy(), None, x["audio"], None, len(x["audio"]), noise)
+    avatar = P.Avatar(x["faces_u8"].permute(0, 2, 3, 1).numpy(), None, side)
+    job = P.Job(avatar, None, x["audio"], len(x["audio"]), noise)
     lat, faces = [], []
     for s, e in P.blocks(job.n_out, x["block"]):
         idx = job.source_index(torch.arange(s, e).numpy())

@@ -155,7 +155,7 @@ def vae_decode_inputs() -> dict[str, Any]:
 
 
 def _decode_outputs(vae, latents: torch.Tensor) -> dict[str, torch.Tensor]:
-    from lab.pipelines.musetalk import _faces_uint8
+    from lab.pipelines.musetalk.stages import _faces_uint8
 
     img = vae.decoder_module()(latents.to(vae.device))
     return {"image_u8": _faces_uint8(img).float()}
@@ -350,7 +350,7 @@ def schedule_inputs() -> dict[str, Any]:
 @check(FAMILY, "frame_schedule", schedule_inputs, "which avatar frame (latents, box, background) each of 23 "
        "output frames uses with a 5-frame avatar: forward then backward")
 def frame_schedule(device: str) -> dict[str, torch.Tensor]:
-    from lab.pipelines.musetalk import pingpong
+    from lab.avatar import pingpong
 
     x = schedule_inputs()
     return {"avatar_index": torch.from_numpy(pingpong(np.arange(x["audio_frames"]), x["avatar_frames"])).float()}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field, replace
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 from lab.errors import InputError
 
@@ -63,13 +63,13 @@ def preset(family: str, name: str) -> Preset:
 def config(family: str, name: str = "exact", device: Any = None, **overrides: Any) -> Any:
     """The family's Config for preset `name` with `overrides`. With `device`, the techniques and runtime that
     cannot run there (a CUDA-only kernel, CUDA graphs on a CPU) are left out: a GPU preset on a CPU runs
-    the rest of its list."""
+    the rest of its list, eager unless `runtime` is given."""
     P = pipeline(family)
     changes = preset(family, name).changes()
     if device is not None:
         from lab.techniques import usable, usable_runtime
 
-        changes["runtime"] = usable_runtime(changes["runtime"], device)
+        changes["runtime"] = usable_runtime(overrides.get("runtime", changes["runtime"]), device, "runtime" not in overrides)
         changes["techniques"] = usable(family, changes["techniques"], changes["runtime"], device)[0]
     fields = set(P.Config.__dataclass_fields__)
     unknown = sorted(set(overrides) - fields)
@@ -91,6 +91,40 @@ def waterfall(family: str, name: str = "exact", start: str = "upstream") -> list
     for i, t in enumerate(b.techniques):
         rows.append((f"+ {t}", {**base, "techniques": tuple(b.techniques[: i + 1])}))
     return rows
+
+
+@dataclass(frozen=True)
+class Measures:
+    """What the shared experiments (comparison, calibration, studio, leaderboard) need to know of a family
+    to measure it like the others, declared beside its pipeline."""
+
+    batch_field: str                          # the Config field of frames per heavy call
+    heavy_stages: tuple[str, ...]             # the stage(s) of the heavy network in the family's timer
+    progress_stage: str                       # the stage closed once per batch of finished frames
+    approximate: tuple[str, ...]              # knobs whose non-default values change the output
+    calibrate: tuple[dict[str, Any], ...]     # Config changes the calibration projects (the first: dense, exact)
+    scaled: tuple[str, ...]                   # of those, the knobs whose work `work_kept` accounts for
+    # (cfg, n_frames, batch, report) → the share of the heavy network's dense work kept: planned from the
+    # config (whole calls of `batch` if given), or counted from a run's report; None when only the audio decides
+    work_kept: Callable[[Any, int, int | None, Any], float | None]
+    saved_what: str                           # what `work_kept` counts, in words
+    frames_per_call: Callable[[Any], int]     # frames one progress stage closes
+    queue_stages: Callable[[Any], tuple[str, str] | None] = lambda cfg: None   # (produced, consumed) stages
+    tiny: dict[str, Any] = field(default_factory=dict)   # Config overrides of a tiny smoke run
+    # Config fields sized against the batch (MuseTalk's edge_batch < batch_size): a measured batch puts
+    # them back at their defaults rather than keep a preset's value that no longer fits
+    batch_linked: tuple[str, ...] = ()
+
+
+def is_exact(family: str, cfg: Any) -> bool:
+    """Whether `cfg` computes the family's upstream function: every technique exact and every approximate
+    knob at its upstream (default) value."""
+    from lab.techniques import registry
+
+    P = pipeline(family)
+    reg, plain = registry(family), P.Config()
+    return all(reg[t].exact for t in cfg.techniques) and \
+        all(getattr(cfg, k) == getattr(plain, k) for k in P.MEASURES.approximate)
 
 
 @dataclass(frozen=True)
@@ -134,3 +168,10 @@ class Report:
                 "gpu_peak_mb": None if self.gpu_peak_mb is None else round(self.gpu_peak_mb, 1),
                 "host_peak_mb": round(self.host_peak_mb, 1), "counts": dict(self.counts),
                 "stages": {k: round(v, 4) for k, v in self.stages.items()}}
+
+
+def techniques_page() -> str:
+    """docs/techniques.md (`lab report --docs`): every registered technique per family and the presets it is on."""
+    from lab import techniques
+
+    return techniques.page({f: pipeline(f).PRESETS for f in PIPELINES})

@@ -146,14 +146,43 @@ def usable(family: str, names: Iterable[str], runtime: str, device: Any) -> tupl
     return tuple(kept), dropped
 
 
-def usable_runtime(runtime: str, device: Any) -> str:
-    """The runtime a CPU can run for `runtime`: CUDA graphs need a CUDA device, so a CPU drops 'graph'."""
+def usable_runtime(runtime: str, device: Any, preset: bool = False) -> str:
+    """The runtime a CPU can run for `runtime`: CUDA graphs need a CUDA device, so a CPU drops 'graph'.
+    `preset`: the runtime comes from a preset (measured on a GPU), and a CPU runs it eager: inductor's C++
+    build takes minutes there for a smoke-size run (ask for 'compile' explicitly to have it)."""
     dev = getattr(device, "type", device)
-    if dev == "cuda" or "graph" not in runtime:
+    if dev == "cuda" or "graph" not in runtime and not preset:
         return runtime
-    return "compile" if "compile" in runtime else "eager"
+    return "compile" if "compile" in runtime and not preset else "eager"
 
 
 def table(family: str | None = None) -> list[dict[str, Any]]:
     """One row per registered technique (the techniques page)."""
     return [t.row() for t in registry(family).values()]
+
+
+def page(presets: dict[str, dict[str, Any]] | None = None) -> str:
+    """The techniques page (markdown): per family, every registered technique with what it needs, and in
+    which of the family's presets it is on (`presets`: family → {preset name: Preset})."""
+    out = ["# Techniques", "",
+           "Generated from the technique registry (`lab report --docs`): each technique is a name a pipeline's",
+           "`Config.techniques` can hold. *exact*: the same function as the plain path (each has an equality",
+           "test); *approximate*: trades output quality for speed (each has an error-bound test).", ""]
+    families = sorted({t.family for t in registry().values()})
+    for fam in families:
+        ps = (presets or {}).get(fam, {})
+        out += [f"## {fam}", "", "| technique | exact | needs | conflicts | device | runtime | in presets | what |",
+                "|---|---|---|---|---|---|---|---|"]
+        for t in registry(fam).values():
+            inp = ", ".join(n for n, p in ps.items() if t.name in p.techniques) or "-"
+            cells = [f"`{t.name}`", "yes" if t.exact else "approximate", ", ".join(t.requires) or "-",
+                     ", ".join(t.conflicts) or "-", t.device, t.runtime, inp, t.doc]
+            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        out.append("")
+        if ps:
+            out += [f"Presets (`lab render {fam} --preset NAME`):", ""]
+            for n, p in ps.items():
+                knobs = ", ".join(f"{k}={v!r}" for k, v in p.knobs.items() if k != "encode")
+                out.append(f"- **{n}** — runtime `{p.runtime}`" + (f"; {knobs}" if knobs else "") + f". {p.text}")
+            out.append("")
+    return "\n".join(out)

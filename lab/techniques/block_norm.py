@@ -32,6 +32,7 @@ from torch import nn
 
 from lab.runtime.pdl import launch_options, wait_and_release
 from lab.errors import InputError
+from lab.techniques import technique
 from lab.models.latentsync import BlockGroupNorm, ResnetBlock3D, UNet3D
 
 try:
@@ -209,6 +210,10 @@ class FusedBlockGroupNorm(nn.Module):
         return F.silu(y) if self.silu else y
 
 
+@technique("fused_norms", family="latentsync", exact=True,
+           doc="The 45 ResNet GroupNorms that pool over the block's frames (norm1, norm2 with the time embedding, "
+               "conv_norm_out), each with its SiLU, as three Triton passes (channels-last on CUDA; elsewhere "
+               "BlockGroupNorm's own code).")
 def fuse_block_norms(model: nn.Module) -> int:
     """Swap, in place, every ResnetBlock3D's norm1 / norm2 (+ its SiLU) and the UNet's conv_norm_out (+ conv_act)
     for FusedBlockGroupNorm; returns how many norms were swapped (0 when already fused)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from lab.techniques import technique
 
 
 def _up(c: int, m: int) -> int:
@@ -48,6 +49,9 @@ def _extra(conv: nn.Module, multiple: int) -> float:
     return _up(conv.in_channels, multiple) * _up(conv.out_channels, multiple) / (conv.in_channels * conv.out_channels) - 1
 
 
+@technique("pad_channels", family="ditto", exact=True,
+           doc="The dense-motion convs' channels zero-padded to multiples of 8 (142 → 144, 22 → 24): tensor-core "
+               "shapes, the same function (the extra products are exact zeros).")
 def pad_conv_channels(module: nn.Module, multiple: int = 8, max_extra: float = 0.25) -> list[str]:
     """Replace, in place, every dense (groups = 1) Conv2d/Conv3d whose channels are not multiples of
     `multiple` and whose padding adds at most `max_extra` of its FLOPs. Returns the replaced names."""

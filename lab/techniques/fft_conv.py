@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lab.errors import InputError
+from lab.techniques import technique
 
 try:  # Triton ships with PyTorch's CUDA wheels; without it the contraction is a batched matmul
     import triton
@@ -232,6 +233,9 @@ class FFTConv3d(nn.Module):
         return fft_conv3d(xp, self.w_hat, self.bias_f32, self.crop, self.out_size, self.contraction, x.dtype)
 
 
+@technique("fft_mask", family="ditto", exact=True,
+           doc="The dense motion's 7³ mask conv through FFTs in fp32 (rfftn, a per-frequency channel contraction, "
+               "irfftn): ~2 instead of 140 GFLOP per frame, the same function.")
 def fft_mask_conv(dense_motion: nn.Module, spatial: tuple[int, int, int]) -> nn.Module:
     """Swap, in place, a Ditto dense-motion network's 7³ mask conv for its FFT form; returns the network."""
     dense_motion.mask = FFTConv3d(dense_motion.mask, spatial)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab.errors import InputError
+from lab.techniques import technique
 
 try:
     import triton
@@ -222,6 +223,9 @@ class FusedGroupNorm(nn.Module):
         return F.silu(y) if self.silu else y
 
 
+@technique("fused_norm", family="musetalk", exact=True,
+           doc="SD-VAE decoder: GroupNorm + SiLU as channels-last Triton passes (the same function; the "
+               "torch ops where the passes do not apply).")
 def fuse_group_norms(module: nn.Module) -> list[dict[str, Any]]:
     """Swap, in place, each diffusers ResnetBlock2D's norm1/norm2 (+ its SiLU) and a Decoder's
     conv_norm_out (+ conv_act) for FusedGroupNorm; one report row per place considered."""

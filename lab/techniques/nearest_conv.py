@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab.errors import InputError
+from lab.techniques import technique
 
 # Rows: the phase patterns in output order along an axis (B, C, A); columns: window taps (x[i], x[i+1]);
 # each entry lists which of the 3×3 taps (offsets -1, 0, +1) sum into it.
@@ -101,6 +102,9 @@ def _folded(conv: nn.Conv2d, scale: int) -> tuple[torch.Tensor, torch.Tensor | N
     return w, b
 
 
+@technique("lowres_seg", family="ditto", exact=True, requires=("fuse_spade",),
+           doc="The decoder's 128² and 256² shared SPADE convs computed on the 64² segmap they read upsampled by "
+               "nearest neighbour (16/36 and 36/144 of the taps): the same function.")
 class NearestConv(nn.Module):
     """`conv(F.interpolate(x, scale_factor=s, mode="nearest"))` for a 3×3, padding-1 conv, on x itself."""
 
@@ -138,6 +142,9 @@ class FoldedUpsample(nn.Module):
         return nearest_conv(x, self.folded_weight, self.folded_bias, 2)
 
 
+@technique("folded_upsamplers", family="latentsync", exact=True,
+           doc="Each UNet up block's upsampler (nearest ×2, then a 3×3 conv) as one 2×2 conv on the low-resolution "
+               "map with the four output phases as channels, then a gather (16 of the 36 taps).")
 def fold_upsamplers(model: nn.Module, on: bool = True) -> int:
     """Every LatentSync `Upsample` in `model` folded (on) or run as upsample + conv again (off); returns how
     many are folded now. The first fold swaps each `Upsample` for a `FoldedUpsample`; later calls only flip

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.errors import InputError
+from lab.techniques import technique
 
 
 def feather_mask(size: int = 512, ratio: float = 0.9) -> np.ndarray:
@@ -46,6 +47,9 @@ def sampling_grid(m_c2o: torch.Tensor, frame_hw: tuple[int, int], crop: int) -> 
     return g.reshape(-1, h, w, 2).float()
 
 
+@technique("putback_box", family="ditto", exact=True, requires=("gpu_putback",),
+           doc="The GPU putback composited only over the box the crop can reach, written into the source frames' "
+               "yuv420p planes converted once: the same bytes as the whole-frame composite.")
 def footprint(m_c2o: np.ndarray, frame_hw: tuple[int, int], crop: int) -> tuple[int, int, int, int]:
     """(y0, y1, x0, x1): the frame pixels that any of the (N, 3, 3) crop → frame matrices can reach, as one box with
     even edges (whole 2×2 chroma blocks of yuv420p), clipped to the frame. Outside it `putback_gpu` samples zeros for
@@ -66,6 +70,9 @@ def footprint(m_c2o: np.ndarray, frame_hw: tuple[int, int], crop: int) -> tuple[
     return y0, y1, x0, x1
 
 
+@technique("gpu_putback", family="ditto", exact=True,
+           doc="The putback as one batched inverse-affine grid_sample and a fused blend on the device, yuv420p made "
+               "there, instead of warpAffine and a blend per frame on the host (the same composite to a level).")
 def putback_gpu(background: torch.Tensor, renders: torch.Tensor, mask: torch.Tensor,
                 grid: torch.Tensor) -> torch.Tensor:
     """background (B, H, W, 3) uint8, renders (B, 3, s, s) in [0, 1], mask (s, s), grid (B, H, W, 2)

@@ -25,6 +25,7 @@ import torch
 
 from lab.runtime.pdl import launch_options, wait_and_release
 from lab.errors import BackendUnavailable, InputError
+from lab.techniques import technique
 
 MAX_TOKENS = 64
 
@@ -114,6 +115,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> to
     return out
 
 
+@technique("triton_temporal_attention", family="latentsync", exact=True, device="cuda",
+           doc="LatentSync's 16-token temporal attention on one Triton kernel (one program per sequence and head, "
+               "the whole score tile in registers): every temporal shape pinned to attention kernel 'triton'.")
 def register() -> None:
     """Offer the kernel to the LatentSync UNet as attention kernel "triton" (self-attention, ≤ 64 tokens)."""
     from lab.models.latentsync import register_attention_kernel

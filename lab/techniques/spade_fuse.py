@@ -31,6 +31,7 @@ from torch import nn
 from lab.techniques.nearest_conv import NearestConv
 from lab.errors import InputError
 from lab.models.ditto import SPADE, SPADEDecoder, SPADEResnetBlock
+from lab.techniques import technique
 
 
 def _stack_convs(convs: list[nn.Conv2d]) -> nn.Conv2d:
@@ -46,6 +47,9 @@ def _stack_convs(convs: list[nn.Conv2d]) -> nn.Conv2d:
     return m.to(c0.weight.device, c0.weight.dtype)
 
 
+@technique("fold_shortcut", family="ditto", exact=True, requires=("fuse_spade",),
+           doc="Each learned shortcut's 1×1 conv composed into its SPADE norm's β conv (float64, at build): "
+               "fin − fout of its channels never computed, the same function.")
 def _compose_1x1(outer: nn.Conv2d, inner: nn.Conv2d) -> nn.Conv2d:
     """outer(inner(h)) as one conv, for a bias-free 1×1 `outer`: its matrix applied to every tap of `inner`."""
     w = outer.weight.detach().double().flatten(1)                                   # (fout, fin)
@@ -169,6 +173,9 @@ class FusedSPADEDecoder(nn.Module):
         return torch.sigmoid(self.conv_img(F.leaky_relu(x, 0.2)))
 
 
+@technique("fuse_spade", family="ditto", exact=True, requires=("fold_spectral_norm",),
+           doc="The decoder's SPADE modulation convs merged: one shared 3×3 conv per resolution, γ and β as one "
+               "conv, one instance norm per block (the same function; needs the folded weights).")
 def fuse_spade(decoder: SPADEDecoder, lowres_seg: bool = False, fold_shortcut: bool = False) -> FusedSPADEDecoder:
     """The decoder with merged modulation convs (shares the other convs' parameters with `decoder`);
     `lowres_seg`: the 128² and 256² shared convs computed on the 64² segmap; `fold_shortcut`: each learned

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from lab.techniques import technique
 
 
 def has_spectral_norm(module: nn.Module) -> bool:
     return any(hasattr(m, "weight_orig") for m in module.modules())
 
 
+@technique("fold_spectral_norm", family="ditto", exact=True,
+           doc="The decoder's spectral norm (σ = uᵀWv) folded into plain conv weights once: the same function, "
+               "no hook per forward.")
 def fold_spectral_norm(module: nn.Module) -> int:
     """Replace every (old-style) spectral-norm hook in `module` by its eval-mode weight, in place.
     Returns how many were folded. After folding, `state_dict()` has plain `weight` keys."""

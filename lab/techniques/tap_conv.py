@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab.errors import InputError
+from lab.techniques import technique
 
 MAX_OUT = 8     # above this the conv's own tensor-core tiles are no longer mostly waste
 
@@ -67,6 +68,9 @@ class TapConv2d(nn.Module):
         return y.to(x.dtype)
 
 
+@technique("tap_occlusion", family="ditto", exact=True,
+           doc="The dense motion's 1-channel 7×7 occlusion conv as one matmul making the 49 tap maps and a shifted "
+               "sum in fp32 (the same function).")
 def tap_occlusion(dense_motion: nn.Module) -> nn.Module:
     """Swap, in place, a Ditto dense-motion network's 1-channel occlusion conv for its tap form."""
     dense_motion.occlusion = TapConv2d(dense_motion.occlusion)

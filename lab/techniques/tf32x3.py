@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from lab.runtime.pdl import launch_options, wait_and_release
 from lab.errors import InputError
 from lab.models.ditto import heads_attention
+from lab.techniques import technique
 
 try:
     import triton
@@ -168,6 +169,9 @@ def _(q, k, v, heads):
     return q.new_empty(q.shape)
 
 
+@technique("motion_triton_attention", family="ditto", exact=True,
+           doc="The motion sampler's attention as one Triton kernel per call (every key in one tile, softmax in "
+               "fp32, both products in split TF32): the same function as fp32 SDPA.")
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
     """Multi-head attention of (B, N, E) projections (no dropout, default scale): the Triton kernel for fp32 CUDA
     tensors with at most MAX_KEYS keys, else SDPA (the same function)."""
@@ -182,6 +186,9 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dim() == 2)
 
 
+@technique("motion_tf32x3", family="ditto", exact=True,
+           doc="The motion model's fp32 GEMMs on the tensor cores as split-TF32 products (three TF32 products "
+               "summed in fp32): fp32 rounding, the same function.")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear, fp32 GEMMs by split TF32 where they apply (see the module docstring); else F.linear."""
     if not applies(x, weight):

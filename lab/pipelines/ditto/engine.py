@@ -1,0 +1,175 @@
+"""The engine: the six networks and HuBERT loaded once, and the renderer variants built from them.
+
+`build` loads; `reconfigure` returns an engine over the same networks (and the same cache of compiled and
+captured variants) with other techniques, runtime or knobs; `stage_fn` is the callable one renderer batch
+runs, with the engine's precision, renderer techniques and runtime.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from lab.errors import InputError
+from lab.models import ditto as D
+from lab.pipelines.ditto.config import Config, on, renderer_switches
+
+
+@dataclass
+class Engine:
+    cfg: Config
+    device: torch.device
+    dims: D.Dims
+    nets: dict[str, torch.nn.Module]          # fp32 modules as loaded (the upstream precision)
+    hubert: torch.nn.Module
+    weights: dict[str, str]
+    variants: dict[tuple, Any] = field(default_factory=dict)   # cached modules, compiled / captured callables, buffers
+    compile_s: float = 0.0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        if self.cfg.precision == "fp32" or self.device.type != "cuda":
+            return torch.float32
+        return torch.float16
+
+
+def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
+    """Load the six networks and HuBERT (random weights unless `cfg.weights` names files)."""
+    dev = torch.device(device)
+    _check_device(cfg, dev)
+    nets, weights = {}, {}
+    for i, comp in enumerate(D.COMPONENTS):
+        nets[comp], weights[comp] = D.load_component(comp, cfg.weights.get(comp, "random"), cfg.size, dev,
+                                                     torch.float32, cfg.seed + i)
+    hub_dtype = torch.float16 if dev.type == "cuda" and cfg.precision != "fp32" else torch.float32
+    hubert, weights["hubert"] = D.load_hubert(cfg.weights.get("hubert", "random"), cfg.size, dev, hub_dtype, cfg.seed + 10)
+    return Engine(cfg, dev, D.dims(cfg.size), nets, hubert, weights)
+
+
+def _check_device(cfg: Config, dev: torch.device) -> None:
+    cfg.check(dev)
+    if on(cfg, "motion_compile"):
+        from lab.runtime.backends import _require_compile
+
+        _require_compile(dev, "inductor")   # BackendUnavailable naming what is missing (triton / a C++ compiler)
+
+
+def reconfigure(engine: Engine, **changes: Any) -> Engine:
+    """Same networks (and cached compiled/captured variants), other techniques, runtime or knobs."""
+    fixed = [k for k in ("size", "weights", "seed") if k in changes and changes[k] != getattr(engine.cfg, k)]
+    if fixed:
+        raise InputError(f"reconfigure cannot change {fixed} (the networks are loaded with them): build a new engine")
+    unknown = sorted(set(changes) - set(Config.__dataclass_fields__))
+    if unknown:
+        raise InputError(f"Config has no field(s) {unknown}; it has {sorted(Config.__dataclass_fields__)}")
+    cfg = replace(engine.cfg, **changes)
+    _check_device(cfg, engine.device)
+    return Engine(cfg, engine.device, engine.dims, engine.nets, engine.hubert, engine.weights, engine.variants,
+                  engine.compile_s)
+
+
+def _without_graph(runtime: str) -> str:
+    return "compile" if "compile" in runtime else "eager"
+
+
+# ---------------------------------------------------------------- renderer variants
+
+def _module(engine: Engine, name: str, precision: str, switches: tuple[str, ...] | frozenset) -> torch.nn.Module:
+    """The warp or decoder at a precision with the renderer techniques in `switches` applied (a cached copy: the
+    loaded network itself is never changed). Techniques that do not touch this network are ignored."""
+    from lab.techniques.channel_pad import PaddedConv, pad_conv_channels
+    from lab.techniques.spade_fuse import fuse_spade
+    from lab.techniques.spectral_fold import fold_spectral_norm
+
+    s = set(switches)
+    warp, dec = name == "warp_network", name == "decoder"
+    fold, cl, pad, cl3d = "fold_spectral_norm" in s, "channels_last" in s, "pad_channels" in s, "channels_last_3d" in s
+    fuse = "fuse_spade" in s and dec
+    lowres, shortcut = fuse and "lowres_seg" in s, fuse and "fold_shortcut" in s
+    fft, tap, mix = ("fft_mask" in s and warp), ("tap_occlusion" in s and warp), ("fused_mix" in s and warp)
+    key = ("module", name, precision, fold, cl, pad, cl3d, fuse, lowres, shortcut, tap, mix, fft)
+    if key not in engine.variants:
+        m = engine.nets[name]
+        if fold or precision == "fp16" or cl or pad or cl3d or fuse or fft or tap or mix:
+            m = copy.deepcopy(m)
+            if fold:
+                fold_spectral_norm(m)
+            if fft:   # before the padding: the FFT form has no tensor-core channel granularity to meet
+                from lab.techniques.fft_conv import fft_mask_conv
+
+                d = engine.dims
+                fft_mask_conv(m.dense_motion_network, (d.reshape_depth, d.feature_hw, d.feature_hw))
+            if tap:
+                from lab.techniques.tap_conv import tap_occlusion
+
+                tap_occlusion(m.dense_motion_network)
+            if mix:
+                m.dense_motion_network.fused_mix = True
+            if pad:
+                pad_conv_channels(m)
+            if fuse:
+                m = fuse_spade(m, lowres_seg=lowres, fold_shortcut=shortcut)
+            if precision == "fp16":
+                m = m.half()
+            for sub in m.modules():
+                # weights in a channels-last format make cuDNN pick its NHWC / NDHWC kernels (the
+                # activations follow the weights' format conv by conv)
+                if cl and isinstance(sub, torch.nn.Conv2d):
+                    sub.to(memory_format=torch.channels_last)
+                if cl3d and isinstance(sub, torch.nn.Conv3d):
+                    sub.to(memory_format=torch.channels_last_3d)
+                if cl3d and isinstance(sub, PaddedConv) and sub.weight.dim() == 5:
+                    sub.weight.data = sub.weight.data.contiguous(memory_format=torch.channels_last_3d)
+        engine.variants[key] = m
+    return engine.variants[key]
+
+
+def stage_fn(engine: Engine, kind: str, batch: int):
+    """The callable that runs one batch of `kind`: "render" (f_s, kp_s, kp_d) → faces, "warp" → features,
+    "decode" (features) → faces; with the engine's precision, renderer techniques and runtime."""
+    cfg = engine.cfg
+    precision = cfg.precision if engine.device.type == "cuda" else "fp32"
+    switches = renderer_switches(cfg)
+    key = (kind, precision, switches, cfg.runtime, batch)
+    if key in engine.variants:
+        return engine.variants[key]
+    if "graph" in cfg.runtime:
+        # capture the same callable the graph-free engine would run (a compiled one is compiled once)
+        from lab.runtime.backends import capture
+
+        base = stage_fn(reconfigure(engine, runtime=_without_graph(cfg.runtime)), kind, batch)
+        d = engine.dims
+        hw = d.feature_hw
+        in_dt = _in_dtype(engine)
+        if kind == "decode":
+            ex = [torch.randn(batch, d.warp_out, hw, hw, device=engine.device, dtype=in_dt)]
+        else:
+            ex = [torch.randn(batch, d.reshape_channel, d.reshape_depth, hw, hw, device=engine.device, dtype=in_dt),
+                  0.3 * torch.randn(batch, D.NUM_KP, 3, device=engine.device, dtype=in_dt),
+                  0.3 * torch.randn(batch, D.NUM_KP, 3, device=engine.device, dtype=in_dt)]
+        t0 = time.perf_counter()
+        fn, keep = capture(base, ex, warmup=3, clone_output=True)
+        engine.compile_s += time.perf_counter() - t0
+        engine.variants[key + ("keep",)] = keep
+        engine.variants[key] = fn
+        return fn
+    warp = _module(engine, "warp_network", precision, tuple(t for t in switches if t != "channels_last"))
+    dec = _module(engine, "decoder", precision, tuple(t for t in switches if t != "channels_last_3d"))
+    module = {"render": D.Renderer(warp, dec), "warp": warp, "decode": dec}[kind]
+    if "compile" in cfg.runtime:
+        module = torch.compile(module, dynamic=False)   # inductor, default mode
+    autocast = precision == "autocast"
+
+    def fn(*xs: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", torch.float16, enabled=autocast):
+            return module(*xs)
+
+    engine.variants[key] = fn
+    return fn
+
+
+def _in_dtype(engine: Engine) -> torch.dtype:
+    return torch.float32 if engine.cfg.precision == "autocast" or engine.device.type != "cuda" else engine.dtype

@@ -1,0 +1,165 @@
+"""`lab ab` on a fake pipeline (injected): the alternation, the medians and spread, the paired ratio and
+verdict, and clear errors for bad sides."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from lab import ab as AB
+from lab.errors import InputError
+
+
+@dataclass(frozen=True)
+class FakeConfig:
+    size: str = "tiny"
+    seed: int = 0
+    batch_size: int = 16
+    dtype: str = "fp16"
+    runtime: str = "eager"
+    techniques: tuple[str, ...] = ()
+    fps: float = 25.0
+
+    def check(self):
+        return self
+
+
+@dataclass(frozen=True)
+class FakePreset:
+    techniques: tuple[str, ...] = ()
+    runtime: str = "eager"
+
+
+class FakePipeline:
+    """build / reconfigure / prepare / run; a run's FPS comes from a script keyed by the engine's techniques."""
+
+    PRESETS = {"upstream": FakePreset(), "exact": FakePreset(("fuse", "pad")), "fast": FakePreset(("fuse", "pad", "stride"))}
+
+    def __init__(self, speeds):
+        self.speeds = {k: list(v) for k, v in speeds.items()}
+        self.calls = []          # ("build" | "reconfigure" | "run", techniques)
+
+    def build(self, cfg, device):
+        self.calls.append(("build", cfg.techniques))
+        return types.SimpleNamespace(cfg=cfg)
+
+    def reconfigure(self, engine, **changes):
+        if "size" in changes:
+            raise InputError("reconfigure: size is fixed")
+        engine.cfg = dataclasses.replace(engine.cfg, **changes)
+        self.calls.append(("reconfigure", engine.cfg.techniques))
+        return engine
+
+    def prepare(self, engine, source=None):
+        return "avatar"
+
+    def run(self, engine, avatar, audio, sr):
+        self.calls.append(("run", engine.cfg.techniques))
+        fps = self.speeds[engine.cfg.techniques].pop(0)
+        return types.SimpleNamespace(fps=fps, wall_s=10.0 / fps)
+
+
+def _api(pipe):
+    def config(family, name, device=None, **overrides):
+        if family != "fake":
+            raise InputError(f"unknown family {family!r}")
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(FakeConfig)})
+        if unknown:
+            raise InputError(f"fake Config has no field(s) {unknown}")
+        p = pipe.PRESETS[name]
+        return dataclasses.replace(FakeConfig(), techniques=p.techniques, runtime=p.runtime, **overrides)
+    return types.SimpleNamespace(config=config, pipeline=lambda family: pipe)
+
+
+AUDIO = (np.zeros(16000, np.float32), 16000)
+
+
+def _run(pipe, a, b, pairs=5, **kw):
+    return AB.ab("fake", a, b, pairs=pairs, device="cpu", frames=25, audio=AUDIO, api=_api(pipe), **kw)
+
+
+def test_alternates_a_b_on_one_engine():
+    exact, nofuse = ("fuse", "pad"), ("pad",)
+    pipe = FakePipeline({exact: [1.0, 100, 102, 98, 101, 99], nofuse: [1.0, 90, 91, 89, 95, 85]})
+    rep = _run(pipe, {"preset": "exact"}, {"preset": "exact", "drop": ["fuse"]})
+    assert rep.order == ["A", "B"] * 5
+    assert [c[0] for c in pipe.calls].count("build") == 1
+    runs = [c[1] for c in pipe.calls if c[0] == "run"]
+    assert runs == [exact, nofuse] * 6                     # warm-up pair first, then A, B, A, B …
+    assert rep.switch == {"techniques": nofuse}
+    assert rep.fps_a == [100, 102, 98, 101, 99] and rep.fps_b == [90, 91, 89, 95, 85]
+
+
+def test_medians_spread_paired_ratio_and_verdict():
+    exact, up = ("fuse", "pad"), ()
+    pipe = FakePipeline({exact: [1.0, 100, 110, 90, 105, 95], up: [1.0, 50, 55, 40, 60, 45]})
+    rep = _run(pipe, {"preset": "upstream"}, {"preset": "exact"})
+    a, b = rep.side("A"), rep.side("B")
+    assert (a.value, a.lo, a.hi) == (50, 40, 60)
+    assert (b.value, b.lo, b.hi) == (100, 90, 110)
+    assert rep.ratios == pytest.approx([2.0, 2.0, 2.25, 1.75, 2.111111])
+    assert rep.ratio.value == pytest.approx(2.0)
+    assert rep.verdict.met and rep.verdict.outcome == "met"
+    text = rep.markdown()
+    assert "100 FPS (median of 5, 90–110)" in text and "50 FPS (median of 5, 40–60)" in text and "met:" in text
+    d = json.loads(json.dumps(rep.to_dict(), default=str))
+    assert d["verdict"]["outcome"] == "met" and d["A"]["median_fps"] == 50
+
+
+def test_a_switch_inside_the_noise_is_not_a_win():
+    exact, nopad = ("fuse", "pad"), ("fuse",)
+    pipe = FakePipeline({exact: [1.0, 100, 100, 100], nopad: [1.0, 99, 102, 98]})
+    rep = _run(pipe, {"preset": "exact"}, {"preset": "exact", "drop": ["pad"]}, pairs=3)
+    assert rep.verdict.outcome == "inside the spread" and not rep.verdict.met
+
+
+def test_batch_change_is_named_beside_the_ratio():
+    exact = ("fuse", "pad")
+    pipe = FakePipeline({exact: [1.0, 1.0, 100, 200, 101, 201, 99, 199]})
+    rep = _run(pipe, {"preset": "exact", "batch_size": 1}, {"preset": "exact", "batch_size": 16}, pairs=3)
+    assert rep.order == ["A", "B"] * 3 and rep.switch == {"batch_size": 16}
+    assert rep.different_work == "batch 1 (A) vs 16 (B)"
+    assert "batch 1 (A) vs 16 (B)" in rep.markdown()
+
+
+@pytest.mark.parametrize("a, b, pairs, match", [
+    ({"preset": "exact"}, {"preset": "fastest"}, 5, "no preset 'fastest'.*upstream"),
+    ({"preset": "exact"}, {"preset": "exact", "add": ["fuse_spade"]}, 5, r"unknown technique\(s\) \['fuse_spade'\]"),
+    ({"preset": "upstream"}, {"preset": "upstream", "drop": ["fuse"]}, 5, "cannot drop 'fuse'"),
+    ({"preset": "exact"}, {"preset": "exact", "batchsize": 8}, 5, "no field"),
+    ({"preset": "exact"}, {"preset": "exact"}, 5, "same configuration"),
+    ({"preset": "exact"}, {"preset": "exact", "size": "full"}, 5, "size"),
+    ({"preset": "exact"}, {"preset": "fast"}, 2, "pairs must be a whole number ≥ 3"),
+    ({"preset": "exact"}, {"preset": "fast"}, 0, "pairs"),
+    ("exact", {"preset": "fast"}, 5, "must be a dict"),
+])
+def test_bad_input_is_a_clear_error(a, b, pairs, match):
+    pipe = FakePipeline({})
+    with pytest.raises(InputError, match=match):
+        _run(pipe, a, b, pairs=pairs)
+    assert not [c for c in pipe.calls if c[0] == "run"]   # refused before anything ran
+
+
+def test_parse_side():
+    assert AB.parse_side("exact -fuse_spade +copy_stream runtime=eager batch_size=8") == {
+        "preset": "exact", "drop": ["fuse_spade"], "add": ["copy_stream"], "runtime": "eager", "batch_size": 8}
+    assert AB.parse_side("upstream") == {"preset": "upstream"}
+    with pytest.raises(InputError, match="two presets"):
+        AB.parse_side("exact fast")
+    assert AB.describe({"preset": "exact", "drop": ["pad"], "runtime": "graph"}) == "exact −pad runtime=graph"
+
+
+def test_cli_ab_refuses_few_pairs(capsys):
+    from lab.cli import main
+
+    assert main(["ab", "ditto", "--b", "upstream", "--pairs", "2", "--device", "cpu"]) == 2
+    assert "pairs must be a whole number ≥ 3" in capsys.readouterr().err
+
+
+def test_parse_side_keeps_literals_together():
+    assert AB.parse_side("upstream frame_size=(256, 256) size=tiny") == {
+        "preset": "upstream", "frame_size": (256, 256), "size": "tiny"}

@@ -1,0 +1,186 @@
+"""The results ledger (lab.ledger) and the generated README / docs figures (lab.readme, `lab report`)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lab import ledger as L
+from lab import readme as R
+from lab.errors import InputError
+from lab.results import ROOT
+
+
+def _row(**kw) -> L.Row:
+    base = dict(notebook="06_ditto", row="headline", metric="e2e final FPS", value=383.5, unit="FPS",
+                spread="381.5–384.9", repeats=3, commit="973ccf929371", command="lab run 06 --device cuda",
+                machine="NVIDIA H200 (sm_90)", weights="random", date="2026-12-03T11:09:58Z", note="")
+    return L.Row(**{**base, **kw})
+
+
+def test_rows_round_trip_through_the_csv(tmp_path):
+    rows = [_row(), _row(metric="stride 3 FPS", value=503.6, repeats=None, spread="",
+                         note='a note, with "quotes", commas\nand a line break'),
+            _row(notebook="00_environment", metric="copy GB/s", value=4210.0, unit="GB/s", weights="none"),
+            _row(metric="cosine", value=0.9999983, unit="")]
+    path = L.write(tmp_path / "outputs" / "reference" / "h200" / "results.csv", rows)
+    assert L.read(path) == rows
+    assert path.read_text().splitlines()[0] == ",".join(L.COLUMNS)
+    L.append(path, [rows[0], _row(metric="new", value=1.5)])  # a row already there is not added twice
+    assert [r.metric for r in L.read(path)] == [r.metric for r in rows] + ["new"]
+    assert L.read(tmp_path / "absent.csv") == []
+    assert L.ledgers(tmp_path) == [path] and len(L.read_all(tmp_path)) == 5
+
+
+def test_a_bad_ledger_file_names_the_file_and_the_line(tmp_path):
+    good = L.dumps([_row(), _row(metric="b")]).splitlines()
+    no_col = tmp_path / "no_col.csv"
+    no_col.write_text("\n".join([good[0].replace(",unit", "")] + [",".join(x.split(",")[:4] + x.split(",")[5:])
+                                                                  for x in good[1:]]) + "\n")
+    with pytest.raises(InputError, match=r"no_col\.csv: line 1: .*lacks column\(s\) unit"):
+        L.read(no_col)
+    bad_value = tmp_path / "bad_value.csv"
+    bad_value.write_text("\n".join([good[0], good[1], good[2].replace(",383.5,", ",fast,")]) + "\n")
+    with pytest.raises(InputError, match=r"bad_value\.csv: line 3: value 'fast' of metric 'b' is not a number"):
+        L.read(bad_value)
+    bad_rep = tmp_path / "bad_rep.csv"
+    bad_rep.write_text("\n".join([good[0], good[1].replace(",3,", ",three,")]) + "\n")
+    with pytest.raises(InputError, match=r"bad_rep\.csv: line 2: repeats 'three'"):
+        L.read(bad_rep)
+
+
+def _result(commit: str = "abc1234def56", when: str = "2026-12-01T10:00:00+00:00", **extra) -> dict:
+    return {"name": "06_ditto", "params": {"device": "cuda", "quick": False, "clip_s": 31.0, "size": "full"},
+            "provenance": {"machine": "NVIDIA H200 (sm_90)", "git_commit": commit + "-dirty", "time_utc": when},
+            "weights": {"renderer": "random (seed 0)", "motion": "random (seed 1)"},
+            "headline": {"e2e final FPS": 383.5, "attention ms: default → pinned": "30.00 → 16.60",
+                         "#2 ditto exact fastest": "194.6 FPS (7.78× real time), first frame 126 ms, exact",
+                         "target e2e dense ≥ 150 FPS": "met", "weights": "random", "verdict": "not met",
+                         "sd-vae ≥ 800 FPS target": "not met (669)", "sd-vae best FPS (ref #5)": 801.6,
+                         "all layers FP8: measured / predicted PSNR (dB)": "32.29 / 32.08"},
+            "tables": {"e2e_final": [{"step": "final", "fps": 383.51, "fps_min": 381.5, "fps_max": 384.9, "runs": 3}]},
+            **extra}
+
+
+def test_import_of_a_synthetic_run_folder(tmp_path):
+    run = tmp_path / "outputs" / "reference" / "h200" / "run_06_x"
+    run.mkdir(parents=True)
+    (run / "results.json").write_text(json.dumps(_result()))
+    (run / "driver.py").write_text("# a driver\n")
+    rows = L.import_run(run, root=tmp_path)
+    by = {(r.row, r.metric): r for r in rows}
+    assert set(by) == {("headline", "e2e final FPS"), ("headline", "sd-vae best FPS"), ("headline", "attention ms: default → pinned"),
+                       ("ditto exact fastest", "FPS"), ("headline", "all layers FP8: measured / predicted PSNR (dB)")}
+    e2e = by["headline", "e2e final FPS"]
+    assert (e2e.value, e2e.unit, e2e.spread, e2e.repeats) == (383.5, "FPS", "381.5–384.9", 3)
+    assert (e2e.commit, e2e.date, e2e.weights, e2e.machine) == ("abc1234def56", "2026-12-01T10:00:00Z", "random",
+                                                                "NVIDIA H200 (sm_90)")
+    assert e2e.command.startswith("lab run 06 --device cuda -p clip_s 31.0 --out ")
+    assert e2e.command.endswith("run_06_x") and "(driver script, superseded)" in e2e.note
+    assert by["headline", "attention ms: default → pinned"].value == 16.6  # "a → b" gives b
+    assert (by["ditto exact fastest", "FPS"].value, by["ditto exact fastest", "FPS"].unit) == (194.6, "FPS")
+    assert by["headline", "all layers FP8: measured / predicted PSNR (dB)"].unit == "dB"
+    assert not any("#" in r.metric or "target" in r.metric for r in rows)
+
+
+def test_import_of_a_reproduce_run_takes_its_recorded_command(tmp_path):
+    run = tmp_path / "run_06_y"
+    (run / "06_ditto").mkdir(parents=True)
+    (run / "06_ditto" / "results.json").write_text(json.dumps(_result()))
+    (run / "run.json").write_text(json.dumps({"params": {"device": "cuda", "quick": False, "time_budget_s": 490},
+                                              "notebooks": ["06_ditto"]}))
+    rows = L.import_run(run, root=tmp_path)
+    assert rows and all(r.command.startswith("lab reproduce --only 06 --device cuda -p time_budget_s 490 -p out_dir ")
+                        for r in rows)
+    assert all(r.notebook == "06_ditto" and "rebuilt" not in r.note for r in rows)
+    with pytest.raises(InputError, match="not a run folder"):
+        L.import_run(tmp_path / "missing")
+
+
+def test_newest_picks_the_newest_row_per_key():
+    old, new, other = (_row(value=300.0, date="2026-12-01T00:00:00Z"), _row(value=383.5, date="2026-12-03T00:00:00Z"),
+                       _row(metric="stride 3 FPS", value=500.0, date="2026-11-01T00:00:00Z"))
+    assert L.newest([new, old, other]) == [new, other]
+    assert L.newest([old, new, other]) == [new, other]
+    assert L.newest([old, new, other], notebook="07") == []
+    assert L.newest([old, new, _row(notebook="07_latentsync")], notebook="06") == [new]
+    same_day = _row(value=390.0, date=new.date)
+    assert L.newest([new, same_day]) == [same_day]  # same date: the later row in the file wins
+
+
+def test_a_row_whose_family_code_changed_after_its_commit_is_stale(tmp_path):
+    row = _row()
+    assert L.stale(row, {"lab/models/ditto.py"}) and L.stale(row, {"lab/pipelines/ditto/config.py"})
+    assert L.stale(row, {"notebooks/06_ditto.ipynb"})
+    assert not L.stale(row, {"lab/models/latentsync.py", "README.md"})
+    assert not L.stale(row, None) and not L.stale(row, set())
+    assert L.stale(row, lambda commit: {"lab/experiments/ditto.py"} if commit == row.commit else None)
+    assert L.changed_since("abc1234", root=tmp_path) is None  # not a repository: unknown, never an error
+    assert L.changed_since("", root=ROOT) is None and L.clean_commit("46a67f6+") == "46a67f6"
+    head = L._git(["rev-parse", "HEAD"], ROOT)
+    if head:  # in a checkout: a commit's own tree has changed nothing committed since
+        assert not {p for p in (L.changed_since(head, ROOT) or set()) if p.startswith("lab/models/nonexistent")}
+
+
+def test_the_readme_generator_writes_only_between_its_markers_and_keeps_12_kb(tmp_path):
+    before, after = "# title\n\n" + "prose line\n" * 700, "\n## after\n\ntail text\n"
+    readme = tmp_path / "README.md"
+    readme.write_text(before + R.README_MARKERS[0] + "\nold figures\n" + R.README_MARKERS[1] + after)
+    rows = [_row(notebook=f"{num}_x", row=row, metric=pat.replace("*", "long name " * 8), value=1.0 + i,
+                 date=f"2026-12-0{1 + i % 3}T00:00:00Z")
+            for i, (num, row, pat) in enumerate(s for _, spec in R.FAMILIES for s in spec)]
+    R.write_readme(tmp_path, rows, changed=lambda c: {"lab/models/ditto.py"})
+    text = readme.read_text()
+    assert len(text.encode()) <= R.README_BUDGET
+    assert text.startswith(before + R.README_MARKERS[0] + "\n") and text.endswith(R.README_MARKERS[1] + after)
+    assert "old figures" not in text and "more figures in the ledger" in text
+    assert "`973ccf9` 2026-12-0" in text and "**stale**" in text  # the 06 rows: ditto code changed since
+    readme.write_text("# no markers\n")
+    with pytest.raises(InputError, match=r"README\.md: needs exactly one <!-- results:begin -->"):
+        R.write_readme(tmp_path, rows, changed=lambda c: None)
+    readme.write_text("x" * (R.README_BUDGET + 10) + R.README_MARKERS[0] + R.README_MARKERS[1])
+    with pytest.raises(InputError, match="prose must shrink"):
+        R.write_readme(tmp_path, rows, changed=lambda c: None)
+
+
+def test_lab_report_on_a_temporary_copy(tmp_path):
+    from lab.cli import main
+
+    for name in ("README.md", "docs"):
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, tmp_path / name)
+    for p in L.ledgers():
+        dest = tmp_path / p.relative_to(ROOT)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, dest)
+    own = (ROOT / "README.md").read_bytes()
+    assert main(["report", "--readme", "--docs", "--root", str(tmp_path)]) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert len(text.encode()) <= R.README_BUDGET and R.README_MARKERS[0] in text
+    if L.ledgers():
+        assert "| 06 · " in text and "FPS" in text
+    for page in (tmp_path / "docs").glob("[0-9][0-9]_*.md"):
+        assert len(page.read_bytes()) <= R.DOCS_BUDGET, page.name
+    assert "· **stale**" not in text  # no git in the copy: nothing can be shown stale, and nothing fails
+    assert (ROOT / "README.md").read_bytes() == own  # the checkout's own README untouched
+
+
+def test_the_runner_hook_appends_a_reference_run_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["lab", "run", "06", "--out", "outputs/reference/h200/run_z"])
+    ref = tmp_path / "outputs" / "reference" / "h200" / "run_z"
+    ref.mkdir(parents=True)
+    (ref / "results.json").write_text(json.dumps(_result()))
+    entry = SimpleNamespace(notebook="06_ditto", out_dir=str(ref), status="ok")
+    rows = L.record_run(entry, {"device": "cuda"}, root=tmp_path)
+    assert rows and L.read(L.ledger_path("h200", tmp_path)) == rows
+    assert {r.command for r in rows} == {"lab run 06 --out outputs/reference/h200/run_z"}
+    assert L.machine_of(ref, tmp_path) == "h200" and L.machine_of(tmp_path / "outputs" / "x", tmp_path) is None
+    elsewhere = tmp_path / "outputs" / "20260101-x" / "06_ditto"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "results.json").write_text(json.dumps(_result()))
+    assert L.record_run(SimpleNamespace(notebook="06_ditto", out_dir=str(elsewhere), status="ok"), {}, tmp_path) == []
+    assert L.record_run(SimpleNamespace(notebook="06_ditto", out_dir=str(ref), status="failed"), {}, tmp_path) == []
+    L.ledger_path("h200", tmp_path).write_text("notebook,metric\n06,x\n")  # a broken ledger never fails the run
+    assert L.record_run(entry, {}, root=tmp_path) == []
