@@ -297,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     except LabError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:   # an install without one of pyproject's dependencies
+        print(f"error: `lab {a.cmd}` needs the Python package {e.name!r}, which this environment lacks: install the "
+              f"project's dependencies (`make setup`, or `pip install -e .`)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

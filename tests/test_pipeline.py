@@ -22,7 +22,7 @@ YUV = ("gpu_blend", "yuv420p_pipe", "async_encode")   # the blend and I420 conve
 
 @pytest.fixture(scope="module")
 def engine():
-    cfg = mt.Config(size="tiny", frame_size=FS, crop=64, batch_size=4, dtype="fp32")
+    cfg = mt.Config(fps=30.0, size="tiny", frame_size=FS, crop=64, batch_size=4, dtype="fp32")
     e = mt.build(cfg, "cpu")
     av = mt.prepare(e, mt.avatar_loop(5, FS))
     mt.warmup(e, av)

@@ -81,3 +81,15 @@ def test_release_folder_layout(tmp_path):
         (root / files[first][0]).unlink()
         with pytest.raises(Exception, match=first):
             weights_from_folder(family, root)
+
+
+def test_a_missing_dependency_is_one_line(tmp_path, capsys, monkeypatch):
+    import lab.pipelines.render as R
+
+    def missing(*a, **k):
+        import face_alignment_not_installed  # noqa: F401  (stands for any dependency an install lacks)
+
+    monkeypatch.setattr(R, "render_video", missing)
+    assert main(["render", "musetalk", "--device", "cpu", "-o", str(tmp_path / "x.mp4")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "face_alignment_not_installed" in err and "make setup" in err and "\n" not in err and "Traceback" not in err

@@ -9,6 +9,7 @@ folder (each family's `WEIGHT_FILES` says where its components sit in upstream's
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -96,6 +97,11 @@ def render_video(family: str, preset: str = "exact", audio: str | Path | None = 
     if random:
         log(f"random weights for {', '.join(random)}: the video shows what untrained networks make")
     avatar = P.prepare(engine, src)
+    warm = dev.type == "cuda" or cfg.runtime != "eager"
+    if warm:   # compiles, graph captures and cuDNN's choices happen here, not inside the timed render
+        t0 = time.perf_counter()
+        P.warmup(engine, avatar)
+        log(f"warm-up (compiles, graph captures): {time.perf_counter() - t0:.1f} s")
     log(f"rendering {len(a) / sr:.1f} s of audio with {family} {preset} on {dev} …")
     tmp = out.with_name(f".{out.stem}.render-{os.getpid()}.mp4")   # the final name only once complete
     try:
@@ -103,5 +109,6 @@ def render_video(family: str, preset: str = "exact", audio: str | Path | None = 
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    log(f"{out}: {rep.n_frames} frames in {rep.wall_s:.2f} s ({rep.fps:.1f} FPS)")
+    log(f"{out}: {rep.n_frames} frames in {rep.wall_s:.2f} s ({rep.fps:.1f} FPS, one render of a "
+        f"{'warm' if warm else 'cold'} engine, encode included)")
     return rep

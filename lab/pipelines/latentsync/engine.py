@@ -175,7 +175,7 @@ def _configure(engine: Engine, runners: dict[str, Any] | None = None) -> Engine:
         built["vae"] = _vae_key(cfg)
     elif built.get("vae") != _vae_key(cfg):
         how = _vae_key(cfg)[0]
-        engine.vae_decode, engine.vae_encode = (None, None) if how == "eager" else vae_runners(engine, how)
+        engine.vae_decode, engine.vae_encode = (None, None) if how == "eager" else vae_runners(engine, sampling.BACKEND[how])
         built["vae"] = _vae_key(cfg)
     return engine
 

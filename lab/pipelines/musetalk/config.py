@@ -51,7 +51,7 @@ declare("centred_windows", FAMILY, False, "Audio windows centred on each frame w
 
 @dataclass
 class Config:
-    fps: float = 30.0
+    fps: float = 25.0                       # upstream scripts/inference.py's --fps default
     batch_size: int = 8                     # frames per UNet / decoder call (upstream's scripts/inference.py: 8)
     edge_batch: int = 0                     # > 0: the first batch and the clip's tail in batches of this many frames (a second shape)
     dtype: str = "fp16"
