@@ -164,6 +164,26 @@ def flag(name: str, v: Any) -> Any:
     return v
 
 
+def quick_choice(name: str, v: Any) -> Any:
+    if v != "auto" and not isinstance(v, bool):
+        raise InputError(f"parameter {name}={v!r}: expected True, False or 'auto' (the quick profile where no CUDA GPU "
+                         "is present)")
+    return v
+
+
+QUICK_BANNER = ("No CUDA GPU found: quick='auto' runs the QUICK profile (small configs, few frames); its speed figures "
+                "are smoke values, not results. Pass quick=False for the full profile on this device.")
+
+
+def resolve_quick(quick: Any, device: Any) -> bool:
+    """quick as the run takes it: "auto" is quick where the device is not a CUDA GPU (and says so)."""
+    if quick == "auto":
+        quick = getattr(device, "type", str(device)) != "cuda"
+        if quick:
+            print(QUICK_BANNER, flush=True)
+    return bool(quick)
+
+
 def optional_flag(name: str, v: Any) -> Any:
     return v if v is None else flag(name, v)
 
@@ -185,7 +205,7 @@ def _out_dir(name: str, v: Any) -> Any:
     return v
 
 
-COMMON_RULES: dict[str, Rule] = {"device": _device, "quick": flag, "seed": non_negative(integer=True),
+COMMON_RULES: dict[str, Rule] = {"device": _device, "quick": quick_choice, "seed": non_negative(integer=True),
                                  "out_dir": _out_dir, "interactive": optional_flag}
 
 

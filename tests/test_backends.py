@@ -590,7 +590,7 @@ def _check04(**values):
     from lab.experiments import backends as ex
     from lab.experiments.common import notebook_path
 
-    return params.check(values, params.notebook_defaults(notebook_path(ex.NAME)), ex.RULES, where=ex.NAME)
+    return params.check({"quick": False, **values}, params.notebook_defaults(notebook_path(ex.NAME)), ex.RULES, where=ex.NAME)
 
 
 @pytest.mark.parametrize("name,value,says", [

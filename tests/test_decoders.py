@@ -242,7 +242,7 @@ def _defaults():
     from lab.experiments.common import notebook_path
     from lab.params import notebook_defaults
 
-    return notebook_defaults(notebook_path(D.NAME))
+    return {**notebook_defaults(notebook_path(D.NAME)), "quick": False}   # the full profile unless asked
 
 
 def test_profile_quick_cpu_and_gpu():

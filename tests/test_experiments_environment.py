@@ -41,3 +41,17 @@ def test_ceilings_rows_name_unavailable_dtypes_and_copy():
     rows = ex.ceilings_rows({"matmul_tflops": {"fp32": 1.0}, "unavailable": {"fp8_e4m3": "no FP8"}, "copy_gbps": 9.0})
     assert [r["dtype"] for r in rows][:2] == ["fp32", "fp8_e4m3"] and "no FP8" in rows[1]["TFLOP/s"]
     assert rows[-1]["TFLOP/s"] == 9.0
+
+
+def test_quick_auto_is_quick_on_a_cpu_and_says_so(tmp_path, capsys):
+    import torch
+
+    from lab import params
+
+    run = ex.start({"device": "cpu", "out_dir": str(tmp_path / "r")})   # the notebook's default: quick = "auto"
+    assert run.quick is True and run.p["quick"] is True and "QUICK profile" in capsys.readouterr().out
+    run = ex.start({"device": "cpu", "quick": False, "out_dir": str(tmp_path / "f")})   # asked for: kept
+    assert run.quick is False and "QUICK" not in capsys.readouterr().out
+    assert params.resolve_quick("auto", torch.device("cuda")) is False
+    with pytest.raises(InputError, match="quick='yes'.*True, False or 'auto'"):
+        ex.start({"quick": "yes", "out_dir": str(tmp_path / "s")})

@@ -29,7 +29,7 @@ def musetalk(clip):
 
 def _check(**kw):
     defaults = params.notebook_defaults(notebook_path(L.NAME))
-    return params.check({**defaults, **kw}, defaults, L.RULES, where=L.NAME)
+    return params.check({**defaults, "quick": False, **kw}, defaults, L.RULES, where=L.NAME)
 
 
 @pytest.mark.parametrize("kw, name", [({"families": ["musetalk", "wav2lip"]}, "families"), ({"families": []}, "families"),

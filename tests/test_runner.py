@@ -101,7 +101,7 @@ def _knobs_nb(path: Path) -> None:
     ({"stride": 2}, r"unknown parameter 'stride'.*it takes: batch_size, device, fps, mode, out_dir, quick, seed"),
     ({"batch_size": "abc"}, r"batch_size='abc'.*expected an integer"),
     ({"batch_size": 2.5}, r"batch_size=2.5.*expected an integer"),
-    ({"quick": "yes"}, r"quick='yes'.*expected True or False"),
+    ({"quick": "yes"}, r"quick='yes'.*expected True, False or 'auto'"),
     ({"seed": -1}, r"seed=-1.*≥ 0"),
     ({"device": "tpu"}, r"device='tpu'.*'auto', 'cpu', 'cuda'"),
 ])

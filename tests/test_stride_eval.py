@@ -368,7 +368,7 @@ def _defaults():
     from lab.experiments.common import notebook_path
     from lab.params import notebook_defaults
 
-    return notebook_defaults(notebook_path(se.NAME))
+    return {**notebook_defaults(notebook_path(se.NAME)), "quick": False}   # the full profile unless asked
 
 
 def test_profile_sizes_from_quick_and_device():

@@ -122,6 +122,8 @@ def start(name: str, namespace: dict[str, Any], rules: dict[str, params.Rule] | 
     values = {k: namespace[k] for k in defaults if k in namespace}
     p = params.check(values, defaults, rules, where=name)
     dev = env.pick_device(p.get("device", "auto"))
+    if "quick" in p:
+        p["quick"] = params.resolve_quick(p["quick"], dev)
     if profile is not None:
         p = profile(dict(p), dev)
     torch.manual_seed(int(p.get("seed", 0) or 0))

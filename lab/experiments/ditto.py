@@ -168,7 +168,7 @@ def speech_with_pauses(seconds: float, pauses: tuple[tuple[float, float], ...]) 
     return out
 
 
-def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str | None = None,
+def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_dir: str | None = None,
           weights: dict[str, str] | str = "random", source: str | None = None, clip_s: float | None = None) -> Context:
     """Profile, engine (random weights unless `weights` names released files), avatar, clip, Result.
     `clip_s`: seconds of speech instead of the profile's, its two pauses at the same fractions of the clip (a
@@ -178,6 +178,7 @@ def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str
     params.check({"device": device, "quick": quick, "seed": seed, "out_dir": out_dir, "weights": weights, "source": source,
                   "clip_s": clip_s}, {**params.notebook_defaults(notebook_path(NAME)), "interactive": None}, RULES, NAME)
     dev = env.pick_device(device)
+    quick = params.resolve_quick(quick, dev)
     prof = profile(quick, dev)
     if clip_s is not None:
         f = clip_s / prof.clip_s

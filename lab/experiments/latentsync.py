@@ -162,7 +162,7 @@ def speech(seconds: float, sr_out: int = 16000) -> tuple[np.ndarray, int]:
     return np.resize(a, n).astype(np.float32), sr
 
 
-def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str | None = None,
+def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_dir: str | None = None,
           weights: dict[str, str] | str = "random", n_frames: int | None = None) -> Context:
     from lab.avatar import avatar_loop
 
@@ -171,6 +171,7 @@ def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str
     given = {"device": device, "quick": quick, "seed": seed, "weights": weights, "n_frames": n_frames}
     params.check(given, params.notebook_defaults(nb) if nb.exists() else given, RULES, where=NAME)
     dev = env.pick_device(device)
+    quick = params.resolve_quick(quick, dev)
     prof = profile(quick, dev)
     if n_frames:
         prof.n_frames = int(n_frames)

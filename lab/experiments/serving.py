@@ -83,7 +83,7 @@ class Section:
         return self.markdown()
 
 
-def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str | Path | None = None,
+def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_dir: str | Path | None = None,
           **knobs: Any) -> Context:
     """Parameters checked (the notebook's names and RULES), then device, run folder, Result; one
     thread for the tiny CPU profile (2-core CI boxes)."""
@@ -91,6 +91,7 @@ def setup(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str
     given = {"device": device, "quick": quick, "seed": seed, "out_dir": out_dir, **knobs}
     params.check(given, params.notebook_defaults(nb) if nb.exists() else given, RULES, where=NAME)
     dev = env.pick_device(device)
+    quick = params.resolve_quick(quick, dev)
     full = dev.type == "cuda" and not quick
     if not full:
         torch.set_num_threads(1)
