@@ -278,6 +278,19 @@ def _has_pyav() -> bool:
 VIDEO_SUFFIXES = (".mp4", ".mov", ".avi", ".mkv", ".webm")
 
 
+def reduce_source(frames: np.ndarray, max_side: int) -> np.ndarray:
+    """(N, H, W, 3) uint8 frames scaled down (area-averaged) so the longer side is at most `max_side`, even sides
+    kept; frames already within it are returned as they are."""
+    from PIL import Image
+
+    h, w = frames.shape[1:3]
+    if max(h, w) <= max_side:
+        return frames
+    s = max_side / max(h, w)
+    size = (max(2, int(w * s) // 2 * 2), max(2, int(h * s) // 2 * 2))
+    return np.stack([np.asarray(Image.fromarray(f).resize(size, Image.BOX)) for f in frames])
+
+
 def load_source(path: str | Path, max_frames: int | None = 250) -> np.ndarray:
     """A user's face source, an image (one frame) or a video, as (N, H, W, 3) uint8 cropped to even width
     and height (yuv420p needs them): what every pipeline's `prepare` takes."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import difflib
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -107,13 +108,16 @@ def _num(name: str, v: Any, integer: bool) -> Any:
     return v
 
 
-def positive(integer: bool = False, optional: bool = False) -> Rule:
+def positive(integer: bool = False, optional: bool = False, most: float | None = None, why: str = "") -> Rule:
+    """> 0 (and finite); `most`: the largest value the run can honour, `why` says what bounds it."""
     def rule(name: str, v: Any) -> Any:
         if v is None and optional:
             return v
         v = _num(name, v, integer)
-        if not v > 0:
+        if not (v > 0 and math.isfinite(v)):
             raise InputError(f"parameter {name}={v!r}: must be > 0")
+        if most is not None and v > most:
+            raise InputError(f"parameter {name}={v!r}: at most {most:g} ({why})")
         return v
     return rule
 
@@ -161,6 +165,19 @@ def any_of(*rules: Rule) -> Rule:
 def flag(name: str, v: Any) -> Any:
     if not isinstance(v, bool):
         raise InputError(f"parameter {name}={v!r}: expected True or False")
+    return v
+
+
+FPS_RANGE = (0.5, 120.0)   # frame rates the writer and the 16 kHz audio windows support (0.5: a frame per 2 s of audio)
+
+
+def video_fps(name: str, v: Any) -> Any:
+    """A video frame rate: a finite number in FPS_RANGE (1e999 or 0.001 would reach the writer or the audio
+    windows as an overflow or an empty clip)."""
+    v = _num(name, v, False)
+    lo, hi = FPS_RANGE
+    if not (math.isfinite(v) and lo <= v <= hi):
+        raise InputError(f"parameter {name}={v!r}: expected a frame rate from {lo:g} to {hi:g}")
     return v
 
 

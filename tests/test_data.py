@@ -341,3 +341,21 @@ def test_load_video_names_the_file(tmp_path):
         data.load_video(tmp_path / "junk.mp4")
     with pytest.raises(InputError, match=r"none\.mp4: video file not found"):
         data.load_video(tmp_path / "none.mp4")
+
+
+def test_a_large_source_is_scaled_down_once_for_the_tiny_ditto_profile(tmp_path, capsys):
+    from PIL import Image
+
+    from lab import data
+    from lab.experiments import ditto as dx
+
+    big = np.random.default_rng(0).integers(0, 255, (1, 3000, 2001, 3), dtype=np.uint8)
+    small = data.reduce_source(big, 1024)
+    assert small.shape == (1, 1024, 682, 3) and small.dtype == np.uint8
+    assert data.reduce_source(small, 1024) is small                       # within the bound: untouched
+    Image.fromarray(big[0]).save(tmp_path / "huge.png")
+    tiny = dx.profile(True, __import__("torch").device("cpu"))
+    got = dx._source_for(tiny, str(tmp_path / "huge.png"))
+    assert max(got.shape[1:3]) <= dx.TINY_SOURCE_SIDE and "2000×3000 scaled to" in capsys.readouterr().out
+    full = dx.replace(tiny, size="full")
+    assert dx._source_for(full, str(tmp_path / "huge.png")) == str(tmp_path / "huge.png")   # the full profile keeps it

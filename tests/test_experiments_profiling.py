@@ -27,7 +27,8 @@ def threads():
 
 @pytest.mark.parametrize("bad, name", [
     (dict(batch_size=0), "batch_size"), (dict(batch_size=2.0), "batch_size"), (dict(n_frames=-5), "n_frames"),
-    (dict(fps=0), "fps"), (dict(dtype="fp8"), "dtype"), (dict(decoder="vae"), "decoder"),
+    (dict(fps=0), "fps"), (dict(fps=1e999), "fps=inf: expected a frame rate from 0.5 to 120"), (dict(fps=1e6), "fps"),
+    (dict(fps=0.001), "fps"), (dict(dtype="fp8"), "dtype"), (dict(decoder="vae"), "decoder"),
     (dict(resampler="sox"), "resampler"), (dict(mode="parallel"), "mode"), (dict(writer="gif"), "writer"),
     (dict(preset="turbo"), "preset"), (dict(compile="max"), "compile"), (dict(subpixel=1), "subpixel"),
     (dict(run_waterfall="yes"), "run_waterfall"), (dict(waterfall_frames=0), "waterfall_frames"),

@@ -93,3 +93,12 @@ def test_a_missing_dependency_is_one_line(tmp_path, capsys, monkeypatch):
     assert main(["render", "musetalk", "--device", "cpu", "-o", str(tmp_path / "x.mp4")]) == 2
     err = capsys.readouterr().err.strip()
     assert "face_alignment_not_installed" in err and "make setup" in err and "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("family", ["musetalk", "latentsync"])
+@pytest.mark.parametrize("fps", [float("inf"), 1e6, 0.001, 0])
+def test_a_frame_rate_the_writer_cannot_honour_is_refused(family, fps):
+    from lab.errors import InputError
+
+    with pytest.raises(InputError, match="Config.fps=.*frame rate from 0.5 to 120"):
+        pipeline(family).Config(fps=fps).check()

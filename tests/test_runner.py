@@ -325,3 +325,13 @@ def test_reproduce_out_dir_names_the_run_folder(nbdir, tmp_path, monkeypatch):
                               extra={"out_dir": "mine"})
     assert run == tmp_path / "mine" and calls[0]["parameters"]["out_dir"] == str(tmp_path / "mine" / "00_good")
     assert (run / "report.md").exists() and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("nb, name, value, most", [("07", "n_frames", "1000000", "3000"), ("06", "clip_s", "1e6", "600"),
+                                                   ("01", "fps", "1e999", "120"), ("01", "fps", "0.001", "0.5")])
+def test_lengths_and_rates_beyond_what_a_run_honours_are_refused_before_the_kernel(nb, name, value, most, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert cli.main(["run", nb, "--quick", "--out", str(out), "-p", name, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{name}=" in err and most in err and "Traceback" not in err
+    assert not out.exists()   # no kernel, no folder

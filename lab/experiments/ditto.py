@@ -53,7 +53,9 @@ def _source_rule(name: str, v: Any) -> Any:
 
 # the notebook's own parameters beyond device / quick / seed / out_dir (checked before anything runs)
 RULES: dict[str, params.Rule] = {"weights": params.weights(D.COMPONENTS), "source": _source_rule,
-                                  "clip_s": params.positive(optional=True)}
+                                  "clip_s": params.positive(
+    optional=True, most=600, why="10 min: the notebook holds the clip's frames, motion and features for its tables; "
+    "render a longer one with lab render")}
 SRC_PILLARS = "write-up 004 (Ditto five pillars)"
 SRC_STRIDES = "write-up 003 (cadence strides, Ditto half)"
 WRITEUP_HW = "RTX 5090 laptop (sm_120), PyTorch 2.13, CUDA 12.8"
@@ -168,6 +170,23 @@ def speech_with_pauses(seconds: float, pauses: tuple[tuple[float, float], ...]) 
     return out
 
 
+TINY_SOURCE_SIDE = 1024   # the tiny profile's renders are 192 px: a 4K source would only slow its crop and putback
+
+
+def _source_for(prof: Profile, source: str | None) -> Any:
+    """The source as the profile takes it: the tiny profile reads a large one once and scales it down (saying so)."""
+    from lab import data
+
+    if source is None or prof.size != "tiny":
+        return source
+    frames = data.load_source(source)
+    small = data.reduce_source(frames, TINY_SOURCE_SIDE)
+    if small is not frames:
+        print(f"source {Path(source).name}: {frames.shape[2]}×{frames.shape[1]} scaled to {small.shape[2]}×{small.shape[1]} "
+              f"for the tiny profile (the full profile keeps it as it is)", flush=True)
+    return small
+
+
 def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_dir: str | None = None,
           weights: dict[str, str] | str = "random", source: str | None = None, clip_s: float | None = None) -> Context:
     """Profile, engine (random weights unless `weights` names released files), avatar, clip, Result.
@@ -191,7 +210,7 @@ def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_di
     cfg = P.Config(size=prof.size, precision=prof.precision, batch_size=1, frame_size=prof.frame_size,
                    sampling_steps=prof.steps, seed=seed, weights=W, encode=Encode(writer="null"))
     engine = P.build(cfg, dev)
-    avatar = P.prepare(engine, source, "default avatar" if source is None else Path(source).name)
+    avatar = P.prepare(engine, _source_for(prof, source), "default avatar" if source is None else Path(source).name)
     audio = speech_with_pauses(prof.clip_s, prof.pauses)
     machine = env.machine_label()
     random_w = any("random" in v for v in engine.weights.values())

@@ -67,7 +67,9 @@ def _weights_rule(name: str, v: Any) -> Any:
 
 
 # the notebook's own parameters beyond device / quick / seed / out_dir (checked before anything runs)
-RULES: dict[str, params.Rule] = {"weights": _weights_rule, "n_frames": params.positive(integer=True, optional=True)}
+RULES: dict[str, params.Rule] = {"weights": _weights_rule, "n_frames": params.positive(
+    integer=True, optional=True, most=3000, why="2 min at 25 fps: the notebook renders the clip once per mode and holds "
+    "every frame's faces and latents for its quality tables; render a longer clip with lab render")}
 
 
 @dataclass

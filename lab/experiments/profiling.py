@@ -73,7 +73,7 @@ def _batch_pairs(name: str, v: Any) -> Any:
 
 RULES: dict[str, params.Rule] = {
     "n_frames": params.positive(integer=True),
-    "fps": params.positive(),
+    "fps": params.video_fps,
     "batch_size": params.positive(integer=True),
     "edge_batch": params.non_negative(integer=True),   # < batch_size: the pipeline's Config says so
     "e2e_batches": _batch_pairs,

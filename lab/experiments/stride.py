@@ -1023,7 +1023,7 @@ RULES: dict[str, params.Rule] = {
     "strides": _strides_rule,
     "max_gap": params.positive(integer=True),
     "n_frames": _at_least(2),
-    "fps": params.positive(),
+    "fps": params.video_fps,
     "batch_size": params.positive(integer=True),
     "dtype": params.one_of(*_DT),
     "decoder": params.one_of("taesd", "sd-vae"),

@@ -74,8 +74,11 @@ class Config:
             raise InputError(f"last_block must be 'short' or 'pad', got {self.last_block!r}")
         if self.size not in ("full", "tiny"):
             raise InputError(f"size must be 'full' or 'tiny', got {self.size!r}")
-        if self.fps <= 0 or self.guidance < 0:
-            raise InputError(f"fps must be > 0 and guidance ≥ 0, got {self.fps}, {self.guidance}")
+        from lab.params import video_fps
+
+        video_fps("Config.fps", self.fps)
+        if self.guidance < 0:
+            raise InputError(f"Config.guidance must be ≥ 0, got {self.guidance}")
         k = self.attention_kernels
         if k is not None and not (isinstance(k, dict) and all(isinstance(a, str) and isinstance(b, str) for a, b in k.items())):
             raise InputError(f"attention_kernels must be None or a dict of attention shape → kernel spec "

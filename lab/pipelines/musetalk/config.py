@@ -84,8 +84,9 @@ class Config:
         if not isinstance(self.edge_batch, int) or not 0 <= self.edge_batch < int(self.batch_size):
             raise InputError(f"Config.edge_batch must be an int with 0 <= edge_batch < batch_size={self.batch_size} "
                              f"(0: every batch is batch_size), got {self.edge_batch!r}")
-        if self.fps <= 0:
-            raise InputError(f"Config.fps must be > 0, got {self.fps}")
+        from lab.params import video_fps
+
+        video_fps("Config.fps", self.fps)
         if self.face_crop not in ("upstream", "geometric"):
             raise InputError(f"Config.face_crop must be 'upstream' or 'geometric', got {self.face_crop!r}")
         if not isinstance(self.extra_margin, int) or self.extra_margin < 0:
