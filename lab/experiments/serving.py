@@ -91,8 +91,7 @@ def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_di
     given = {"device": device, "quick": quick, "seed": seed, "out_dir": out_dir, **knobs}
     params.check(given, params.notebook_defaults(nb) if nb.exists() else given, RULES, where=NAME)
     dev = env.pick_device(device)
-    quick = params.resolve_quick(quick, dev)
-    full = dev.type == "cuda" and not quick
+    full = not (quick := params.resolve_quick(quick, dev)) and dev.type == "cuda"   # "auto" resolved first
     if not full:
         torch.set_num_threads(1)
     torch.manual_seed(seed)
