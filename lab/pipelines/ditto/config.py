@@ -155,7 +155,7 @@ PRESETS = {
     "fast": Preset(
         "exact + silence bypass: pauses eased to rest (Hermite ramps of 4 frames) and the frames at rest the rest "
         "render computed once. Gate (notebook 06): the bypassed frames equal the eased reference's (bit-equal on "
-        "the CPU, 56.0 dB on the H200: >= 50 dB). Output strides are left out: their interpolated faces (35-37 dB "
+        "the CPU, 56.0 dB on the H200, seeded random weights: >= 50 dB). Output strides are left out: their interpolated faces (35-37 dB "
         "vs dense with random weights) are not judged without the released weights",
         runtime="compile+graph", techniques=_EXACT, knobs={**_EXACT_KNOBS, "silence": "bypass"}),
 }

@@ -113,8 +113,9 @@ PRESETS = {
                     "upsamplers measured no faster: left out).",
                     runtime="compile+graph", techniques=EXACT_TECHNIQUES),
     "fast": Preset("The exact stack with DPM-Solver++ at 4 steps: the fastest mode inside the reduced-step range the "
-                   "write-up validated (12 / 8 / 4 steps, no feature cache) — the gate; notebook 07: 0.97 s per output "
-                   "second, latent cosine 0.99883 vs exact20 eager, face PSNR 38.8 dB (dpm8+deepcache3 runs at 0.90 "
+                   "write-up validated (12 / 8 / 4 steps, no feature cache) — the gate; notebook 07 on an H200 with seeded "
+                   "random weights (not a quality finding): 0.97 s per output second, latent cosine 0.99883 vs "
+                   "exact20 eager, face PSNR 38.8 dB (dpm8+deepcache3 runs at 0.90 "
                    "but drifts further, 0.99793, on DeepCache's premise untested on trained weights).",
                    runtime="compile+graph", techniques=EXACT_TECHNIQUES, knobs={"mode": "dpm4"}),
 }

@@ -126,15 +126,16 @@ PRESETS = {
         "As upstream MuseTalk v1.5's inference runs: sequential, eager, fp16, SD-VAE, batch 8, librosa resampling, "
         "`.cpu()` copies into pageable memory, the blend in numpy, RGB piped to ffmpeg."),
     "exact": Preset(
-        "The fastest configuration computing upstream's function (notebook 01's best exact row on an H200: 493 FPS "
-        "end to end, 775 frames): torch.compile + CUDA graphs, batch 64 with the first batch and the tail in 16s, "
+        "The fastest configuration computing upstream's function (notebook 01's best exact row on an H200, seeded "
+        "random weights: 493 FPS end to end, 775 frames): torch.compile + CUDA graphs, batch 64 with the first batch and the tail in 16s, "
         "16 kHz resampling on the GPU, async blend + encode, the composite and I420 conversion on the GPU, sleeping "
         "host threads, a 1 MiB zero-copy pipe, the SD-VAE upsample convs folded and its GroupNorm + SiLU as Triton "
         "passes.", runtime="compile+graph", techniques=_EXACT, knobs=dict(_EXACT_KNOBS)),
     "fast": Preset(
         "exact + keyframe stride 2 (the UNet on every other frame, SLERP between): notebook 05's gate, every "
         "interpolated frame >= 40 dB PSNR and SSIM >= 0.99 on the proxy, was met at stride 2 on the latent path "
-        "(worst frame 40.3 dB, SSIM 0.996) and not at stride 3; TAESD is left out: its fidelity on MuseTalk's "
+        "(worst frame 40.3 dB, SSIM 0.996, seeded random weights: a proxy's gate, not a quality finding) and not at "
+        "stride 3; TAESD is left out: its fidelity on MuseTalk's "
         "inpainting needs real weights to judge (notebook 02).",
         runtime="compile+graph", techniques=_EXACT, knobs={**_EXACT_KNOBS, "stride": 2}),
 }
