@@ -15,6 +15,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 import secrets
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -81,12 +82,52 @@ class Result:
     def load(cls, path: str | Path) -> "Result":
         return cls.from_dict(json.loads(Path(path).read_text()))
 
+    @property
+    def quick(self) -> bool:
+        return self.params.get("quick") is True
+
+    def label_smoke(self) -> "Result":
+        """A quick run's speed figures are smoke values: each speed headline figure says so, a target on
+        them is not judged, and a speed claim's verdict is "not comparable" (the figure stays beside it).
+        Idempotent; nothing changes in a run that is not quick."""
+        if not self.quick:
+            return self
+        for k, v in list(self.headline.items()):
+            text = f"{k} {v}"
+            if "target" in k.lower() and re.match(r"(met|not met|inside the spread)\b", str(v)):
+                self.headline[k] = f"not judged: {SMOKE} (was: {v})"
+            elif is_speed(text) and not isinstance(v, bool) and v is not None and SMOKE not in str(v):
+                self.headline[k] = f"{v} ({SMOKE})"
+        for c in self.comparisons:
+            if c.verdict in ("reproduced", "differs") and is_speed(f"{c.claim} {c.unit}"):
+                c.verdict, c.reason = "not comparable", f"{SMOKE}: speed is not judged on a quick run. {c.reason}".strip()
+        return self
+
     def save(self, folder: str | Path, filename: str = "results.json") -> Path:
         if not self.provenance:
             from lab.env import provenance
 
             self.provenance = provenance()
-        return atomic_write_text(Path(folder) / filename, self.to_json())
+        self.label_smoke()
+        path = atomic_write_text(Path(folder) / filename, self.to_json())
+        for hook in ON_SAVE:
+            try:
+                hook(self, path)
+            except Exception as e:  # a view of the results must never fail the run that saves them
+                print(f"results: a view was not updated: {type(e).__name__}: {e}")
+        return path
+
+
+SMOKE = "smoke value, quick profile"
+# a figure about speed: frame rates, times, ratios of them, throughput, overhead, latency, ceilings
+_SPEED = re.compile(r"\bFPS\b|frames/s|\bms\b|ms/|×|speed-?up|faster|slower|s per output|TFLOP|GB/s|\bwall\b|throughput"
+                    r"|latency|% busy|busy %|hidden|overhead|ceiling|per second|real time", re.IGNORECASE)
+ON_SAVE: list[Any] = []   # called as hook(result, path) after every save (the findings view re-renders)
+
+
+def is_speed(text: str) -> bool:
+    """Whether a figure's name (with its unit or value) speaks of speed."""
+    return bool(_SPEED.search(text))
 
 
 def _clean(x: Any) -> Any:

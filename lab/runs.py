@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.errors import InputError
-from lab.results import OUTPUTS, Result
+from lab.results import OUTPUTS, SMOKE, Result
 
 _NUM = r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
 _RANGE = re.compile(rf"({_NUM})\s*[–-]\s*({_NUM})")
@@ -59,7 +59,7 @@ class Row:
     a: Any
     b: Any
     change_pct: float | None
-    beyond_spread: str       # "yes" | "no" | "no spread recorded" | "-"
+    beyond_spread: str       # "yes" | "no" | "no spread recorded" | "smoke values: not compared" | "-"
 
 
 def compare(run_a: str | Path, run_b: str | Path) -> tuple[list[Row], dict[str, tuple[list[str], list[str]]]]:
@@ -77,7 +77,9 @@ def compare(run_a: str | Path, run_b: str | Path) -> tuple[list[Row], dict[str, 
             xa, xb = first_number(a), first_number(b)
             change = None if xa in (None, 0) or xb is None else 100 * (xb - xa) / abs(xa)
             widths = [w for w in (spread(a), spread(b)) if w is not None]
-            if change is None:
+            if SMOKE in f"{a} {b}":
+                beyond = "smoke values: not compared"
+            elif change is None:
                 beyond = "-" if a == b else "changed (text)"
             elif not widths:
                 beyond = "no spread recorded"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lab import results
-from lab.results import Comparison, Result, atomic_write_text, new_run_id, run_dir
+from lab.results import SMOKE, Comparison, Result, atomic_write_text, new_run_id, run_dir
 
 
 def _result() -> Result:
@@ -121,3 +121,33 @@ atomic_write_text(p / "a.txt", "x"); atomic_write_text(p / "a.txt", "y")
     bad = subprocess.run([sys.executable, "-c", code, str(folder)], cwd=root, capture_output=True, text=True,
                          env={**os.environ, "LAB_RUN_TOKEN": "other"})
     assert bad.returncode != 0 and "already holds a run" in bad.stderr
+
+
+def test_quick_runs_label_speed_figures_as_smoke_values_and_never_judge_them(tmp_path):
+    """A quick run's speed headline figures say they are smoke values, a target on them is not judged and a
+    speed claim is "not comparable"; quality figures and counts keep their value and verdict; a full run is
+    untouched."""
+    hl = {"stride 2 / stride 1 UNet-only speed-up": 0.64, "e2e FPS stride 1 (ffmpeg)": 55.8,
+          "HUD overhead": "-25.9% FPS (35.0 → 54.4)", "proxy PSNR stride 2 (pixel path, SLERP, dB)": 39.2,
+          "stride 3 UNet-only ≥ 2.5× stride 1 target": "met", "unet FP8 layers": 179}
+    claims = [dict(source="w", claim="librosa.resample costs over a second", their_value=1000, their_hardware="x",
+                   our_value=0.1, our_hardware="cpu", unit="ms", verdict="differs", reason="faster here"),
+              dict(source="w", claim="UNet keyframes at stride 3", their_value=214, their_hardware="x", our_value=214,
+                   our_hardware="cpu", unit="frames", verdict="reproduced", reason="")]
+    for quick in (True, False):
+        r = Result(name="05_stride_slerp", params={"quick": quick}, headline=dict(hl))
+        for c in claims:
+            r.compare(**c)
+        saved = Result.load(r.save(tmp_path / str(quick)))
+        if not quick:
+            assert saved.headline == hl and [c.verdict for c in saved.comparisons] == ["differs", "reproduced"]
+            continue
+        h = saved.headline
+        assert h["stride 2 / stride 1 UNet-only speed-up"] == f"0.64 ({SMOKE})"
+        assert SMOKE in h["e2e FPS stride 1 (ffmpeg)"] and SMOKE in h["HUD overhead"]
+        assert h["proxy PSNR stride 2 (pixel path, SLERP, dB)"] == 39.2 and h["unet FP8 layers"] == 179
+        assert h["stride 3 UNet-only ≥ 2.5× stride 1 target"].startswith("not judged")
+        assert [c.verdict for c in saved.comparisons] == ["not comparable", "reproduced"]
+        assert SMOKE in saved.comparisons[0].reason
+        saved.save(tmp_path / "again")   # saving again labels nothing twice
+        assert Result.load(tmp_path / "again" / "results.json").headline == h

@@ -34,6 +34,18 @@ def test_compare_says_whether_a_change_exceeds_the_spread(tmp_path):
     assert all(line.count("|") == 7 for line in md.splitlines() if line.startswith("| 05"))
 
 
+def test_compare_never_weighs_two_quick_runs_smoke_values(tmp_path):
+    """Speed figures of quick runs contradict each other between runs: compare shows both, never a verdict on
+    the change."""
+    rows = []
+    for name, v in (("a", 0.64), ("b", 1.02)):
+        r = Result(name="05_stride_slerp", params={"quick": True}, headline={"stride 2 / stride 1 UNet-only speed-up": v})
+        (tmp_path / name).mkdir()
+        r.save(tmp_path / name)
+    rows = runs.compare(tmp_path / "a", tmp_path / "b")[0]
+    assert rows[0].beyond_spread == "smoke values: not compared" and rows[0].change_pct == pytest.approx(59.4, abs=0.1)
+
+
 def test_compare_refuses_what_is_not_a_run(tmp_path, capsys):
     a = _run(tmp_path / "a", {"x": 1.0})
     (tmp_path / "empty").mkdir()
