@@ -18,6 +18,7 @@ import datetime as _dt
 import fnmatch
 import io
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -141,10 +142,23 @@ def write(path: str | Path, rows: Iterable[Row]) -> Path:
 
 def append(path: str | Path, rows: Iterable[Row]) -> Path:
     """Rows added at the end (the file is read, checked and written whole, atomically). A row equal to
-    one already there is not added twice."""
-    old = read(path)
-    seen = set(old)
-    return write(path, old + [r for r in rows if r not in seen])
+    one already there is not added twice. Processes appending at once (a sweep's workers) take turns: each
+    holds a lock on the ledger's folder while it reads and writes."""
+    import contextlib
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        try:
+            import fcntl
+
+            fd = os.open(Path(path).parent, os.O_RDONLY)
+            stack.callback(os.close, fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except (ImportError, OSError):   # no POSIX locks here: one writer at a time is the caller's affair
+            pass
+        old = read(path)
+        seen = set(old)
+        return write(path, old + [r for r in rows if r not in seen])
 
 
 # ------------------------------------------------------------------ newest and stale
