@@ -94,8 +94,9 @@ class Result:
             return self
         for k, v in list(self.headline.items()):
             text = f"{k} {v}"
-            if "target" in k.lower() and re.match(r"(met|not met|inside the spread)\b", str(v)):
-                self.headline[k] = f"not judged: {SMOKE} (was: {v})"
+            if "target" in k.lower():   # a verdict, not a figure
+                if re.match(r"(met|not met|inside the spread)\b", str(v)):
+                    self.headline[k] = f"not judged: {SMOKE} (was: {v})"
             elif is_speed(text) and not isinstance(v, bool) and v is not None and SMOKE not in str(v):
                 self.headline[k] = f"{v} ({SMOKE})"
         for c in self.comparisons:

@@ -31,6 +31,21 @@ def test_notebook_is_tidy_and_thin(nb: Path):
         assert len(lines) <= MAX_CELL_LINES, f"{nb.name} code cell {i} has {len(lines)} lines (≤ {MAX_CELL_LINES})"
 
 
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
+def test_findings_near_the_top_and_a_link_to_the_docs_page(nb: Path):
+    """Under the plan and the setup: the findings view of this run, and (01-09) a link to docs/NN_name.md."""
+    cells = json.loads(nb.read_text())["cells"]
+    src = ["".join(c["source"]) for c in cells]
+    at = next((i for i, s in enumerate(src) if f'findings.show("{nb.stem}")' in s), None)
+    assert at is not None and at <= 5, f"{nb.name}: no findings cell among the first cells"
+    assert "What this run found" in src[at - 1]
+    page = ROOT / "docs" / f"{nb.stem}.md"
+    if nb.stem.startswith("00"):
+        return   # the environment notebook has no docs page
+    assert page.exists(), page
+    assert f"](../docs/{nb.stem}.md)" in "\n".join(s for s, c in zip(src, cells) if c["cell_type"] == "markdown")
+
+
 def _imports(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):

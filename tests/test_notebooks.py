@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from lab.results import Result
+from lab.experiments.findings import PENDING
+from lab.results import Result, is_speed
 from lab.runner import list_notebooks, run_notebook
 
 NOTEBOOKS = list_notebooks()
@@ -23,6 +24,9 @@ def test_notebook_smoke(nb: Path, tmp_path: Path):
     for f in res.figures:
         assert (tmp_path / nb.stem / f).stat().st_size > 1000, f
     assert not doubled_images(Path(entry.executed)), "a figure is shown twice in one cell"
+    found = findings_view(Path(entry.executed))
+    assert "What this run found" in found and PENDING not in found, f"the findings view was not filled: {found[:300]}"
+    assert "smoke value" in found or not any(is_speed(f"{k} {v}") for k, v in res.headline.items()), found[:600]
 
 
 def doubled_images(executed: Path) -> list[int]:
@@ -35,3 +39,10 @@ def doubled_images(executed: Path) -> list[int]:
         if len(pngs) != len(set(pngs)):
             bad.append(i)
     return bad
+
+
+def findings_view(executed: Path) -> str:
+    """The text the findings cell near the top of an executed notebook shows (its display, updated at the end)."""
+    cells = json.loads(executed.read_text())["cells"]
+    cell = next(c for c in cells[:8] if "findings.show(" in "".join(c["source"]))
+    return "\n".join("".join(o.get("data", {}).get("text/markdown", "")) for o in cell.get("outputs", []))
