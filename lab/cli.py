@@ -59,6 +59,13 @@ def _render(a: argparse.Namespace) -> int:
     from lab.env import pick_device
     from lab.pipelines.render import render_video
 
+    if a.jobs is not None:
+        from lab.scaleout.cli import render_jobs
+
+        return render_jobs(a)
+    if a.workers is not None or a.scheduler is not None or a.json is not None:
+        raise LabError("--workers, --scheduler and --json go with --jobs (a batch of renders)")
+    a.out = a.out or "render.mp4"
     size = a.size or ("full" if pick_device(a.device).type == "cuda" else "tiny")
     rep = render_video(a.family, a.preset, a.audio, a.source, a.out, a.weights, a.device, size, a.seconds, a.overwrite,
                        log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -152,11 +159,15 @@ def _run_parsers(sub: argparse._SubParsersAction) -> None:
     rd.add_argument("--source", default=None, help="a face image or video (default: the bundled avatar)")
     rd.add_argument("--weights", nargs="*", default=[], metavar="DIR|COMPONENT=PATH",
                     help="a release folder and/or component=path pairs (default: seeded random weights)")
-    rd.add_argument("-o", "--out", default="render.mp4", help="the .mp4 to write")
+    rd.add_argument("-o", "--out", default=None, help="the .mp4 to write (default render.mp4)")
     rd.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     rd.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     rd.add_argument("--size", default=None, choices=["full", "tiny"], help="model size (default: full; tiny on a CPU)")
     rd.add_argument("--seconds", type=float, default=None, help="render only the first SECONDS of the audio")
+    from lab.scaleout.cli import add_jobs_options, add_sweep_parser
+
+    add_jobs_options(rd)
+    add_sweep_parser(sub)
 
 
 def _tool_parsers(sub: argparse._SubParsersAction) -> None:
@@ -281,9 +292,15 @@ def _reproduce(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _sweep(a: argparse.Namespace) -> int:
+    from lab.scaleout.cli import sweep
+
+    return sweep(a)
+
+
 COMMANDS = {"run": _run, "reproduce": _reproduce, "calibrate": _calibrate, "env": _env, "parity": _parity,
             "render": _render, "compare": _compare, "runs": _runs, "list": _list, "report": _report, "ab": _ab,
-            "tidy": _tidy}
+            "tidy": _tidy, "sweep": _sweep}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,220 @@
+"""Scale-out on Dask: `lab sweep` (a notebook over parameter values, resumable, one failing point recorded) and
+`lab render --jobs` (a batch over workers that keep their engine); bad input is one line before anything runs."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from lab.cli import main
+from lab.runner import find_notebook
+
+pytest.importorskip("distributed")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ------------------------------------------------------------------ planning (no workers)
+
+def test_values_axes_and_points():
+    from lab.scaleout.sweep import expand, parse_axes, point_name, split_values
+
+    assert split_values("8,16,32") == ["8", "16", "32"]
+    assert split_values("[1, 8],[16]") == ["[1, 8]", "[16]"] and split_values("'a,b',c") == ["'a,b'", "c"]
+    axes, fixed = parse_axes([("batch_size", "8,16"), ("dtype", "fp16,bf16"), ("face_batches", "[1, 8]")])
+    assert axes == {"batch_size": [8, 16], "dtype": ["fp16", "bf16"]} and fixed == {"face_batches": [1, 8]}
+    pts = expand(axes)
+    assert pts[:2] == [{"batch_size": 8, "dtype": "fp16"}, {"batch_size": 8, "dtype": "bf16"}] and len(pts) == 4
+    assert expand(axes, zip_=True) == [{"batch_size": 8, "dtype": "fp16"}, {"batch_size": 16, "dtype": "bf16"}]
+    assert point_name(3, {"batch_size": 8, "dtype": "fp16"}) == "p03_batch_size-8_dtype-fp16"
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["-p", "sed", "0,1"], "unknown parameter 'sed'"),
+    (["-p", "seed", "0,-1"], "sweep point seed=-1: parameter seed=-1: must be ≥ 0"),
+    (["-p", "seed", "0,", "-p", "quick", "true"], "an empty value"),
+    (["-p", "seed", "0,1", "-p", "seed", "2"], "given twice"),
+    (["-p", "seed", "0,1", "-p", "device", "cpu,auto", "-p", "quick", "true,false,auto", "--zip"], "--zip needs"),
+])
+def test_sweep_bad_input_is_one_line_before_anything_runs(args, needle, tmp_path, capsys):
+    out = tmp_path / "sw"
+    t0 = time.perf_counter()
+    assert main(["sweep", "00", *args, "--out", str(out)]) == 2
+    assert needle in _err(capsys) and not out.exists() and time.perf_counter() - t0 < 30
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.parametrize("address, needle", [
+    (f"tcp://127.0.0.1:{_closed_port()}", "no Dask scheduler answers there (connection refused)"),
+    ("tcp://no-such-host.invalid:8786", "unknown host 'no-such-host.invalid'"),
+    ("127.0.0.1", "expected tcp://HOST:PORT"),
+])
+def test_unreachable_scheduler_is_one_line_within_seconds(address, needle, tmp_path, capsys):
+    t0 = time.perf_counter()
+    assert main(["sweep", "00", "-p", "seed", "0,1", "--scheduler", address, "--out", str(tmp_path / "sw")]) == 2
+    err = _err(capsys)
+    assert needle in err and len(err.strip().splitlines()) == 1 and time.perf_counter() - t0 < 15
+    jobs = tmp_path / "jobs.csv"
+    jobs.write_text("out\na.mp4\n")
+    assert main(["render", "latentsync", "--jobs", str(jobs), "--scheduler", address, "--device", "cpu"]) == 2
+    assert needle in _err(capsys) and not (tmp_path / "a.mp4").exists()
+
+
+# ------------------------------------------------------------------ a sweep on two worker processes
+
+def _failing_copy(tmp_path: Path) -> Path:
+    """Notebook 00 with one more cell: seed 13 with quick=True fails (the point meant to fail)."""
+    nb = json.loads(find_notebook("00").read_text())
+    at = next(i for i, c in enumerate(nb["cells"]) if "parameters" in c.get("metadata", {}).get("tags", []))
+    nb["cells"].insert(at + 1, {"cell_type": "code", "id": "deliberate-failure", "metadata": {}, "outputs": [], "execution_count": None,
+                                "source": ["if seed == 13 and quick is True:\n",
+                                           "    raise RuntimeError('deliberate failure at seed 13')\n"]})
+    path = tmp_path / "00_environment.ipynb"
+    path.write_text(json.dumps(nb))
+    return path
+
+
+def test_sweep_two_by_two_on_two_workers_then_resume(tmp_path, capsys, monkeypatch):
+    import lab.scaleout.sweep as S
+
+    nb, out = _failing_copy(tmp_path), tmp_path / "sweep"
+    args = ["sweep", str(nb), "-p", "seed", "0,13", "-p", "quick", "true,auto", "--device", "cpu", "--out", str(out)]
+    assert main([*args, "--workers", "2"]) == 1   # one point failed: the exit status says so
+    rec = json.loads((out / "sweep.json").read_text())
+    pts = {p["name"]: p for p in rec["points"]}
+    assert rec["status"] == "failed" and rec["axes"] == {"seed": [0, 13], "quick": [True, "auto"]}
+    assert [p["status"] for p in rec["points"]] == ["ok", "ok", "failed", "ok"]
+    bad = pts["p02_seed-13_quick-True"]
+    assert "deliberate failure at seed 13" in bad["error"] and "2 worker" in rec["pool"]
+    folders = [out / n for n, p in pts.items() if p["status"] == "ok"]
+    assert len({f.resolve() for f in folders}) == 3 and all((f / "results.json").exists() for f in folders)
+    assert all(p["worker"] not in (None, "local") and p["wall_s"] > 0 and p["headline"] for p in pts.values() if p["status"] == "ok")
+    table = (out / "sweep.md").read_text()
+    rows = [ln for ln in table.splitlines() if ln.startswith("| p0")]
+    assert len(rows) == 4 and "copy GB/s" in table and "deliberate failure" in table
+    assert all(ln.count("|") == rows[0].count("|") for ln in rows) and (out / "sweep.png").stat().st_size > 5000
+
+    # the same command again, one worker: only the failed point runs, the completed ones stay as they were
+    kept = {f: (f / "results.json").stat().st_mtime_ns for f in folders}
+    ran = []
+    real = S.run_point
+    monkeypatch.setattr(S, "run_point", lambda *a: ran.append(a[1]) or real(*a))
+    capsys.readouterr()
+    assert main([*args, "--workers", "1"]) == 1
+    assert "resuming" in capsys.readouterr().err and [Path(r).name for r in ran] == ["p02_seed-13_quick-True"]
+    assert all((f / "results.json").stat().st_mtime_ns == t for f, t in kept.items())
+    again = json.loads((out / "sweep.json").read_text())
+    assert again["points"][2]["worker"] == "local" and again["points"][2]["finished"] >= bad["finished"]
+    # another sweep cannot take over the folder
+    assert main(["sweep", str(nb), "-p", "seed", "1,2", "--out", str(out), "--workers", "1"]) == 2
+    assert "holds another sweep" in _err(capsys)
+
+
+def test_ctrl_c_marks_the_sweep_interrupted(tmp_path, capsys, monkeypatch):
+    import lab.scaleout.sweep as S
+
+    calls = []
+
+    def fake(notebook, folder, params):
+        calls.append(folder)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        Path(folder).mkdir(parents=True)
+        (Path(folder) / "results.json").write_text("{}")
+        return {"status": "ok", "error": None, "wall_s": 0.1, "headline": {"x": 1.0}, "worker": "local"}
+
+    monkeypatch.setattr(S, "run_point", fake)
+    out = tmp_path / "sw"
+    assert main(["sweep", "00", "-p", "seed", "0,1,2", "--device", "cpu", "--workers", "1", "--out", str(out)]) == 130
+    rec = json.loads((out / "sweep.json").read_text())
+    assert rec["status"] == "interrupted" and [p["status"] for p in rec["points"]] == ["ok", "interrupted", "interrupted"]
+    assert (out / "sweep.md").exists()
+
+
+def test_pinned_workers_each_see_their_own_gpu():
+    """The fallback where dask-cuda is missing: one worker per GPU, CUDA_VISIBLE_DEVICES set per worker."""
+    from distributed import Client
+
+    from lab.scaleout.cluster import pinned_cluster
+
+    with pinned_cluster([["0"], ["1"]]) as cluster, Client(cluster) as client:
+        seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
+        res = {w["name"]: w["resources"] for w in client.scheduler_info()["workers"].values()}
+    assert sorted(seen.values()) == ["0", "1"] and res == {"gpu0": {"GPU": 1}, "gpu1": {"GPU": 1}}
+
+
+# ------------------------------------------------------------------ a batch of renders
+
+def _jobs(tmp_path: Path, n: int, missing: bool = False) -> Path:
+    lines = ["audio,source,out"] + [f",,out/v{i}.mp4" for i in range(n)]
+    if missing:
+        lines.insert(3, "voices/missing.wav,,out/lost.mp4")
+    (tmp_path / "out").mkdir()
+    path = tmp_path / "jobs.csv"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_render_jobs_on_two_workers_build_each_engine_once(tmp_path, capsys):
+    pytest.importorskip("imageio_ffmpeg")
+    jobs = _jobs(tmp_path, 4, missing=True)
+    args = ["render", "latentsync", "--preset", "exact", "--device", "cpu", "--seconds", "0.2", "--jobs", str(jobs)]
+    assert main([*args, "--workers", "2", "--json", str(tmp_path / "r.json")]) == 1   # the missing audio's row failed
+    out = capsys.readouterr().out
+    rep = json.loads((tmp_path / "r.json").read_text())
+    ok = [r for r in rep["jobs"] if r["status"] == "ok"]
+    bad = [r for r in rep["jobs"] if r["status"] != "ok"]
+    assert len(ok) == 4 and all(r["frames"] == 5 and r["fps"] > 0 for r in ok)
+    assert len(bad) == 1 and str(tmp_path / "voices" / "missing.wav") in bad[0]["error"] and bad[0]["job"] == 4
+    workers = {r["worker"] for r in ok}
+    assert sum(r["built"] for r in ok) == len(workers) < 4 and set(rep["builds"].values()) == {1}
+    assert all(Path(r["out"]).stat().st_size > 0 for r in ok) and not (tmp_path / "out" / "lost.mp4").exists()
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]   # no temporary file left
+    assert "| line | output | status | frames | FPS |" in out and "missing.wav" in out and "4 of 5 jobs completed" in out
+
+
+def test_render_jobs_sequential_keeps_one_engine(tmp_path, capsys):
+    pytest.importorskip("imageio_ffmpeg")
+    jobs = _jobs(tmp_path, 2)
+    (tmp_path / "out" / "v1.mp4").write_bytes(b"keep me")
+    assert main(["render", "latentsync", "--device", "cpu", "--seconds", "0.2", "--jobs", str(jobs), "--workers", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "| 2 |" in out and "built" in out and "exists (pass --overwrite" in out
+    assert (tmp_path / "out" / "v1.mp4").read_bytes() == b"keep me"
+    assert main(["render", "latentsync", "--device", "cpu", "--seconds", "0.2", "--jobs", str(jobs), "--workers", "1",
+                 "--overwrite"]) == 0
+    assert "kept" in capsys.readouterr().out   # this process's engine, built by the first batch, served the second
+
+
+@pytest.mark.parametrize("text, needle", [
+    (None, "no such file"),
+    ("audio,face,out\n,,a.mp4\n", "unknown: face"),
+    ("audio,source\nx.wav,\n", "the header must name the columns out"),
+    ("out\na.mp4\na.mp4\n", "lines 2 and 3 write the same file"),
+    ("out\n", "no jobs"),
+    ("out,seconds\na.mp4,-3\n", "line 2: seconds '-3'"),
+])
+def test_bad_jobs_file_is_one_line(text, needle, tmp_path, capsys):
+    jobs = tmp_path / "jobs.csv"
+    if text is not None:
+        jobs.write_text(text)
+    assert main(["render", "latentsync", "--device", "cpu", "--jobs", str(jobs)]) == 2
+    assert needle in _err(capsys)
+    assert main(["render", "latentsync", "--jobs", str(jobs), "-o", "x.mp4"]) == 2
+    assert "come from the jobs file" in _err(capsys)
