@@ -6,6 +6,7 @@ and what is expected, so nothing malformed reaches torch.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -243,27 +244,66 @@ def _grey_to_rgb(g: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.repeat(g[..., None], 3, axis=-1))
 
 
-def load_video(path: str | Path, max_frames: int | None = None) -> tuple[np.ndarray, float]:
-    """Read a video → (frames uint8 (N, H, W, 3), fps) with the ffmpeg that imageio-ffmpeg ships."""
+def load_video(path: str | Path, max_frames: int | None = None,
+               note: Callable[[str], object] | None = None) -> tuple[np.ndarray, float]:
+    """Read a video → (frames uint8 (N, H, W, 3), fps) with the ffmpeg that imageio-ffmpeg ships. A file with no
+    video stream (audio only) or no frames is refused saying so. With `max_frames`, a longer video is cut to its
+    first `max_frames` frames, and `note` (if given) is told how many it had and how many are kept."""
     import imageio.v3 as iio
 
     path = Path(path)
     if not path.exists():
-        raise InputError(f"{path}: video file not found; expected an MP4/MOV/AVI video")
+        raise InputError(f"{path}: video file not found; expected {VIDEO_EXPECTED}")
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder, not a video; expected {VIDEO_EXPECTED}")
+    total = _video_frames(path)   # InputError for a file with no video frames; None where it cannot be told
+    cut = False
     try:
         meta = iio.immeta(path, plugin="pyav") if _has_pyav() else {}
         frames = []
         for i, fr in enumerate(iio.imiter(path, plugin="pyav" if _has_pyav() else None)):
             if max_frames is not None and i >= max_frames:
+                cut = True
                 break
             frames.append(np.asarray(fr)[..., :3])
     except Exception as e:
-        raise InputError(f"{path}: not readable as a video ({type(e).__name__}: {e}); expected an MP4/MOV/AVI video") from None
+        raise InputError(f"{path}: not readable as a video ({type(e).__name__}: {e}); expected {VIDEO_EXPECTED}") from None
     if not frames:
-        raise InputError(f"{path}: video has no frames")
+        raise InputError(f"{path}: holds no video frames; expected {VIDEO_EXPECTED}")
     check_image_size(*frames[0].shape[:2], str(path))
     fps = float(meta.get("fps") or 25.0)
+    if cut and note is not None:
+        had = f"{total} frames" if total and total > max_frames else f"more than {max_frames} frames"
+        note(f"{path.name}: {had}; the first {max_frames} ({max_frames / fps:.1f} s) are used (the source loops "
+             f"forward and back over them)")
     return np.stack(frames), fps
+
+
+VIDEO_EXPECTED = "an MP4/MOV/AVI/MKV/WebM video with at least one frame"
+
+
+def _video_frames(path: Path) -> int | None:
+    """The video stream's frame count from the container (None where it does not say or PyAV is absent);
+    InputError for a file that holds no video stream (audio only, or no streams at all) or says it holds 0 frames."""
+    if not _has_pyav():
+        return None
+    import av
+
+    try:
+        with av.open(str(path)) as c:
+            kinds = [s.type for s in c.streams]
+            video = c.streams.video
+            n = int(video[0].frames) if video else 0
+            if video and n == 0:   # many containers leave the count out: count the packets that carry a frame
+                n = sum(1 for pk in c.demux(video[0]) if pk.size) or 0
+    except Exception as e:
+        raise InputError(f"{path}: not readable as a video ({type(e).__name__}: {e}); expected {VIDEO_EXPECTED}") from None
+    if not video:
+        held = f"only {', '.join(sorted(set(kinds)))} streams" if kinds else "no streams at all"
+        raise InputError(f"{path}: holds no video frames ({held}); expected {VIDEO_EXPECTED}")
+    if n == 0:
+        raise InputError(f"{path}: holds no video frames (its video stream is empty); expected {VIDEO_EXPECTED}")
+    return n
 
 
 def _has_pyav() -> bool:
@@ -291,10 +331,13 @@ def reduce_source(frames: np.ndarray, max_side: int) -> np.ndarray:
     return np.stack([np.asarray(Image.fromarray(f).resize(size, Image.BOX)) for f in frames])
 
 
-def load_source(path: str | Path, max_frames: int | None = 250) -> np.ndarray:
+def load_source(path: str | Path, max_frames: int | None = 250,
+                note: Callable[[str], object] | None = print) -> np.ndarray:
     """A user's face source, an image (one frame) or a video, as (N, H, W, 3) uint8 cropped to even width
-    and height (yuv420p needs them): what every pipeline's `prepare` takes."""
+    and height (yuv420p needs them): what every pipeline's `prepare` takes. A video longer than `max_frames`
+    (250: 10 s at 25 fps) is cut to its first `max_frames` frames, and `note` says so."""
     p = Path(path)
-    frames = load_video(p, max_frames=max_frames)[0] if p.suffix.lower() in VIDEO_SUFFIXES else load_image(p)[None]
+    frames = (load_video(p, max_frames=max_frames, note=note)[0] if p.suffix.lower() in VIDEO_SUFFIXES
+              else load_image(p)[None])
     h, w = frames.shape[1:3]
     return np.ascontiguousarray(frames[:, : h - h % 2, : w - w % 2])

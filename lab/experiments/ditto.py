@@ -29,6 +29,7 @@ import torch
 
 from lab import env, metrics, params, plots
 from lab.techniques import silence as sil
+from lab.experiments import inputs
 from lab.experiments.common import notebook_path, run_steps
 from lab.experiments.ditto_variants import (AGREEMENT_VARIANTS, CL, FOLD, FULL_VARIANTS, VARIANT_TEXT, VARIANTS,
                                             _compiles, _graphs, with_renderer, with_techniques)
@@ -41,18 +42,9 @@ from lab.timing import bench, count_flops, matmul_ceiling
 NAME = "06_ditto"
 
 
-def _source_rule(name: str, v: Any) -> Any:
-    from lab.errors import InputError
-
-    if v is None:
-        return v
-    if not isinstance(v, (str, Path)) or not Path(v).is_file():
-        raise InputError(f"parameter {name}={v!r}: expected None (the bundled avatar) or the path of an image or video file")
-    return v
-
-
 # the notebook's own parameters beyond device / quick / seed / out_dir (checked before anything runs)
-RULES: dict[str, params.Rule] = {"weights": params.weights(D.COMPONENTS), "source": _source_rule,
+RULES: dict[str, params.Rule] = {"weights": inputs.weights_rule("ditto", extra=("hubert",)), "source": inputs.source_file,
+                                  "audio_path": inputs.audio_file, "allow_silence": params.flag,
                                   "clip_s": params.positive(
     optional=True, most=600, why="10 min: the notebook holds the clip's frames, motion and features for its tables; "
     "render a longer one with lab render")}
@@ -188,14 +180,17 @@ def _source_for(prof: Profile, source: str | None) -> Any:
 
 
 def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_dir: str | None = None,
-          weights: dict[str, str] | str = "random", source: str | None = None, clip_s: float | None = None) -> Context:
+          weights: dict[str, str] | str = "random", source: str | None = None, clip_s: float | None = None,
+          audio_path: str | None = None, allow_silence: bool = False) -> Context:
     """Profile, engine (random weights unless `weights` names released files), avatar, clip, Result.
     `clip_s`: seconds of speech instead of the profile's, its two pauses at the same fractions of the clip (a
-    longer clip weighs the start-up, the first motion window and block, less against the steady rate)."""
+    longer clip weighs the start-up, the first motion window and block, less against the steady rate).
+    `audio_path`: your speech instead, cut to the clip's length (said), with no pauses inserted."""
     t_start = time.perf_counter()
 
     params.check({"device": device, "quick": quick, "seed": seed, "out_dir": out_dir, "weights": weights, "source": source,
-                  "clip_s": clip_s}, {**params.notebook_defaults(notebook_path(NAME)), "interactive": None}, RULES, NAME)
+                  "clip_s": clip_s, "audio_path": audio_path, "allow_silence": allow_silence},
+                 {**params.notebook_defaults(notebook_path(NAME)), "interactive": None}, RULES, NAME)
     dev = env.pick_device(device)
     quick = params.resolve_quick(quick, dev)
     prof = profile(quick, dev)
@@ -206,19 +201,24 @@ def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_di
         torch.set_num_threads(1)  # tiny kernels on a shared CPU: one thread is fastest and steadiest
     if dev.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    W = {} if weights == "random" else ({c: weights for c in D.COMPONENTS} if isinstance(weights, str) else dict(weights))
+    W = inputs.weights_for("ditto", weights, extra=("hubert",))   # one path: the release folder, or a file by its name
     cfg = P.Config(size=prof.size, precision=prof.precision, batch_size=1, frame_size=prof.frame_size,
                    sampling_steps=prof.steps, seed=seed, weights=W, encode=Encode(writer="null"))
     engine = P.build(cfg, dev)
     avatar = P.prepare(engine, _source_for(prof, source), "default avatar" if source is None else Path(source).name)
-    audio = speech_with_pauses(prof.clip_s, prof.pauses)
+    if audio_path is None:
+        audio = speech_with_pauses(prof.clip_s, prof.pauses)
+    else:   # the user's voice as it is: cut to the clip length, no pauses inserted
+        audio = inputs.voice(audio_path, prof.clip_s, 16000, allow_silence)
+        prof = replace(prof, clip_s=audio.size / 16000, pauses=())
     machine = env.machine_label()
     random_w = any("random" in v for v in engine.weights.values())
     suffix = plots.title_suffix("random weights" if random_w else "released weights", machine) + (" · QUICK" if quick else "")
     res = Result(NAME, weights=dict(engine.weights),
                  params=dict(device=str(dev), quick=quick, seed=seed, size=prof.size, frame_size=list(prof.frame_size),
                              clip_s=prof.clip_s, pauses=[list(p) for p in prof.pauses], batch_sizes=prof.batch_sizes,
-                             batch=prof.batch, variants=prof.variants, lmdm_steps=prof.steps, source=source or "default avatar"))
+                             batch=prof.batch, variants=prof.variants, lmdm_steps=prof.steps, source=source or "default avatar",
+                             audio=Path(audio_path).name if audio_path else "the bundled sentence, two inserted pauses"))
     res.metrics["params"] = {c: D.param_count(m) for c, m in engine.nets.items()} | {"hubert": D.param_count(engine.hubert)}
     ctx = Context(dev, prof, run_dir(NAME, out_dir), res, engine, avatar, audio, machine, suffix, seed, t0=t_start)
     if prof.full_gpu:
@@ -1113,7 +1113,7 @@ def comparisons(ctx: Context) -> list[dict]:
             unit="ms/frame", verdict=v, reason=why + " (ours: upstream precision at B=1 vs fp16 graph at B=4)")
     share = float((sil.speech_weight(sil.speech_frames(ctx.audio, ctx.audio.size // 640)) == 0).mean())
     add(source=SRC_PILLARS, claim="silence bypass share of frames (RMS < 0.008)", their_value=round(PILLARS["silence_share"], 3),
-        their_hardware="their clip", our_value=round(share, 3), our_hardware="our clip (two inserted pauses)", unit="fraction",
+        their_hardware="their clip", our_value=round(share, 3), our_hardware=f"our clip ({res.params['audio']})", unit="fraction",
         verdict=nc, reason="depends on the audio; we bypass only frames eased fully to rest (α = 0), never a snap")
     gp = next((r for k, r in stages.items() if k.startswith("putback GPU")), None)
     if gp:

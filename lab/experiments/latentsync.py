@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from lab import env, metrics, params, plots
-from lab.errors import InputError
+from lab.experiments import inputs
 from lab.experiments.common import run_steps
 from lab.pipelines import latentsync as P
 from lab.pipelines.latentsync import sampling
@@ -54,20 +54,11 @@ LEVERS = ("null_audio", "shared_prefix", "guided_shortcuts", "fused_qkv", "fused
 TARGETS = {"exact_s_per_s": 2.5, "exact_cosine": 0.9999, "dpm8_s_per_s": 1.0, "memory_growth": 0.10}
 
 
-WEIGHT_KEYS = ("unet", "vae", "whisper")
-
-
-def _weights_rule(name: str, v: Any) -> Any:
-    if isinstance(v, str) and v:
-        return v
-    if isinstance(v, dict) and v and set(v) <= set(WEIGHT_KEYS) and all(isinstance(x, str) and x for x in v.values()):
-        return v
-    raise InputError(f"parameter {name}={v!r}: expected 'random', one source for all models, or a dict with "
-                     f"keys among {WEIGHT_KEYS} (e.g. {{'unet': '/models/latentsync_unet.pt'}}), each a path or id")
-
-
-# the notebook's own parameters beyond device / quick / seed / out_dir (checked before anything runs)
-RULES: dict[str, params.Rule] = {"weights": _weights_rule, "n_frames": params.positive(
+# the notebook's own parameters beyond device / quick / seed / out_dir (checked before anything runs); one weights
+# path is the release folder or the UNet's file (a file named as another component's release file is that one)
+RULES: dict[str, params.Rule] = {"weights": inputs.weights_rule("latentsync", "unet", ("unet",)),
+                                 "source": inputs.source_file, "audio_path": inputs.audio_file,
+                                 "allow_silence": params.flag, "n_frames": params.positive(
     integer=True, optional=True, most=3000, why="2 min at 25 fps: the notebook renders the clip once per mode and holds "
     "every frame's faces and latents for its quality tables; render a longer clip with lab render")}
 
@@ -140,37 +131,26 @@ class Context:
         atomic_write_text(self.folder / "partial.json", self.res.to_json(), overwrite=True)
 
 
-def _read_wav(path: Path) -> tuple[np.ndarray, int]:
-    import wave
-
-    with wave.open(str(path)) as w:
-        raw, ch, width, rate = w.readframes(w.getnframes()), w.getnchannels(), w.getsampwidth(), w.getframerate()
-    if width != 2:
-        raise ImportError(f"{path}: {8 * width}-bit WAV needs soundfile")
-    x = np.frombuffer(raw, np.int16).reshape(-1, ch).mean(1).astype(np.float32) / 32768
-    return x, rate
-
-
 def speech(seconds: float, sr_out: int = 16000) -> tuple[np.ndarray, int]:
     """The bundled sentence at 16 kHz, looped to `seconds`."""
     from lab import data
 
-    try:
-        a, sr = data.default_audio(sr_out)
-    except ImportError:  # a host without soundfile: the bundled file is plain PCM WAV
-        a, sr = _read_wav(data.DEFAULT_AUDIO), None
-        a, sr = data.resample(a[0], a[1], sr_out), sr_out
+    a, sr = data.default_audio(sr_out)
     n = int(seconds * sr)
     return np.resize(a, n).astype(np.float32), sr
 
 
 def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_dir: str | None = None,
-          weights: dict[str, str] | str = "random", n_frames: int | None = None) -> Context:
+          weights: dict[str, str] | str = "random", n_frames: int | None = None, source: str | None = None,
+          audio_path: str | None = None, allow_silence: bool = False) -> Context:
+    """Profile, engine, the face video (yours or a loop of the bundled photo; the tiny profile scales it to its frame
+    size) and the voice (yours or the bundled sentence) cut to `n_frames`, the job, the Result."""
     from lab.avatar import avatar_loop
 
     t_start = time.perf_counter()
     nb = Path(__file__).resolve().parents[2] / "notebooks" / f"{NAME}.ipynb"
-    given = {"device": device, "quick": quick, "seed": seed, "weights": weights, "n_frames": n_frames}
+    given = {"device": device, "quick": quick, "seed": seed, "weights": weights, "n_frames": n_frames, "source": source,
+             "audio_path": audio_path, "allow_silence": allow_silence}
     params.check(given, params.notebook_defaults(nb) if nb.exists() else given, RULES, where=NAME)
     dev = env.pick_device(device)
     quick = params.resolve_quick(quick, dev)
@@ -179,12 +159,13 @@ def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_di
         prof.n_frames = int(n_frames)
     if dev.type == "cpu":
         torch.set_num_threads(1)  # tiny kernels on a shared CPU: one thread is fastest and steadiest
-    W = {"unet": weights, "vae": weights, "whisper": weights} if isinstance(weights, str) else \
-        {"unet": "random", "vae": "random", "whisper": "random", **weights}
+    W = {"unet": "random", "vae": "random", "whisper": "random", **inputs.weights_for("latentsync", weights, "unet", ("unet",))}
     cfg = P.Config(size=prof.size, dtype=prof.dtype, block=prof.block, weights=W, seed=seed)
     engine = P.build(cfg, dev)
-    frames = avatar_loop(32, prof.frame_size, seed=seed)
-    audio, sr = speech(prof.n_frames / cfg.fps + 0.02)
+    frames = avatar_loop(32, prof.frame_size, seed=seed) if source is None else \
+        inputs.face_frames(source, max(prof.frame_size) if prof.size == "tiny" else None)
+    audio, sr = speech(prof.n_frames / cfg.fps + 0.02) if audio_path is None else \
+        (inputs.voice(audio_path, prof.n_frames / cfg.fps + 0.02, 16000, allow_silence), 16000)
     job = P.make_job(engine, P.prepare(engine, frames), audio, sr)
     machine = env.machine_label()
     random_w = any(v == "random" for v in W.values())
@@ -192,7 +173,8 @@ def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_di
     res = Result(NAME, weights=engine.weights,
                  params=dict(device=str(dev), quick=quick, seed=seed, size=prof.size, dtype=str(engine.dtype),
                              block=prof.block, frame_size=list(prof.frame_size), n_frames=job.n_out, modes=prof.modes,
-                             guidance=cfg.guidance, weights=W))
+                             guidance=cfg.guidance, weights=W, source=str(source or "bundled photo, looped"),
+                             audio=str(audio_path or "bundled sentence")))
     res.metrics["unet"] = engine.unet.report() | {"missing": len(engine.unet.missing)}
     ctx = Context(dev, prof, run_dir(NAME, out_dir), res, engine, job, frames, audio, sr, machine, suffix, seed,
                   t0=t_start)

@@ -27,6 +27,7 @@ import torch
 from lab import audio as lab_audio
 from lab import data, params
 from lab.errors import BackendUnavailable, InputError
+from lab.experiments import inputs
 from lab.experiments.common import Run, markdown, row
 from lab.experiments.common import start as _start
 from lab.experiments.encoder import (ENCODER_OPTIONS, _drop_recording, _recording, _transport,  # noqa: F401
@@ -40,16 +41,6 @@ NAME = "01_profiling"
 SOURCE = "Accelerating Real-Time Lip-Sync Pt 2"
 THEIR_HW = "RTX 5090 (write-up)"
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
-
-
-def _optional_file(name: str, v: Any) -> Any:
-    if v is None:
-        return v
-    if not isinstance(v, (str, Path)):
-        raise InputError(f"parameter {name}={v!r}: expected a file path or None")
-    if not Path(v).is_file():
-        raise InputError(f"parameter {name}={v!r}: no such file (give an existing file, or None for the bundled input)")
-    return v
 
 
 def _landmarks(name: str, v: Any) -> Any:
@@ -89,8 +80,9 @@ RULES: dict[str, params.Rule] = {
     "run_waterfall": params.flag,
     "waterfall_frames": params.positive(integer=True),
     "face_batches": params.list_of(params.positive(integer=True)),
-    "audio_path": _optional_file,
-    "avatar_path": _optional_file,
+    "audio_path": inputs.optional_file,
+    "avatar_path": inputs.optional_file,
+    **{f"weights_{c}": inputs.component_rule("musetalk", c) for c in ("unet", "vae", "whisper")},
     "allow_silence": params.flag,
     "face_crop": params.one_of("upstream", "geometric"),
     "landmarks": _landmarks,
@@ -413,6 +405,9 @@ def waterfall(engine: Engine, audio: np.ndarray, sr: int, n_frames: int, folder:
         if "batch_size" in ch and changes["batch_size"] != ch["batch_size"]:
             note = "; ".join(filter(None, [note, f"ran at batch {changes['batch_size']} (the run's batch_size)"]))
         cur = mt.reconfigure(cur, **apply(cur.cfg, {**ch, **changes}, engine.device))  # the run's knobs over the step's
+        if cur.cfg.decoder != engine.cfg.decoder and not engine.weights[engine.cfg.decoder].startswith("random"):
+            note = "; ".join(filter(None, [note, f"{cur.cfg.decoder}: {cur.weights[cur.cfg.decoder]} (the decoder weights "
+                                                 f"given are the {engine.cfg.decoder}'s, another network)"]))
         mt.warmup(cur)
         out = Path(folder) / f"waterfall_{i}.mp4" if folder is not None else None
         frames = min(n_frames, batch1_frames) if batch1_frames and changes.get("batch_size", 1) == 1 else n_frames

@@ -15,7 +15,8 @@ import torch
 
 from lab.errors import InputError
 from lab.models import ditto as D
-from lab.pipelines.ditto.config import Config, on, renderer_switches
+from lab.pipelines.ditto.config import WEIGHT_FILES, Config, on, renderer_switches
+from lab.pipelines.weights import per_component
 
 
 @dataclass
@@ -40,12 +41,12 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
     """Load the six networks and HuBERT (random weights unless `cfg.weights` names files)."""
     dev = torch.device(device)
     _check_device(cfg, dev)
-    nets, weights = {}, {}
+    nets, weights, given = {}, {}, per_component(WEIGHT_FILES, cfg.weights, "Ditto")  # a release folder → each file
     for i, comp in enumerate(D.COMPONENTS):
-        nets[comp], weights[comp] = D.load_component(comp, cfg.weights.get(comp, "random"), cfg.size, dev,
+        nets[comp], weights[comp] = D.load_component(comp, given.get(comp, "random"), cfg.size, dev,
                                                      torch.float32, cfg.seed + i)
     hub_dtype = torch.float16 if dev.type == "cuda" and cfg.precision != "fp32" else torch.float32
-    hubert, weights["hubert"] = D.load_hubert(cfg.weights.get("hubert", "random"), cfg.size, dev, hub_dtype, cfg.seed + 10)
+    hubert, weights["hubert"] = D.load_hubert(given.get("hubert", "random"), cfg.size, dev, hub_dtype, cfg.seed + 10)
     return Engine(cfg, dev, D.dims(cfg.size), nets, hubert, weights)
 
 

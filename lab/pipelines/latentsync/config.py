@@ -141,3 +141,7 @@ MEASURES = Measures(
 WEIGHT_FILES = {"unet": ("checkpoints/latentsync_unet.pt", "latentsync_unet.pt"),
                 "whisper": ("checkpoints/whisper/tiny.pt", "whisper/tiny.pt"),
                 "vae": ("checkpoints/sd-vae-ft-mse", "sd-vae-ft-mse", "checkpoints/sd-vae", "sd-vae")}
+# a key each component's checkpoints hold (top level or under state_dict): how a file given for the wrong
+# component is recognised, so that the error can say which one it is
+WEIGHT_SIGNS = {"unet": ("conv_in.weight",), "vae": ("encoder.conv_in.weight", "decoder.conv_in.weight"),
+                "whisper": ("model_state_dict", "encoder.conv1.weight", "model.encoder.conv1.weight")}

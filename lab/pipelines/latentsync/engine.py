@@ -4,14 +4,17 @@ them per form the techniques rewrite them into), rebuilding only the runners who
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from lab.errors import InputError
+from lab.errors import InputError, WeightsError
 from lab.pipelines.latentsync import sampling
-from lab.pipelines.latentsync.config import DTYPES, FAMILY, Config, temporal_kernels
+from lab.pipelines.latentsync.config import DTYPES, FAMILY, WEIGHT_FILES, WEIGHT_SIGNS, Config, temporal_kernels
+from lab.pipelines.weights import matching_component, per_component
 from lab.techniques import check as check_techniques
 
 # the techniques that change what the UNet's runner computes with (a change rebuilds it)
@@ -67,13 +70,30 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
         dt = torch.float32  # CPU convs lack fast fp16 kernels; the CPU profile is a smoke test
     if dev.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    w = {"unet": "random", "vae": "random", "whisper": "random", **cfg.weights}
-    unet = load_latentsync_unet(w["unet"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
-    vae = load_vae("sd-vae", w["vae"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
-    whisper, w_src = load_audio_encoder(w["whisper"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
+    w = {"unet": "random", "vae": "random", "whisper": "random",
+         **per_component(WEIGHT_FILES, cfg.weights, "LatentSync")}   # a release folder → each component's file
+    with _named(w, "unet"):
+        unet = load_latentsync_unet(w["unet"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
+    with _named(w, "vae"):
+        vae = load_vae("sd-vae", w["vae"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
+    with _named(w, "whisper"):
+        whisper, w_src = load_audio_encoder(w["whisper"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
     engine = Engine(cfg, dev, dt, unet, vae, whisper, mask=fixed_mask(cfg.face).to(dev, dt),
                     weights={"latentsync_unet": unet.weights, "sd-vae": vae.weights, "whisper-tiny": w_src})
     return _configure(engine)
+
+
+@contextmanager
+def _named(weights: dict[str, str], comp: str):
+    """A component's load; a file it refuses that holds another component's weights is named as that one."""
+    try:
+        yield
+    except WeightsError as e:
+        other = matching_component(weights[comp], WEIGHT_SIGNS) if Path(weights[comp]).is_file() else None
+        if other is None or other == comp:
+            raise
+        raise WeightsError(f"{e} — {weights[comp]} holds the LatentSync {other} weights, not the {comp}'s: give it "
+                           f"as {{'{other}': '{weights[comp]}'}}") from None
 
 
 def reconfigure(engine: Engine, runners: dict[str, Any] | None = None, **changes: Any) -> Engine:

@@ -13,7 +13,8 @@ import torch
 
 from lab.avatar import avatar_loop
 from lab.errors import InputError
-from lab.pipelines.musetalk.config import DTYPES, FAMILY, Config, compile_mode, on
+from lab.pipelines.musetalk.config import DTYPES, FAMILY, WEIGHT_FILES, Config, compile_mode, on
+from lab.pipelines.weights import per_component
 from lab.techniques import check as check_techniques
 
 LOOP_FRAMES = 32   # frames of the bundled avatar's loop (prepare(engine) with no source)
@@ -114,7 +115,8 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
     dt = _dtype(cfg, dev)
     if dev.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    w = {"whisper": "random", "unet": "random", "vae": "random", **cfg.weights}
+    w = {"whisper": "random", "unet": "random", "vae": "random",
+         **per_component(WEIGHT_FILES, cfg.weights, "MuseTalk")}   # a release folder → each component's file
     whisper, w_src = load_whisper(w["whisper"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
     unet = load_musetalk_unet(w["unet"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
     vae = load_vae(cfg.decoder, w["vae"], size=cfg.size, device=dev, dtype=dt, seed=cfg.seed)
@@ -309,7 +311,9 @@ def _decoder_variant(engine: Engine, cfg: Config, key: tuple, dt: torch.dtype, c
         vae = copy.deepcopy(same_kind[0][2][0])
         vae.model.to(dt)
     else:
-        w = cfg.weights.get(cfg.decoder, cfg.weights.get("vae", "random"))
+        # a decoder kind the build did not load: its own weights (Config.weights[kind]) or random, never
+        # cfg.weights["vae"], which are the built decoder's (an SD-VAE checkpoint does not fit TAESD)
+        w = cfg.weights.get(cfg.decoder, "random")
         vae = load_vae(cfg.decoder, w, size=cfg.size, device=engine.device, dtype=dt, seed=cfg.seed)
     if key[2]:
         from lab.techniques.subpixel import rewrite_upsamplers
