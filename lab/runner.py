@@ -188,9 +188,11 @@ def out_folder(out: str | Path | None, parameters: dict[str, Any], default: str 
 
 
 def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str, Any] | None = None,
-                 kernel: str | None = None, progress: bool = False) -> Entry:
+                 kernel: str | None = None, progress: bool = False, record: bool = True) -> Entry:
     """Execute one notebook with papermill into the new folder `out_dir`; never raises for a failing
-    notebook (bad parameters and an existing or unwritable folder raise InputError before anything runs)."""
+    notebook (bad parameters and an existing or unwritable folder raise InputError before anything runs).
+    `record` False: a folder under outputs/reference/<machine>/ adds no headline rows to that ledger (a
+    sweep's point: the sweep records its points under their own row names)."""
     import os
     import secrets
 
@@ -259,7 +261,8 @@ def run_notebook(notebook: str | Path, out_dir: str | Path, parameters: dict[str
             entry.status, entry.error = "failed", f"results.json unreadable: {e}"
     elif not error:
         entry.status, entry.error = "failed", "notebook finished without writing results.json"
-    ledger.record_run(entry, params)  # a run under outputs/reference/<machine>/ adds its figures to that ledger
+    if record:
+        ledger.record_run(entry, params)  # a run under outputs/reference/<machine>/ adds its figures to that ledger
     _mark(out, "complete" if entry.status == "ok" else "failed", nb.stem, entry.error, quiet=True)
     return entry
 
