@@ -213,6 +213,7 @@ FAMILY_CODE: dict[str, tuple[str, ...]] = {
     "08": ("lab/experiments/serving.py", "lab/serving/*", "lab/models/ditto.py", "lab/models/musetalk.py"),
     "09": ("lab/experiments/leaderboard.py", "lab/experiments/compare.py", "lab/experiments/calibrate.py",
            "lab/experiments/studio.py", "lab/pipelines/*") + _MUSETALK + _DITTO + _LATENTSYNC,
+    "scaling": ("lab/scaleout/*", "lab/runner.py", "lab/pipelines/*", "lab/models/*", "lab/experiments/profiling.py"),
 }
 
 

@@ -21,6 +21,7 @@ from lab.results import ROOT, atomic_write_text
 README_MARKERS = ("<!-- results:begin -->", "<!-- results:end -->")
 DOCS_MARKERS = ("<!-- figures:begin -->", "<!-- figures:end -->")
 README_BUDGET, DOCS_BUDGET = 12 * 1024, 15 * 1024
+EXTRA_PAGES = ("scaling",)   # docs pages of no notebook whose figures are the ledger rows under their name
 
 # The README's figures per family: (notebook, row, metric pattern; the newest matching row is shown).
 FAMILIES: tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...] = (
@@ -201,16 +202,18 @@ def write_readme(root: str | Path | None = None, rows: list[L.Row] | None = None
 
 def write_docs(root: str | Path | None = None, rows: list[L.Row] | None = None,
                changed: Changed | None = None) -> list[Path]:
-    """Each docs/NN_*.md page's current figures from the ledger; each page stays ≤ 15 KB."""
+    """Each docs/NN_*.md page's current figures from the ledger (and each EXTRA_PAGES page's, from the rows of
+    that name); each page stays ≤ 15 KB."""
     base = Path(root) if root is not None else ROOT
     rows = L.read_all(base) if rows is None else rows
     changed = L.staleness(base) if changed is None else changed
     out = []
-    for path in sorted((base / "docs").glob("[0-9][0-9]_*.md")):
+    pages = [(p, re.match(r"\d\d", p.name).group(0)) for p in sorted((base / "docs").glob("[0-9][0-9]_*.md"))]
+    pages += [(p, p.stem) for p in [base / "docs" / f"{name}.md" for name in EXTRA_PAGES] if p.exists()]
+    for path, nb in pages:
         text = path.read_text(encoding="utf-8")
         if DOCS_MARKERS[0] not in text:
             continue
-        nb = re.match(r"\d\d", path.name).group(0)
         new = _fit(path, text, DOCS_MARKERS, lambda limit: docs_section(rows, nb, changed, limit, base), DOCS_BUDGET)
         out.append(atomic_write_text(path, new, overwrite=True))
     return out
