@@ -46,6 +46,10 @@ def test_a_latentsync_release_folder_loads_its_unet(tmp_path, files, sub):
     assert eng.weights["latentsync_unet"].endswith("latentsync_unet.pt") and eng.unet.missing == []
     got = inputs.weights_for("latentsync", str(root), "unet", ("unet",), log=None)  # -p weights DIR
     assert set(got) == {"unet"} and Path(got["unet"]) == root / sub / "latentsync_unet.pt"
+    from lab.models.latentsync import load_latentsync_unet                              # the model's own loader too
+
+    assert Path(load_latentsync_unet(str(root), "tiny").weights.removeprefix("local file ")) == \
+        root / sub / "latentsync_unet.pt"
 
 
 def test_one_latentsync_file_is_the_unet_and_a_folder_says_what_stays_random(tmp_path, files):
@@ -105,6 +109,7 @@ def test_a_ditto_release_folder_loads_every_network(tmp_path):
     eng = ditto.build(ditto.Config(size="tiny", weights=inputs.weights_for("ditto", str(tmp_path), log=None)))
     assert all(eng.weights[c] == f"local file {models / D.RELEASED[c][0]}" for c in D.COMPONENTS)
     assert eng.weights["hubert"].startswith("random")
+    assert D.load_component("decoder", tmp_path, "tiny")[1] == f"local file {models / 'decoder.pth'}"
     (models / "decoder.pth").unlink()
     with pytest.raises(InputError, match=r"weights: .*lacks decoder.*decoder\.pth"):
         runner.check_parameters(runner.find_notebook("06"), {"weights": str(tmp_path)})

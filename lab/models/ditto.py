@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab.errors import InputError, WeightsError
-from lab.models.weights import check_finite
+from lab.models.weights import check_finite, in_folder
 
 COMPONENTS = ("appearance_extractor", "motion_extractor", "warp_network", "decoder", "stitch_network", "lmdm")
 SIZES = ("full", "tiny")
@@ -1084,12 +1084,11 @@ def load_component(component: str, weights: str | Path = "random", size: str = "
     if str(weights) == "random":
         source = f"random (seed {seed})"
     else:
-        p = Path(weights).expanduser()
-        if p.is_dir():
-            p = p / RELEASED[component][0]
+        name = RELEASED[component][0]   # a folder: the release's ditto_pytorch/models/ layout, or the files in it
+        p = in_folder(weights, f"ditto_pytorch/models/{name}", f"models/{name}", name)
         if not p.is_file():
             raise WeightsError(f"{p}: {component} weights file not found; expected the released "
-                               f"{RELEASED[component][0]} (or 'random')")
+                               f"{name}, or a folder holding it (or 'random')")
         try:
             obj = torch.load(str(p), map_location="cpu", weights_only=True)
         except Exception as e:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab.errors import InputError, WeightsError
-from lab.models.weights import check_finite
+from lab.models.weights import check_finite, in_folder
 
 
 @dataclass(frozen=True)
@@ -712,7 +712,7 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     """`latentsync_unet.pt`: {"global_step": int, "state_dict": {...}} (or a bare state dict)."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise WeightsError(f"{p}: LatentSync UNet checkpoint not found; expected latentsync_unet.pt "
+        raise WeightsError(f"{p}: LatentSync UNet checkpoint not found; expected latentsync_unet.pt or a folder holding it "
                            f"(a torch.save'd dict with the weights under 'state_dict')")
     try:
         try:  # mmap: a 5 GB checkpoint is paged in tensor by tensor, not read whole
@@ -797,7 +797,7 @@ def load_latentsync_unet(weights: str = "random", size: str = "full", device: st
             model = build_unet(size, device=dev)
         out = LatentSyncUNet(model, f"random (seed {seed}{', drawn on ' + dev.type if dev.type != 'cpu' else ''})", size)
     else:
-        p = Path(str(weights)).expanduser()
+        p = in_folder(str(weights), "checkpoints/latentsync_unet.pt", "latentsync_unet.pt")   # a release folder
         out = unet_from_state_dict(read_checkpoint(p), size, f"local file {p}", seed, allow_missing)
     out.model = out.model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return out

@@ -51,6 +51,13 @@ def check_finite(sd: dict, source: str | Path) -> dict:
     return sd
 
 
+def in_folder(path: str | Path, *names: str) -> Path:
+    """`path` itself, or, where it is a folder, the first of `names` (its release layout) that is a file in it
+    (the folder itself when none is: the loader then says what it expected)."""
+    p = Path(path).expanduser()
+    return next((p / n for n in names if (p / n).is_file()), p) if p.is_dir() else p
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """A checkpoint file → state dict; safetensors or torch.load(weights_only=True) only."""
     path = Path(path)
