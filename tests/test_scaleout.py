@@ -218,3 +218,48 @@ def test_bad_jobs_file_is_one_line(text, needle, tmp_path, capsys):
     assert needle in _err(capsys)
     assert main(["render", "latentsync", "--jobs", str(jobs), "-o", "x.mp4"]) == 2
     assert "come from the jobs file" in _err(capsys)
+
+
+# ------------------------------------------------------------------ ledger rows and the docs page
+
+def test_rows_of_a_sweep_and_a_batch_reach_the_ledger_and_the_scaling_page(tmp_path):
+    from lab import ledger as L
+    from lab import readme as R
+    from lab.errors import InputError
+    from lab.scaleout.rows import record
+
+    ref = tmp_path / "outputs" / "reference" / "h200"
+    sweep = ref / "sweep_01"
+    sweep.mkdir(parents=True)
+    point = {"status": "ok", "worker": "0", "gpu": "0", "gpu_name": "NVIDIA H200", "wall_s": 61.5,
+             "finished": "2026-12-04T10:00:00Z", "weights": {"unet": "random"}}
+    (sweep / "sweep.json").write_text(json.dumps({
+        "notebook": "01_profiling", "axes": {"batch_size": [8, 16]}, "commit": "abc1234",
+        "command": "lab sweep 01 -p batch_size 8,16 --out outputs/reference/h200/sweep_01", "points": [
+            {**point, "name": "p00_batch_size-8", "params": {"batch_size": 8},
+             "headline": {"end-to-end FPS": 250.5, "face crop": "upstream"}},
+            {"name": "p01_batch_size-16", "params": {"batch_size": 16}, "status": "failed", "error": "x"}]}))
+    batch = ref / "jobs_musetalk.json"
+    job = {"status": "ok", "worker": "0", "gpu_name": "NVIDIA H200", "fps": 300.0, "job_s": 2.0, "built": False}
+    batch.write_text(json.dumps({
+        "pool": "dask-cuda LocalCUDACluster, 1 worker(s), one GPU each", "wall_s": 120.0, "commit": "abc1234",
+        "date": "2026-12-04T10:05:00Z", "command": "lab render musetalk --jobs jobs.csv --json x.json",
+        "settings": {"family": "musetalk", "preset": "exact", "weights": []},
+        "jobs": [{**job, "built": True, "job_s": 90.0, "build_s": 30.0, "warm_s": 55.0}, job, {**job, "job_s": 3.0}]}))
+    rows = record(sweep, root=tmp_path) + record(batch, root=tmp_path)
+    got = {(r.row, r.metric): r.value for r in rows}
+    assert got[("sweep 01 batch_size=8", "end-to-end FPS")] == 250.5 and ("sweep 01 batch_size=8", "face crop") not in got
+    assert got[("sweep 01 batch_size=8", "point wall s")] == 61.5 and not any("=16" in r.row for r in rows)
+    j = "jobs musetalk exact, 1 worker(s)"
+    assert got[(j, "first job s (engine built)")] == 90.0 and got[(j, "kept-engine job s")] == 2.5
+    assert got[(j, "engine builds")] == 1 and got[(j, "jobs per minute")] == 1.5
+    assert len(L.read(L.ledger_path("h200", tmp_path))) == len(rows)
+    record(sweep, root=tmp_path)   # the same rows again: not added twice
+    assert len(L.read(L.ledger_path("h200", tmp_path))) == len(rows)
+    with pytest.raises(InputError, match="not under outputs/reference"):
+        record(tmp_path / "elsewhere.json")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "scaling.md").write_text("# Scaling out\n\n" + "\n".join(R.DOCS_MARKERS) + "\n")
+    R.write_docs(tmp_path, changed=lambda c: None)
+    page = (tmp_path / "docs" / "scaling.md").read_text()
+    assert "sweep 01 batch_size=8: end-to-end FPS" in page and "kept-engine job s" in page and "H200" in page

@@ -87,9 +87,22 @@ def render_jobs(a: argparse.Namespace) -> int:
           + (f" ({60 * len(ok) / rep['wall_s']:.2f} jobs per minute)" if ok and rep["wall_s"] > 0 else "")
           + "; engines built: " + (", ".join(f"{w} ×{n}" for w, n in builds.items()) or "none"))
     if a.json:
+        from lab.scaleout.rows import record
+
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(a.json, json.dumps({**rep, "builds": builds}, indent=2, default=str) + "\n", overwrite=True)
+        atomic_write_text(a.json, json.dumps({**rep, "builds": builds, "command": _command()}, indent=2, default=str)
+                          + "\n", overwrite=True)
+        record(a.json, quiet_outside=True)   # a JSON under outputs/reference/<machine>/ adds its rows there
     return 0 if len(ok) == len(recs) else 1
+
+
+def _command() -> str | None:
+    import shlex
+
+    argv = sys.argv
+    if len(argv) > 1 and Path(argv[0]).name in ("lab", "__main__.py") and argv[1] == "render":
+        return " ".join(["lab"] + [shlex.quote(x) for x in argv[1:]])
+    return None
 
 
 def _builds(recs: list[dict[str, Any]]) -> dict[str, int]:

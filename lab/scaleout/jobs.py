@@ -160,6 +160,9 @@ def render_job(family: str, preset: str, weights: list[str], device: str, size: 
     notes: list[str] = []
     rec: dict[str, Any] = {"job": job.row, "out": job.out, **where()}
     try:
+        from lab.env import machine_label
+
+        rec["machine"] = machine_label()
         out = check_out(job.out, overwrite, flag=f"line {job.row}: out")
         inputs = load_inputs(job.audio, job.source, job.seconds)
         size = size or ("full" if pick_device(device).type == "cuda" else "tiny")
@@ -229,7 +232,10 @@ def run_jobs(family: str, preset: str, jobs_file: str | Path, weights: list[str]
 
             log(jobs_markdown([records[j.row] for j in jobs]))
             raise
-    return {"pool": pool.kind, "wall_s": round(time.perf_counter() - t0, 2),
+    from lab.env import git_commit
+    from lab.scaleout.sweep import _now
+
+    return {"pool": pool.kind, "wall_s": round(time.perf_counter() - t0, 2), "commit": git_commit(), "date": _now(),
             "jobs": [records[j.row] for j in jobs], "settings": {"family": family, "preset": preset,
                                                                   "weights": weights, "device": device, "size": size},
             "files": [asdict(j) for j in jobs]}

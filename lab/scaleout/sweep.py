@@ -169,7 +169,7 @@ def run_point(notebook: str, folder: str, params: dict[str, Any]) -> dict[str, A
 
     here = where()
     try:
-        e = run_notebook(notebook, folder, params)
+        e = run_notebook(notebook, folder, params, record=False)   # the sweep records its points (lab.scaleout.rows)
     except InputError as err:   # refused before the kernel (e.g. the folder appeared meanwhile)
         return {**here, "status": "failed", "error": str(err), "wall_s": 0.0, "headline": {}}
     return {**here, "status": e.status, "error": e.error, "wall_s": round(e.wall_s, 2), "headline": e.headline,
@@ -205,14 +205,16 @@ def run_sweep(notebook: str, pairs: list[tuple[str, str]], out: str | Path | Non
     pool = open_pool(workers, scheduler, gpus_per_task, tasks=len(todo), log=log)
     with pool:
         log(f"sweep of {nb.stem}: {len(todo)} point(s) on {pool.kind}")
-        rec.update(status="running", pid=os.getpid(), pool=pool.kind, started=_now())
+        from lab.env import git_commit
+
+        rec.update(status="running", pid=os.getpid(), pool=pool.kind, started=_now(), commit=git_commit())
         _write(folder, rec)
 
         def done(key: str, result: Any, err: BaseException | None) -> None:
             p = rec["points"][int(key)]
             if err is not None:
                 result = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
-            p.update(result, finished=_now())
+            p.update(result, finished=_now(), commit=rec.get("commit"))
             from lab.progress import tqdm
 
             tqdm.write(f"{p['name']}: {p['status']} in {p.get('wall_s') or 0:.1f} s on {p.get('worker', '?')}"
@@ -231,6 +233,9 @@ def run_sweep(notebook: str, pairs: list[tuple[str, str]], out: str | Path | Non
             raise
     rec["status"] = _overall(rec)
     _write(folder, rec, tables=True)
+    from lab.scaleout.rows import record
+
+    record(folder, quiet_outside=True)   # a sweep folder under outputs/reference/<machine>/ adds its rows there
     return folder, rec
 
 
