@@ -202,6 +202,22 @@ def test_render_jobs_sequential_keeps_one_engine(tmp_path, capsys):
     assert "kept" in capsys.readouterr().out   # this process's engine, built by the first batch, served the second
 
 
+def test_a_schedulers_worker_keeps_its_engine_across_batches(tmp_path, capsys):
+    """--scheduler: the workers of a running cluster; a worker's engine outlives the batch that built it."""
+    pytest.importorskip("imageio_ffmpeg")
+    from distributed import LocalCluster
+
+    jobs = _jobs(tmp_path, 2)
+    args = ["render", "latentsync", "--device", "cpu", "--seconds", "0.2", "--jobs", str(jobs), "--overwrite"]
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        assert main([*args, "--scheduler", cluster.scheduler_address]) == 0
+        first = capsys.readouterr().out
+        assert main([*args, "--scheduler", cluster.scheduler_address]) == 0
+        second = capsys.readouterr().out
+    assert "engines built: " in first and "×1" in first and "scheduler tcp://" in first
+    assert "engines built: none" in second and second.count("| kept |") == 2
+
+
 @pytest.mark.parametrize("text, needle", [
     (None, "no such file"),
     ("audio,face,out\n,,a.mp4\n", "unknown: face"),

@@ -8,8 +8,8 @@ The jobs file is CSV with a header; one job per row:
 
 `out` (an .mp4) is required; an optional `seconds` column cuts that job's audio. Relative paths are read
 against the jobs file's folder. Each worker keeps one built engine per (family, preset, weights, device,
-size) for its whole life (`EngineCache`, a Dask worker plugin; this process's own cache on the sequential
-path), so only the first job a worker runs pays the build and the warm-up. Each video is written under a
+size) for its whole life (`EngineCache`, a Dask worker plugin its first job installs; this process's own cache
+on the sequential path), so only the first job a worker runs pays the build and the warm-up. Each video is written under a
 temporary name and renamed when complete. A job that fails (a missing audio file, an output that exists) is
 recorded with its error, naming the file, and the others complete.
 """
@@ -143,10 +143,9 @@ def _cache() -> EngineCache:
         w = get_worker()
     except (ImportError, ValueError):
         return _LOCAL
-    plugins = getattr(w, "plugins", {})
-    if PLUGIN not in plugins:   # a scheduler's worker that joined after the plugin was registered
-        plugins[PLUGIN] = EngineCache()
-    return plugins[PLUGIN]
+    if PLUGIN not in w.plugins:   # installed by the worker's first job; kept (with its engines) for the worker's life,
+        w.plugins[PLUGIN] = EngineCache()   # across batches too, and torn down when the worker closes
+    return w.plugins[PLUGIN]
 
 
 def render_job(family: str, preset: str, weights: list[str], device: str, size: str | None, job: Job,
@@ -209,8 +208,6 @@ def run_jobs(family: str, preset: str, jobs_file: str | Path, weights: list[str]
     t0 = time.perf_counter()
     with open_pool(workers, scheduler, gpus_per_task, tasks=len(jobs), log=log) as pool:
         log(f"{len(jobs)} {family} {preset} render job(s) on {pool.kind}")
-        if pool.client is not None:
-            pool.client.register_plugin(EngineCache(), name=PLUGIN)
 
         def done(key: str, result: Any, err: BaseException | None) -> None:
             r = result if err is None else {"job": int(key), "out": by_row[int(key)].out, "status": "failed",
