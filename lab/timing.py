@@ -173,6 +173,24 @@ class BenchResult:
         return d
 
 
+def gpu_ms(fn: Callable[[], Any], iters: int = 5, warmup: int = 2) -> float:
+    """Median milliseconds of `fn()` on the current CUDA stream (events; a short loop for choosing kernels or
+    plans, not a benchmark: `bench` is that)."""
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
 def count_flops(fn: Callable, *args: Any, **kwargs: Any) -> int:
     """FLOPs of one call, counted by torch.utils.flop_counter (matmul/conv family)."""
     from torch.utils.flop_counter import FlopCounterMode

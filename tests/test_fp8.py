@@ -653,7 +653,7 @@ def _check03(**values):
     ("models", ["sd-vae", "vae"], "models[1]='vae'"), ("models", "sd-vae", "models='sd-vae'"),
     ("batch", 0, "batch=0: must be > 0"), ("batch", 2.5, "batch=2.5: expected an integer"),
     ("image_size", 100, "image_size=100: must be a multiple of 8"), ("scheme", "per_row", "scheme='per_row'"),
-    ("activation", "fixed", "activation='fixed'"), ("conv_impl", "cudnn", "conv_impl='cudnn'"),
+    ("activation", "fixed", "activation='fixed'"), ("conv_impl", "winograd", "conv_impl='winograd'"),
     ("compile", "yes", "compile='yes': expected True or False"), ("time_budget_s", -5, "time_budget_s=-5"),
     ("time_budget_s", "soon", "time_budget_s='soon'"), ("weights", {"vae": "random"}, "weights={'vae'"),
     ("compile_models", ["unet", "tiny"], "compile_models[1]='tiny'"), ("psnr_target", 0, "psnr_target=0"),

@@ -1,0 +1,363 @@
+"""cuDNN operation graphs from Python: a convolution and its pointwise epilogue as one kernel, in fp16 (the
+exact tier: the same function up to fp16 rounding) or FP8 e4m3 (the approximate tier, Hopper and Ada).
+
+    spec = ConvSpec.of(x, w, padding=(1, 1), epilogue=("scale", "bias", "leaky_relu:0.2"), io="fp8")
+    y = conv2d(x, w, spec, scale=s, bias=b)   # torch.ops.lab.cudnn_conv: opaque to torch.compile
+
+The graph comes from `nvidia-cudnn-frontend` (it drives the cuDNN that torch already loads). `build`
+makes one per (spec, input shape, GPU architecture, cuDNN version), tries the plans cuDNN's heuristics
+rank (`autotune`: times each on the real operands and keeps the fastest; else the heuristics' first),
+and keeps it for the process. A run executes on torch's current stream, so a CUDA graph captures it.
+
+Epilogue ops apply in order to the fp32 accumulator: "scale" (× a per-output-channel fp32 tensor: the
+FP8 descale), "bias" (+ per channel), "add" / "mul" (with a tensor of the output's shape, e.g. a
+residual), "relu", "leaky_relu:<slope>", "silu", "sigmoid". `reference` computes the same in float32
+with torch (CPU tests and the fallback).
+
+A spec the graph API declines (a shape, a dtype, a channel count it has no engine for) does not stop a
+run: `conv2d` computes it with torch and records why in `NOTES` (the engine's notes). A missing wheel,
+no CUDA or FP8 on a GPU below sm_89 raise `BackendUnavailable` from `require`.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from lab.errors import BackendUnavailable, InputError
+from lab.timing import gpu_ms
+
+IO = ("fp16", "fp8")
+UNARY = ("relu", "silu", "sigmoid")
+WITH_TENSOR = ("scale", "bias", "add", "mul")
+# the declined specs and why (key → reason): a layer that fell back to torch says so in the engine's notes
+NOTES: dict[str, str] = {}
+_BUILT: dict[tuple, "ConvGraph"] = {}
+_LOCK = threading.Lock()
+_HANDLES: dict[int, int] = {}
+HEURISTICS = ("A", "FALLBACK")  # cuDNN heuristic modes whose plans are built and timed
+AUTOTUNE_PLANS = 64  # plans timed per graph; on an H200 the fastest fp16 and FP8 conv plans were not among cuDNN's first 8
+
+
+def parse_epilogue(ops: Sequence[str]) -> tuple[str, ...]:
+    """The epilogue as a checked tuple of op names ("leaky_relu:0.2" keeps its slope)."""
+    if isinstance(ops, str):
+        raise InputError(f"epilogue must be a sequence of op names, got the string {ops!r}")
+    out = []
+    for op in ops:
+        name, _, arg = str(op).partition(":")
+        if name == "leaky_relu":
+            try:
+                slope = float(arg)
+            except ValueError:
+                raise InputError(f"epilogue op {op!r}: expected 'leaky_relu:<slope>', e.g. 'leaky_relu:0.2'") from None
+            out.append(f"leaky_relu:{slope:g}")
+        elif name in UNARY + WITH_TENSOR and not arg:
+            out.append(name)
+        else:
+            raise InputError(f"epilogue op {op!r} is not one of {WITH_TENSOR + UNARY + ('leaky_relu:<slope>',)}")
+    if out.count("scale") > 1 or out.count("bias") > 1:
+        raise InputError(f"epilogue {tuple(ops)}: 'scale' and 'bias' may each appear once")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """What a graph computes, shapes aside: the conv's geometry, the operand type and the epilogue."""
+    padding: tuple[int, int] = (0, 0)
+    stride: tuple[int, int] = (1, 1)
+    dilation: tuple[int, int] = (1, 1)
+    io: str = "fp16"          # "fp16": fp16 x and w; "fp8": e4m3 x and w (the descale is an epilogue "scale")
+    epilogue: tuple[str, ...] = ()
+    out: str = "fp16"
+
+    def __post_init__(self):
+        if self.io not in IO:
+            raise InputError(f"ConvSpec.io must be one of {IO}, got {self.io!r}")
+        if self.out != "fp16":
+            raise InputError(f"ConvSpec.out must be 'fp16', got {self.out!r}")
+        for name in ("padding", "stride", "dilation"):
+            v = getattr(self, name)
+            if len(v) != 2 or any(not isinstance(i, int) or i < 0 for i in v) or (name != "padding" and 0 in v):
+                raise InputError(f"ConvSpec.{name} must be two non-negative ints (stride, dilation >= 1), got {v!r}")
+        object.__setattr__(self, "epilogue", parse_epilogue(self.epilogue))
+        # made once: torch.compile cannot trace json.dumps, so a call site only reads this string
+        object.__setattr__(self, "_key", json.dumps(asdict(self), sort_keys=True))
+
+    @classmethod
+    def of(cls, padding: Sequence[int] = (0, 0), stride: Sequence[int] = (1, 1), dilation: Sequence[int] = (1, 1),
+           io: str = "fp16", epilogue: Sequence[str] = ()) -> "ConvSpec":
+        return cls(tuple(int(i) for i in padding), tuple(int(i) for i in stride), tuple(int(i) for i in dilation),
+                   io, parse_epilogue(epilogue))
+
+    def key(self) -> str:
+        return self._key
+
+    @classmethod
+    def from_key(cls, key: str) -> "ConvSpec":
+        d = json.loads(key)
+        return cls(tuple(d["padding"]), tuple(d["stride"]), tuple(d["dilation"]), d["io"], tuple(d["epilogue"]),
+                   d["out"])
+
+    def tensors(self) -> tuple[str, ...]:
+        """The epilogue's tensor operands in order ("scale", "bias", then one "other" per add / mul)."""
+        return tuple(op if op in ("scale", "bias") else "other" for op in self.epilogue if op in WITH_TENSOR)
+
+    def out_shape(self, x_shape: Sequence[int], w_shape: Sequence[int]) -> tuple[int, int, int, int]:
+        n, c, h, w = x_shape
+        k, c2, r, s = w_shape
+        if c2 != c:
+            raise InputError(f"cuDNN conv: input has {c} channels, weight expects {c2} (groups are not supported)")
+        (ph, pw), (sh, sw), (dh, dw) = self.padding, self.stride, self.dilation
+        ho, wo = (h + 2 * ph - dh * (r - 1) - 1) // sh + 1, (w + 2 * pw - dw * (s - 1) - 1) // sw + 1
+        if ho < 1 or wo < 1:
+            raise InputError(f"cuDNN conv: a {r}×{s} kernel on a {h}×{w} input with padding {self.padding} "
+                             f"leaves no output")
+        return n, k, ho, wo
+
+
+def _extras(spec: ConvSpec, scale, bias, others) -> list[torch.Tensor]:
+    want, have = spec.tensors(), []
+    others = list(others or ())
+    for kind in want:
+        t = scale if kind == "scale" else bias if kind == "bias" else (others.pop(0) if others else None)
+        if t is None:
+            raise InputError(f"cuDNN conv with epilogue {spec.epilogue}: the {kind!r} tensor is missing")
+        have.append(t)
+    if others:
+        raise InputError(f"cuDNN conv with epilogue {spec.epilogue}: {len(others)} tensor(s) more than it uses")
+    return have
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, scale: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None, others: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """What the graph computes, in float32 with torch (the fallback, and the CPU tests' yardstick)."""
+    acc = F.conv2d(x.float(), w.float(), None, spec.stride, spec.padding, spec.dilation)
+    it = iter(_extras(spec, scale, bias, others))
+    for op in spec.epilogue:
+        if op in WITH_TENSOR:
+            t = next(it).float()
+            t = t.reshape(1, -1, 1, 1) if op in ("scale", "bias") else t
+            acc = acc * t if op in ("scale", "mul") else acc + t
+        elif op == "relu":
+            acc = acc.relu()
+        elif op == "silu":
+            acc = F.silu(acc)
+        elif op == "sigmoid":
+            acc = acc.sigmoid()
+        else:
+            acc = F.leaky_relu(acc, float(op.split(":")[1]))
+    return acc.to(torch.float16).contiguous(memory_format=torch.channels_last)
+
+
+# ----------------------------------------------------------------------------- availability
+
+def _frontend():
+    try:
+        import cudnn  # nvidia-cudnn-frontend
+    except ImportError as e:
+        raise BackendUnavailable(f"cuDNN graphs need the nvidia-cudnn-frontend wheel ({e}); install the 'gpu' "
+                                 f"extra: pip install -e '.[gpu]'") from None
+    return cudnn
+
+
+def require(device: torch.device | str | None = None, io: str = "fp16") -> None:
+    """Raise BackendUnavailable naming what is missing: the wheel, a CUDA GPU, or FP8 tensor cores (sm_89+)."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise BackendUnavailable(f"cuDNN graphs run on a CUDA GPU; the device is {dev.type}")
+    if not torch.backends.cudnn.is_available():
+        raise BackendUnavailable(f"torch {torch.__version__} was built without cuDNN")
+    _frontend()
+    cap = torch.cuda.get_device_capability(dev)
+    if io == "fp8" and cap < (8, 9):
+        raise BackendUnavailable(f"FP8 convolutions need compute capability >= 8.9 (Ada, Hopper); "
+                                 f"{torch.cuda.get_device_name(dev)} has {cap[0]}.{cap[1]}")
+
+
+def available(device: torch.device | str | None = None, io: str = "fp16") -> tuple[bool, str]:
+    """(True, the frontend and cuDNN versions) or (False, why) without building anything."""
+    try:
+        require(device, io)
+    except BackendUnavailable as e:
+        return False, str(e)
+    cudnn = _frontend()
+    return True, f"cudnn-frontend {getattr(cudnn, '__version__', '?')}, cuDNN {cudnn.backend_version()}"
+
+
+def _handle(dev: torch.device) -> int:
+    cudnn = _frontend()
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _HANDLES:
+        with torch.cuda.device(i):
+            _HANDLES[i] = cudnn.create_handle()
+    return _HANDLES[i]
+
+
+# ----------------------------------------------------------------------------- build and run
+
+def _strides_cl(shape: Sequence[int]) -> list[int]:
+    n, c, h, w = shape
+    return [c * h * w, 1, w * c, c]
+
+
+class ConvGraph:
+    """One built graph: call it with channels-last operands; it writes a new channels-last fp16 output."""
+
+    def __init__(self, spec: ConvSpec, x_shape, w_shape, device: torch.device, autotune: bool = True):
+        cudnn = _frontend()
+        self.spec, self.x_shape, self.w_shape, self.device = spec, tuple(x_shape), tuple(w_shape), device
+        self.out_shape = spec.out_shape(x_shape, w_shape)
+        io_t = cudnn.data_type.FP8_E4M3 if spec.io == "fp8" else cudnn.data_type.HALF
+        f32, half = cudnn.data_type.FLOAT, cudnn.data_type.HALF
+        self.handle = _handle(device)
+        g = cudnn.pygraph(io_data_type=half, intermediate_data_type=f32, compute_data_type=f32, handle=self.handle)
+        self._x = g.tensor(name="x", dim=list(x_shape), stride=_strides_cl(x_shape), data_type=io_t)
+        self._w = g.tensor(name="w", dim=list(w_shape), stride=_strides_cl(w_shape), data_type=io_t)
+        y = g.conv_fprop(image=self._x, weight=self._w, padding=list(spec.padding), stride=list(spec.stride),
+                         dilation=list(spec.dilation), compute_data_type=f32, name="conv")
+        self._extra = []
+        k = self.out_shape[1]
+        for i, op in enumerate(spec.epilogue):
+            if op in WITH_TENSOR:
+                dim = [1, k, 1, 1] if op in ("scale", "bias") else list(self.out_shape)
+                stride = [k, 1, k, k] if op in ("scale", "bias") else _strides_cl(self.out_shape)
+                t = g.tensor(name=f"e{i}", dim=dim, stride=stride, data_type=f32 if op == "scale" else half)
+                self._extra.append(t)
+                y = g.mul(a=y, b=t, name=f"op{i}") if op in ("scale", "mul") else g.add(a=y, b=t, name=f"op{i}")
+            elif op == "relu":
+                y = g.relu(input=y, name=f"op{i}")
+            elif op == "silu":
+                y = g.swish(input=y, name=f"op{i}")
+            elif op == "sigmoid":
+                y = g.sigmoid(input=y, name=f"op{i}")
+            else:
+                y = g.leaky_relu(input=y, negative_slope=float(op.split(":")[1]), name=f"op{i}")
+        y.set_output(True).set_data_type(half).set_stride(_strides_cl(self.out_shape))
+        self._y, self.graph = y, g
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in HEURISTICS])
+        g.check_support()
+        g.build_plans(cudnn.build_plan_policy.ALL if autotune else cudnn.build_plan_policy.HEURISTICS_CHOICE)
+        self.plans = g.get_execution_plan_count()
+        self.plan, self.plan_ms, self.plan_name = 0, None, ""
+        self._ws = torch.empty(0, dtype=torch.uint8, device=device)
+        if autotune:
+            self._autotune()
+        self._ws = torch.empty(max(g.get_workspace_size_plan_at_index(self.plan), 1), dtype=torch.uint8, device=device)
+        try:
+            self.plan_name = g.get_plan_name_at_index(self.plan)
+        except Exception:  # noqa: BLE001 - a name is a courtesy for the notes
+            self.plan_name = f"plan {self.plan}"
+
+    def _operands(self, x, w, extras, out) -> dict:
+        pack = {self._x: x, self._w: w, self._y: out}
+        pack.update(zip(self._extra, extras))
+        return pack
+
+    def _autotune(self) -> None:
+        """Time the first AUTOTUNE_PLANS built plans on random operands; keep the fastest."""
+        dev, spec = self.device, self.spec
+        x, w = torch.randn(self.x_shape, device=dev), torch.randn(self.w_shape, device=dev) * 0.05
+        dt = torch.float8_e4m3fn if spec.io == "fp8" else torch.float16
+        x, w = (t.to(dt).contiguous(memory_format=torch.channels_last) for t in (x, w))
+        k = self.out_shape[1]
+        extras = [torch.rand(1, k, 1, 1, device=dev) if op == "scale" else
+                  torch.randn(1, k, 1, 1, device=dev, dtype=torch.float16) if op == "bias" else
+                  torch.randn(self.out_shape, device=dev, dtype=torch.float16).contiguous(
+                      memory_format=torch.channels_last) for op in spec.tensors()]
+        out = torch.empty(self.out_shape, device=dev, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        best = None
+        for i in range(min(self.plans, AUTOTUNE_PLANS)):
+            try:
+                ws = torch.empty(max(self.graph.get_workspace_size_plan_at_index(i), 1), dtype=torch.uint8, device=dev)
+                ms = gpu_ms(lambda: self._run(x, w, extras, out, ws, i), warmup=1)
+            except Exception:  # noqa: BLE001 - a plan that did not build or run is skipped, not fatal
+                continue
+            if best is None or ms < best[1]:
+                best = (i, ms)
+        if best is None:
+            raise RuntimeError(f"none of the first {min(self.plans, AUTOTUNE_PLANS)} plans ran")
+        self.plan, self.plan_ms = best
+
+    def _run(self, x, w, extras, out, ws, index) -> None:
+        _frontend().set_stream(self.handle, torch.cuda.current_stream(self.device).cuda_stream)
+        self.graph.execute_plan_at_index(self._operands(x, w, extras, out), ws, index, handle=self.handle)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, extras: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        out = torch.empty(self.out_shape, device=self.device, dtype=torch.float16).contiguous(
+            memory_format=torch.channels_last)
+        cl = torch.channels_last
+        self._run(x.contiguous(memory_format=cl), w.contiguous(memory_format=cl),
+                  [t.contiguous() if t.dim() < 4 or t.shape[1] == 1 else t.contiguous(memory_format=cl) for t in extras],
+                  out, self._ws, self.plan)
+        return out
+
+
+def build(spec: ConvSpec, x_shape, w_shape, device: torch.device | str, autotune: bool = True) -> ConvGraph:
+    """The graph for `spec` at these shapes, built once per process (per shape, spec, architecture and cuDNN)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    require(dev, spec.io)
+    key = (spec.key(), HEURISTICS, tuple(x_shape), tuple(w_shape), torch.cuda.get_device_capability(dev), dev.index,
+           _frontend().backend_version())
+    with _LOCK:
+        if key not in _BUILT:
+            _BUILT[key] = ConvGraph(spec, x_shape, w_shape, dev, autotune)
+        return _BUILT[key]
+
+
+def _declined(spec_key: str, shape_key: str, why: str) -> None:
+    NOTES[f"{spec_key} at {shape_key}"] = why
+
+
+@torch.library.custom_op("lab::cudnn_conv", mutates_args=())
+def _cudnn_conv(x: torch.Tensor, w: torch.Tensor, key: str, extras: list[torch.Tensor]) -> torch.Tensor:
+    spec = ConvSpec.from_key(key)
+    shapes = f"x{tuple(x.shape)} w{tuple(w.shape)}"
+    if f"{key} at {shapes}" not in NOTES:
+        try:
+            return build(spec, x.shape, w.shape, x.device)(x, w, extras)
+        except BackendUnavailable:
+            raise
+        except Exception as e:  # noqa: BLE001 - the graph API declined this spec: torch computes it, said in NOTES
+            _declined(key, shapes, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+    return _fallback(x, w, spec, extras)
+
+
+def _fallback(x, w, spec: ConvSpec, extras) -> torch.Tensor:
+    # the extras are already in epilogue order; hand them back by kind
+    kinds = spec.tensors()
+    get = dict(zip(kinds, extras))
+    others = [t for k, t in zip(kinds, extras) if k == "other"]
+    xf = x.float() if x.dtype != torch.float8_e4m3fn else x.to(torch.float16).float()
+    wf = w.float() if w.dtype != torch.float8_e4m3fn else w.to(torch.float16).float()
+    return reference(xf, wf, spec, get.get("scale"), get.get("bias"), others)
+
+
+@_cudnn_conv.register_fake
+def _(x, w, key, extras):
+    n, k, ho, wo = ConvSpec.from_key(key).out_shape(x.shape, w.shape)
+    return torch.empty_strided((n, k, ho, wo), _strides_cl((n, k, ho, wo)), dtype=torch.float16, device=x.device)
+
+
+def conv2d(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, scale: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None, others: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """The conv and its epilogue as one cuDNN graph (torch computes a spec the graph API declines)."""
+    if x.dim() != 4 or w.dim() != 4:
+        raise InputError(f"cuDNN conv takes 4-D NCHW input and weight, got {tuple(x.shape)} and {tuple(w.shape)}")
+    extras = _extras(spec, scale, bias, others)
+    if not x.is_cuda:
+        return _fallback(x, w, spec, extras)
+    return torch.ops.lab.cudnn_conv(x, w, spec.key(), extras)
+
+
+def notes() -> list[str]:
+    """One line per spec that fell back to torch, with cuDNN's reason."""
+    return [f"{k}: {v}" for k, v in sorted(NOTES.items())]

@@ -1,0 +1,168 @@
+"""cuDNN graph convs: the planning logic (specs, epilogues, shapes), the torch fallback's arithmetic, the refusals,
+and the FP8 layer's cudnn path, on the CPU; the graphs themselves against torch on a GPU (marked `gpu`)."""
+import builtins
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lab.errors import BackendUnavailable, InputError
+from lab.runtime import cudnn_graph as C
+from lab.techniques import fp8 as Q
+
+
+def test_epilogue_parsing_and_key_round_trip():
+    spec = C.ConvSpec.of((1, 1), epilogue=("scale", "bias", "add", "leaky_relu:0.20"))
+    assert spec.epilogue == ("scale", "bias", "add", "leaky_relu:0.2")
+    assert C.ConvSpec.from_key(spec.key()) == spec
+    assert spec.tensors() == ("scale", "bias", "other")
+    assert spec.out_shape((2, 8, 6, 6), (16, 8, 3, 3)) == (2, 16, 6, 6)
+    assert C.ConvSpec.of((0, 0), stride=(2, 2)).out_shape((1, 4, 7, 7), (4, 4, 3, 3)) == (1, 4, 3, 3)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(epilogue=("gelu",)), "is not one of"),
+    (dict(epilogue=("leaky_relu:x",)), "leaky_relu:<slope>"),
+    (dict(epilogue="bias"), "sequence of op names"),
+    (dict(epilogue=("bias", "bias")), "once"),
+    (dict(io="int8"), "ConvSpec.io"),
+    (dict(stride=(0, 1)), "ConvSpec.stride"),
+])
+def test_bad_specs_say_what_is_wrong(kw, needle):
+    with pytest.raises(InputError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        C.ConvSpec.of(**kw)
+
+
+def test_shape_and_operand_refusals():
+    spec = C.ConvSpec.of((1, 1), epilogue=("bias",))
+    with pytest.raises(InputError, match="input has 8 channels, weight expects 4"):
+        spec.out_shape((1, 8, 4, 4), (4, 4, 3, 3))
+    with pytest.raises(InputError, match="leaves no output"):
+        C.ConvSpec.of((0, 0)).out_shape((1, 4, 2, 2), (4, 4, 3, 3))
+    with pytest.raises(InputError, match="'bias' tensor is missing"):
+        C.conv2d(torch.randn(1, 4, 4, 4), torch.randn(4, 4, 3, 3), spec)
+    with pytest.raises(InputError, match="more than it uses"):
+        C.conv2d(torch.randn(1, 4, 4, 4), torch.randn(4, 4, 3, 3), spec, bias=torch.randn(4),
+                 others=[torch.randn(1, 4, 4, 4)])
+    with pytest.raises(InputError, match="4-D"):
+        C.conv2d(torch.randn(4, 4, 4), torch.randn(4, 4, 3, 3), C.ConvSpec.of())
+
+
+def test_reference_applies_the_epilogue_in_order():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 8, 6, 6, generator=g), torch.randn(16, 8, 3, 3, generator=g)
+    s, b, r = torch.rand(16, generator=g), torch.randn(16, generator=g), torch.randn(2, 16, 6, 6, generator=g)
+    spec = C.ConvSpec.of((1, 1), epilogue=("scale", "bias", "add", "leaky_relu:0.2"))
+    got = C.conv2d(x, w, spec, s, b, [r])  # on the CPU: the torch path
+    want = F.leaky_relu(F.conv2d(x, w, None, 1, 1) * s.view(1, -1, 1, 1) + b.view(1, -1, 1, 1) + r, 0.2)
+    assert got.dtype == torch.float16 and got.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-3)
+    # the order matters: bias before scale is another function
+    other = C.conv2d(x, w, C.ConvSpec.of((1, 1), epilogue=("bias", "scale")), s, b)
+    assert not torch.allclose(other.float(), (F.conv2d(x, w, None, 1, 1) * s.view(1, -1, 1, 1) +
+                                              b.view(1, -1, 1, 1)), atol=1e-2)
+
+
+def test_unavailable_names_what_is_missing(monkeypatch):
+    ok, why = C.available("cpu")
+    assert not ok and "CUDA GPU" in why
+    with pytest.raises(BackendUnavailable, match="CUDA GPU"):
+        C.require("cpu")
+    real = builtins.__import__
+
+    def no_cudnn(name, *a, **k):
+        if name == "cudnn":
+            raise ImportError("No module named 'cudnn'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_cudnn)
+    with pytest.raises(BackendUnavailable, match="nvidia-cudnn-frontend"):
+        C._frontend()
+
+
+def test_fp8_cudnn_path_computes_the_dequantized_conv_on_cpu():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(16, 32, 3, padding=1)
+    x = torch.randn(2, 16, 8, 8)
+    q = Q.FP8Conv2d.from_float(conv, "per_channel", "cudnn", "static", float(x.abs().max()))
+    assert q.spec.io == "fp8" and q.spec.epilogue == ("scale", "bias")
+    xq, s = q._act(x)
+    want = F.conv2d(xq.float() * s, q.dequantized_weight(torch.float32), conv.bias, 1, 1)
+    got = q(x)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    assert ((got.float() - conv(x)).norm() / conv(x).norm()) < 0.08  # e4m3's few percent
+
+
+def test_quantize_plans_cudnn_and_falls_back_with_the_reason():
+    model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1))
+    x = torch.randn(1, 16, 8, 8)
+    _, rep = Q.quantize_module(model, "per_channel", "scaled_mm", None, (x,), "static", "cudnn", emulate=True,
+                               tune=False)
+    assert {r.path for r in rep.layers} == {"im2col"}
+    assert all("cudnn unavailable" in r.reason and "CUDA GPU" in r.reason for r in rep.layers)
+
+
+def test_static_calibration_refuses_a_zero_or_nonfinite_range():
+    model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1))
+    with torch.no_grad():
+        model[0].weight.fill_(-1.0)
+        model[0].bias.fill_(-1.0)  # the ReLU then hands the second conv all zeros
+    with pytest.raises(InputError, match=r"layer '2' an input amax of 0"):
+        Q.quantize_module(model, "per_channel", "weight_only", None, (torch.rand(1, 16, 8, 8),), "static")
+    with pytest.raises(InputError, match=r"layer '0' an input amax of nan"):
+        Q.quantize_module(model, "per_channel", "weight_only", None,
+                          (torch.full((1, 16, 8, 8), float("nan")),), "static")
+
+
+# ----------------------------------------------------------------------------- GPU
+
+def _gpu():
+    ok, why = C.available("cuda")
+    if not ok:
+        pytest.skip(why)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", [(), ("bias", "leaky_relu:0.2"), ("scale", "bias", "add", "relu")])
+def test_graph_equals_torch_and_captures(epilogue):
+    _gpu()
+    dev, cl = torch.device("cuda"), torch.channels_last
+    x = torch.randn(4, 64, 32, 32, device=dev, dtype=torch.float16).contiguous(memory_format=cl)
+    w = (torch.randn(64, 64, 3, 3, device=dev, dtype=torch.float16) * 0.05).contiguous(memory_format=cl)
+    spec = C.ConvSpec.of((1, 1), epilogue=epilogue)
+    kinds = spec.tensors()
+    ext = dict(scale=torch.rand(64, device=dev), bias=torch.randn(64, device=dev, dtype=torch.float16))
+    others = [torch.randn(4, 64, 32, 32, device=dev, dtype=torch.float16)] if "other" in kinds else []
+    args = (ext["scale"] if "scale" in kinds else None, ext["bias"] if "bias" in kinds else None, others)
+    want = C.reference(x, w, spec, *args)
+    got = C.conv2d(x, w, spec, *args)
+    assert not C.notes(), C.notes()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-3)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        C.conv2d(x, w, spec, *args)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        y = C.conv2d(x, w, spec, *args)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(y, C.reference(x, w, spec, *args), atol=2e-2, rtol=2e-3)
+
+
+@pytest.mark.gpu
+def test_fp8_graph_under_compile_matches_the_dequantized_conv():
+    _gpu()
+    ok, why = C.available("cuda", "fp8")
+    if not ok:
+        pytest.skip(why)
+    conv = nn.Conv2d(64, 64, 3, padding=1).cuda().half()
+    x = torch.randn(4, 64, 32, 32, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    q = Q.FP8Conv2d.from_float(conv, "per_channel", "cudnn", "static", float(x.abs().max()))
+    xq, s = q._act(x)
+    want = F.conv2d(xq.float() * s, q.dequantized_weight(torch.float32), conv.bias.float(), 1, 1)
+    with torch.inference_mode():
+        got = torch.compile(q, fullgraph=True)(x)
+    torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=1e-2)
