@@ -16,6 +16,7 @@ tensor, s_w = max|W| / 448 (448 is the largest finite float8_e4m3fn), and multip
   - ``triton``: a k×k conv as an implicit-GEMM FP8 Triton kernel (`lab.techniques.fp8_triton`) that
     fetches the taps inside the GEMM loop, so no im2col matrix is written: a gather kernel (pointer
     loads) or, for stride-1 convs on Hopper, a bulk-copy (TMA) kernel; tuning keeps the faster.
+  - ``cudnn``: cuDNN's own FP8 conv (`lab.runtime.cudnn_graph`), the descale and bias in its epilogue.
   True FP8 paths need a GPU with compute capability ≥ 8.9; elsewhere ``mode="auto"`` falls back to
   ``weight_only`` with a warning and a notice in the report.
 * **torchao** as a comparison (`lab.experiments.fp8.quantize_torchao`), unavailable with the reason when
@@ -40,7 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lab.runtime import cudnn_graph
 from lab.techniques import fp8_triton
+from lab.timing import gpu_ms
 from lab.errors import InputError
 
 E4M3 = torch.float8_e4m3fn
@@ -54,8 +57,8 @@ SAT_LIMIT = E4M3_MAX * (1 + 1e-5)
 SCHEMES = ("per_tensor", "per_channel")
 MODES = ("auto", "weight_only", "scaled_mm")
 ACTIVATIONS = ("dynamic", "static")
-CONV_IMPLS = ("auto", "triton", "im2col")
-PATHS = ("weight_only", "gemm", "im2col", "triton")
+CONV_IMPLS = ("auto", "triton", "im2col", "cudnn")
+PATHS = ("weight_only", "gemm", "im2col", "triton", "cudnn")
 DEFAULT_SKIP = ("first_conv", "last_conv", "*conv_in", "*conv_out")
 # A Triton conv whose output differs from the im2col path (same FP8 operands) by more than this
 # relative L2 is treated as broken on this GPU and replaced by im2col.
@@ -417,6 +420,8 @@ class FP8Conv2d(_FP8Layer):
                 ok, why = fp8_triton.supports(conv.in_channels, conv.out_channels, conv.groups, conv.dilation)
                 if not ok:
                     raise InputError(f"conv cannot take path 'triton': {why}")
+        self.spec = cudnn_graph.ConvSpec.of(self.padding, self.stride, self.dilation, "fp8",
+                                            ("scale",) + ("bias",) * (conv.bias is not None))
         # Triton path: cast the activation inside the conv kernel instead of a separate pass first.
         # Off by default: on the H200 it made the eager decoder faster (229 vs 206 FPS) but the
         # compiled one slower (420 vs 506 FPS; Inductor already fuses the separate cast into the
@@ -450,6 +455,11 @@ class FP8Conv2d(_FP8Layer):
         (sh, sw), (ph, pw) = self.stride, self.padding
         ho, wo = fp8_triton.out_hw(h, wd, kh, kw, sh, sw, ph, pw)
         w2 = self._weight_fp8()
+        if self.path == "cudnn":  # the descale (activation × weight scales) and the bias in the conv's epilogue
+            xq, s = self._act(x)
+            w4 = w2.reshape(self.out_channels, kh, kw, -1).permute(0, 3, 1, 2)
+            scale = (s.float() * self.w_scale.float()).expand(self.out_channels).contiguous()
+            return cudnn_graph.conv2d(xq, w4, self.spec, scale, self._bias(torch.float16)).to(x.dtype)
         if self.path in ("gemm", "im2col"):
             # cast first, then pad + gather the 1-byte values (a 1×1 conv is a view when x is channels-last)
             xq, s = self._act(x)
@@ -711,8 +721,9 @@ def _plan_path(mod: nn.Module, mode: str, conv_impl: str, triton_ok: bool, trito
         return "gemm", ""
     if _is_pointwise(mod):
         return "gemm", ""
-    if conv_impl == "im2col":
-        return "im2col", ""
+    if conv_impl in ("im2col", "cudnn"):
+        ok, why = cudnn_graph.available(_model_device(mod), "fp8") if conv_impl == "cudnn" else (True, "")
+        return (conv_impl, "") if ok else ("im2col", f"cudnn unavailable ({why}); im2col instead")
     t_ok, t_why = fp8_triton.supports(mod.in_channels, mod.out_channels, mod.groups, mod.dilation)
     if triton_ok and t_ok:
         return "triton", ""
@@ -736,26 +747,10 @@ def _gemm_mnk(mod: nn.Module, in_shape: tuple | None) -> tuple | None:
 _TUNED: dict[tuple, tuple[tuple[int, ...], float]] = {}
 
 
-def _time_ms(fn: Callable[[], Any], iters: int = 5, warmup: int = 2) -> float:
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
 def time_layer(layer: nn.Module, x: torch.Tensor, iters: int = 5, warmup: int = 2) -> float:
     """Median milliseconds of `layer(x)` on the GPU (CUDA events; a short loop for choosing kernels,
     not a benchmark: `lab.timing.bench` is that)."""
-    return _time_ms(lambda: layer(x), iters, warmup)
+    return gpu_ms(lambda: layer(x), iters, warmup)
 
 
 def tma_capable(device: torch.device | str) -> bool:
@@ -802,7 +797,7 @@ def tune_triton(layer: FP8Conv2d, x: torch.Tensor, iters: int = 5) -> tuple[tupl
                 ref = out
             elif ref is not None and fp8_triton.is_tma(cfg) and not _rel_l2(out, ref) < 1e-3:
                 continue  # a TMA tile that computes something else on this GPU: never chosen
-            t = _time_ms(lambda: run(cfg), iters)
+            t = gpu_ms(lambda: run(cfg), iters)
         except Exception:  # a tile that does not fit this GPU (shared memory, registers): try the next
             continue
         if t < best_t:
@@ -928,6 +923,9 @@ def quantize_module(model: nn.Module, scheme: str = "per_tensor", mode: str = "a
     for name in tqdm(list(plan), desc="fp8 quantize", disable=not progress, leave=False):
         mod, path, _ = plan[name]
         amax = seen[name]["amax"] if seen is not None and name in seen else None
+        if activation == "static" and amax is not None and not 0 < amax < math.inf:
+            raise InputError(f"calibration gave layer {name!r} an input amax of {amax}: a static scale needs a "
+                             f"finite, non-zero range (calibrate on real inputs, or use activation='dynamic')")
         cls = FP8Conv2d if isinstance(mod, nn.Conv2d) else FP8Linear
         q = cls.from_float(mod, scheme, path, activation, amax, emulate)
         if isinstance(q, FP8Conv2d):
