@@ -164,26 +164,31 @@ def labelled_image_grid(images: Sequence[Sequence], row_labels: Sequence[str], c
     return fig
 
 
-def layer_errors(reports: dict[str, Sequence[dict]], value: str = "out_rel_err", title: str = ""):
-    """Per-layer error bars in execution order, one panel per model, coloured by execution path
-    (rows as in `FP8Report.rows()`: name, path, out_rel_err, weight_rel_err)."""
+def layer_errors(reports: dict[str, Sequence[dict]], value: str = "out_rel_err", title: str = "", worst: int = 20):
+    """Per model, its `worst` FP8 layers by output error, largest first, each bar labelled with the layer's name and
+    coloured by execution path, the weight error as a dot; the panel title says how many layers there are and the
+    largest error among those left out (rows as in `FP8Report.rows()`: name, path, out_rel_err, weight_rel_err)."""
     colors = {"weight_only": "#8c8c8c", "gemm": "#4c72b0", "im2col": "#dd8452", "triton": "#55a868"}
     names = [k for k, v in reports.items() if v]
-    fig, axes = plt.subplots(len(names) or 1, 1, figsize=(10, 2.3 * max(1, len(names))), squeeze=False)
+    shown = {n: sorted((r for r in reports[n] if r.get(value) is not None), key=lambda r: -r[value]) for n in names}
+    heights = [0.22 * min(worst, len(v)) + 0.9 for v in shown.values()] or [2.0]
+    fig, axes = plt.subplots(len(heights), 1, figsize=(10, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
     for ax, name in zip(axes[:, 0], names):
-        rows = [r for r in reports[name] if r.get(value) is not None]
-        ax.bar(range(len(rows)), [100 * r[value] for r in rows], color=[colors.get(r["path"], "#c44e52") for r in rows],
-               width=0.85)
-        if rows and "weight_rel_err" in rows[0]:
-            ax.plot(range(len(rows)), [100 * (r.get("weight_rel_err") or 0) for r in rows], "k.", ms=3, label="weight")
-        ax.set_ylabel("rel. L2 err (%)", fontsize=8)
-        ax.set_title(f"{name}: {len(rows)} FP8 layers", fontsize=8, loc="left")
-        ax.set_xlim(-1, max(len(rows), 1))
-        ax.tick_params(labelsize=7)
+        rows, top = shown[name], shown[name][:worst]
+        y = range(len(top))
+        ax.barh(y, [100 * r[value] for r in top], color=[colors.get(r["path"], "#c44e52") for r in top], height=0.8)
+        ax.plot([100 * (r.get("weight_rel_err") or 0) for r in top], y, "k.", ms=4)
+        ax.set_yticks(list(y), [str(r.get("name", "?"))[-48:] for r in top], fontsize=6)
+        ax.invert_yaxis()
+        rest = f"; the other {len(rows) - len(top)} ≤ {100 * rows[len(top)][value]:.2g} %" if len(rows) > len(top) else ""
+        ax.set_title(f"{name}: the {len(top)} worst of {len(rows)} FP8 layers{rest}", fontsize=8, loc="left")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="x", alpha=0.3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     axes[0, 0].legend(handles + [plt.Line2D([], [], color="k", marker=".", ls="")], list(colors) + ["weight error"],
-                      fontsize=7, ncol=5, loc="upper right")
-    axes[-1, 0].set_xlabel("layer (execution order)", fontsize=8)
+                      fontsize=7, ncol=5, loc="lower right")
+    axes[-1, 0].set_xlabel("relative L2 error of the layer's output (%)", fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig

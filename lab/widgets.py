@@ -187,6 +187,9 @@ def decoder_comparator(frames: dict[str, np.ndarray], labels: Sequence[str] | No
     b = b or (keys[1] if len(keys) > 1 else keys[0])
     n = _check_frames(frames, a, b)
     if not resolve_interactive(interactive):
+        from lab.progress import step
+
+        step(f"no front end: {a} vs {b} over {n} frames drawn as one static figure …")
         return comparison_figure(frames, a, b, range(n), labels, roi, suptitle)
 
     import ipywidgets as W

@@ -1,7 +1,9 @@
 """What a reader sees: report tables keep their columns, a figure is shown once, labels read."""
 from pathlib import Path
+from types import SimpleNamespace
 
 import matplotlib
+import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -147,3 +149,54 @@ def test_variants_not_run_are_listed_with_the_whole_reason():
     text = decoders.not_run_text(rows)
     assert text.count("`compile`") == 1 and "(sd-vae, taesd)" in text and why in text and "eager" not in text
     assert decoders.not_run_text(rows[-1:]) == "Every variant ran."
+
+
+# ----------------------------------------------------------------------------- plots where a plot reads better
+
+def test_per_layer_errors_show_the_worst_layers_named_and_sorted():
+    """179 layers in execution order were unlabelled bars: the figure draws the worst 20, largest first, each named."""
+    from lab import plots
+
+    rows = [{"name": f"decoder.up.{i}.conv", "path": "gemm", "out_rel_err": 0.01 + (i * 37 % 179) / 1e4,
+             "weight_rel_err": 0.02} for i in range(179)]
+    fig = plots.layer_errors({"unet": rows})
+    ax = fig.axes[0]
+    widths = [b.get_width() for b in ax.patches if isinstance(b, matplotlib.patches.Rectangle) and b.get_height() > 0.5]
+    assert len(widths) == 20 and widths == sorted(widths, reverse=True)
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert len(labels) == 20 and all(t.startswith("decoder.up.") for t in labels)
+    assert "20 worst of 179" in ax.get_title(loc="left")
+    plt.close(fig)
+
+
+def test_backend_speed_and_psnr_are_a_table_not_a_scatter_on_the_cap():
+    from lab.experiments import backends as ex
+    from lab.experiments.common import Run
+
+    rows = [{"model": "sd-vae", "batch": 2, "backend": b, "speedup": s, "psnr_vs_eager": p, "status": "ok", "fps": 1.0}
+            for b, s, p in (("eager", 1.0, float("inf")), ("compile", 1.5, float("inf")), ("onnx", 2.5, 130.6),
+                            ("fp16", 3.0, 48.2))]
+    res = Result(name="04_compile_backends", params={}, tables={"backends": rows})
+    run = Run("04_compile_backends", {"precision": "fp32", "models": ["sd-vae"], "batches": [2], "quick": False,
+                                   "backends": ["eager", "compile", "onnx", "fp16"]},
+              torch.device("cpu"), Path("unused"), res, "cpu")
+    md = ex.quality_table(run).data
+    assert "| sd-vae b2 | fp16 | 3 | 48.2 |" in md and md.count("≥ 120 (same output)") == 2 and not res.figures
+    assert md.index("| fp16") < md.index("| onnx") < md.index("| compile")
+
+
+def test_wide_tables_are_narrow_with_their_figure():
+    """06's waterfall and 07's modes: a narrow table beside the figure; the Result keeps every column."""
+    from lab.experiments import ditto, latentsync
+
+    assert len(ditto.COLUMNS["waterfall"]) <= 9
+    long = "compile+cudagraph, attention kernels, fused_qkv, fused_norms, null_audio, shared_prefix"
+    rows = [{"mode": "exact20 eager", "runner": "eager", "s_per_output_s": 3.8, "latent_cosine": 1.0, "wall_s": 1.0},
+            {"mode": "exact20 fast", "runner": long, "s_per_output_s": 3.9, "latent_cosine": 0.99999, "wall_s": 1.0},
+            {"mode": "dpm8 fast", "runner": long, "s_per_output_s": 1.7, "latent_cosine": 0.98, "wall_s": 1.0}]
+    ctx = SimpleNamespace(job=SimpleNamespace(n_out=8), suffix=" · cpu")
+    md = latentsync.mode_view(ctx, rows).data
+    table = [ln for ln in md.splitlines() if ln.startswith("|")]
+    assert md.count(long) == 1 and "A = eager" in md and f"B = {long}" in md
+    assert all(len(ln) < 100 for ln in table) and _row_cells(table[0]) <= 9 and "| dpm8 fast | B |" in md
+    assert "**modes over 8 frames · cpu**" in md and "**" not in md.split("\n\n", 1)[1]

@@ -2,6 +2,8 @@
 timer, the compile panel, the leaderboard's parameter rules and profile. Tiny models on CPU."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -139,6 +141,32 @@ def test_panel_headless(clip, tmp_path):
     out = p.start()
     assert out is not None and out.family == "ditto" and "done" in p.status.value
     assert (tmp_path / "studio_clip.png").stat().st_size > 0 and p.hud.final["fps"] == out.fps
+
+
+def test_panel_says_a_compile_is_slow_here_and_counts_a_builds_seconds(clip, tmp_path):
+    """The runtime that compiles carries a note of what a build costs on this device; a build shows its seconds
+    while the kernel is busy (the status is refreshed from a thread of its own)."""
+    pytest.importorskip("ipywidgets")
+    p = S.Panel(clip, torch.device("cpu"), "tiny", tmp_path, interactive=False)
+    p.runtime.value = "eager"
+    assert p.slow.value == ""
+    p.runtime.value = "compile"
+    assert "minutes" in p.slow.value and "CPU" in p.slow.value
+    assert "minute" in S.compile_note("compile+graph", "cuda") and S.compile_note("graph", "cuda") == ""
+    seen = []
+
+    class W:
+        @property
+        def value(self):
+            return seen[-1]
+
+        @value.setter
+        def value(self, v):
+            seen.append(v)
+
+    with S.Ticker(W(), "building x …", period_s=0.05) as t:
+        time.sleep(0.3)
+    assert t.ticks >= 2 and seen[0] == "building x … 0 s" and all(v.startswith("building x … ") for v in seen)
 
 
 @pytest.mark.parametrize("family, first, then", [("musetalk", ("fast", {}), ("exact", {})),

@@ -30,7 +30,8 @@ import torch
 from lab import env, metrics, params, plots
 from lab.techniques import silence as sil
 from lab.experiments import inputs
-from lab.experiments.common import notebook_path, run_steps
+from lab.experiments.common import markdown, notebook_path, run_steps
+from lab.progress import step as progress_step
 from lab.experiments.ditto_variants import (AGREEMENT_VARIANTS, CL, FOLD, FULL_VARIANTS, VARIANT_TEXT, VARIANTS,
                                             _compiles, _graphs, with_renderer, with_techniques)
 from lab.models import ditto as D
@@ -269,8 +270,8 @@ def renderer_table(ctx: Context, variants: list[str] | None = None) -> list[dict
         for name in ["upstream"] + [v for v in todo if v != "upstream"]:
             if (name, b) in done and name != "upstream":
                 continue
-            v = VARIANTS[name]
-            row = {"variant": name, "batch": b}
+            v, row = VARIANTS[name], {"variant": name, "batch": b}
+            progress_step(f"renderer {name}, batch {b} …")
             if (_graphs(v) or _compiles(v)) and ctx.dev.type != "cuda":
                 rows.append(row | {"status": "skipped", "reason": "needs a CUDA device"})
                 continue
@@ -658,6 +659,7 @@ def _timed(ctx: Context, changes: dict, keep_faces: bool = True, keep_frames: tu
     """One run (after an untimed warm-up), or the median by FPS of `repeats` when the first one was quick
     (under 6 s: the slow baseline rows stay single runs). The report says how many (`runs`, `fps_runs`)."""
     e = P.reconfigure(ctx.engine, **changes)
+    progress_step(f"end to end over {ctx.audio.size / 16000:.1f} s of speech" + (f" ({', '.join(changes)})" if changes else "") + " …")
     reps = []
     with tempfile.TemporaryDirectory() as tmp:
         if ctx.prof.warm:
@@ -1174,9 +1176,7 @@ COLUMNS = {
     "renderer": ["variant", "batch", "fps", "ms_per_frame", "tflops", "pct_of_ceiling", "psnr_vs_upstream_db",
                  "build_s", "runs", "status", "reason"],
     "stages": ["stage", "ms_per_frame", "share_of_renderer", "ms_per_window", "new_frames_per_window", "batch", "runs"],
-    "waterfall": ["step", "fps", "fps_min", "fps_max", "runs", "ms_per_frame", "first_frame_ms", "loop_fps", "pre_loop_ms", "render_ms",
-                  "putback_encode_ms", "rendered", "bypassed", "gpu_peak_mb", "rss_peak_mb", "rss_run_mb", "psnr_vs_dense_db",
-                  "ssim_vs_dense", "psnr_speech_frames_db", "psnr_silence_vs_eased_db", "status", "reason"],
+    "waterfall": ["step", "fps", "fps_min", "fps_max", "runs", "ms_per_frame", "psnr_vs_dense_db", "status", "reason"],
     "e2e_stages": ["stage", "ms_per_frame", "share", "calls"],
     "motion": ["variant", "steps", "ms_per_window", "ms_per_ddim_step", "speedup_vs_eager", "kernels_per_step",
                "max_abs_diff_vs_eager", "eager_abs_max", "build_s", "runs", "status", "reason"],
@@ -1223,11 +1223,9 @@ def waterfall_section(ctx: Context) -> Any:
     if ok_rows(rows):   # drawn here, under its section; the strides section adds its rows to the saved file
         save_figure(waterfall_figure(ctx), ctx.folder, "waterfall", ctx.res)
     stages = ctx.res.tables.get("e2e_stages", [])
-    md = table(rows, COLUMNS["waterfall"], f"end to end{ctx.suffix}").data
-    md += "\n\n" + table(stages, COLUMNS["e2e_stages"], "stages of the last row (ms per output frame)").data
-    from lab.experiments.common import markdown as Markdown
-
-    return Markdown(md)
+    md = table(rows, COLUMNS["waterfall"], f"end to end{ctx.suffix}\n\nThe figure draws the FPS column; every other "
+               "column (first frame, per-stage ms, memory, SSIM, silence PSNR) is in results.json, table `waterfall`.").data
+    return markdown(md + "\n\n" + table(stages, COLUMNS["e2e_stages"], "stages of the last row (ms per output frame)").data)
 
 
 def silence_section(ctx: Context) -> None:

@@ -811,7 +811,7 @@ def summary(run: Run, models: dict[str, dict[str, Any]]) -> Any:
 
 
 def layer_errors(run: Run, models: dict[str, dict[str, Any]]) -> Any:
-    """Figure `layer_errors`: every FP8 layer's output error (bars) and weight error (dots)."""
+    """Figure `layer_errors`: each model's worst FP8 layers by output error, named, largest first (weight error: dots)."""
     reports = _reports(models)
     if not reports:
         return _md("*No model was quantized within the time budget (see the status column above).*")

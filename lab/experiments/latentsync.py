@@ -32,6 +32,7 @@ from lab.experiments import inputs
 from lab.experiments.common import run_steps
 from lab.pipelines import latentsync as P
 from lab.pipelines.latentsync import sampling
+from lab.progress import step as progress_step
 from lab.results import Result, atomic_write_text, run_dir, save_figure
 
 NAME = "07_latentsync"
@@ -397,6 +398,7 @@ def _build_runner(target, how: str, ex, dtype: torch.dtype, compiled: Any = None
     from lab.runtime.backends import accelerate
 
     prec = P._precision(dtype)
+    progress_step(f"building the {how} runner …")
     if how == "compile+cudagraph" and compiled is not None:
         return accelerate(target, how, ex, precision=prec, compiled=compiled, clone_output=False)
     if how == "compile":
@@ -843,6 +845,7 @@ def _run(ctx: Context, mode: str, fast: str, keep: bool = True, job: Any = None,
     VAE, no encode cache (the reference); "fast" = the fastest exact UNet runner with the guided shortcuts, the VAE
     runners, cached encodes. `cfg`: other Config values for this run."""
     eng, levers = ctx.engine, [x for x in LEVERS if x in ctx.prof.fast]
+    progress_step(f"{mode} {fast}: the pipeline over {(job or ctx.job).n_out} frames …")
     rewritten = _rewritten(ctx)
     runners: dict[str, Any] = dict.fromkeys(("unet", "cache", "vae"))
     if fast == "eager":
@@ -1061,92 +1064,8 @@ def job_config(ctx: Context, weights: dict[str, str]) -> P.Config:
                     techniques=techniques, attention_kernels=kernels or None, weights=weights, seed=ctx.seed)
 
 
-def job_costs(ctx: Context) -> list[dict]:
-    """What keeping the engine across jobs saves (the write-up's runner that reuses the loaded model). A new Python
-    process runs two jobs the way a one-job-per-process command would start: imports, the engine built from a UNet
-    checkpoint in the release's layout (`state_dict` under a top-level key, fp32, written here with this run's draw:
-    same seed, same device), the VAE and Whisper built, the fast runners built with inductor's and Triton's on-disk
-    caches empty, the first job (exact20); then a second job on the engine it kept. Same frames and audio as the
-    modes. Each stage timed in that process; its first job's latents against its second's."""
-    import dataclasses
-    import json
-    import os
-    import subprocess
-    import sys
-    import tempfile
-
-    from lab.models.latentsync import load_latentsync_unet
-
-    late = _no_time_for_a_compile(ctx) if ctx.prof.full_gpu else None
-    if late:
-        ctx.res.tables["jobs"] = [{"job": "a job in a new process", "status": late}]
-        return ctx.res.tables["jobs"]
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        # the kept model's attention and norms are fused (other keys): the release layout comes from a new draw, same seed
-        unet = load_latentsync_unet("random", ctx.prof.size, device=ctx.dev, dtype=torch.float32, seed=ctx.seed)
-        ckpt = Path(tmp) / "latentsync_unet.pt"
-        torch.save({"state_dict": {k: v.cpu() for k, v in unet.model.state_dict().items()}}, ckpt)
-        del unet
-        write_s = time.perf_counter() - t0
-        cfg = job_config(ctx, {"unet": str(ckpt), "vae": "random", "whisper": "random"})
-        spec = {"cfg": dataclasses.asdict(cfg), "device": str(ctx.dev), "sr": ctx.sr,
-                "inputs": str(Path(tmp) / "inputs.npz")}
-        np.savez(spec["inputs"], frames=ctx.frames, audio=ctx.audio)
-        env_vars = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"),
-                        TRITON_CACHE_DIR=str(Path(tmp) / "triton"), LAB_JOB_SPEC=json.dumps(spec))
-        t0 = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", "from lab.experiments.latentsync import _job_process; _job_process()"],
-                              env=env_vars, capture_output=True, text=True, cwd=str(Path(__file__).resolve().parents[2]))
-        process_s = time.perf_counter() - t0
-    if done.returncode != 0:
-        why = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
-        ctx.res.tables["jobs"] = [{"job": "a job in a new process", "status": f"failed: {why}"}]
-        return ctx.res.tables["jobs"]
-    d = json.loads(done.stdout.strip().splitlines()[-1])
-    first = d["import_s"] + d["build_s"] + d["first_job_s"]
-    rows = [{"job": "first job in a new process: imports + engine from the checkpoint + runners + the job",
-             "wall_s": first, "import_s": d["import_s"], "build_s": d["build_s"], "job_s": d["first_job_s"],
-             "x_kept": first / d["second_job_s"], "status": "ok"},
-            {"job": "next job on the engine it kept", "wall_s": d["second_job_s"], "job_s": d["second_job_s"],
-             "x_kept": 1.0, "status": "ok"}]
-    ctx.res.tables["jobs"] = rows
-    ctx.res.metrics["jobs"] = d | {"checkpoint_write_s": write_s, "process_wall_s": process_s,
-                                   "fast": sampling.BACKEND[cfg.runtime],
-                                   "compile_caches": "empty (fresh inductor and Triton cache folders)"}
-    ctx.partial()
-    return rows
-
-
-def _job_process() -> None:
-    """The child of `job_costs`: the spec from LAB_JOB_SPEC, one JSON line of stage times on stdout."""
-    import json
-    import os
-
-    import psutil
-
-    from lab.timing import sync
-
-    import_s = time.time() - psutil.Process().create_time()   # the interpreter's start to here: the imports
-    spec = json.loads(os.environ["LAB_JOB_SPEC"])
-    cfg = P.Config(**spec["cfg"])
-    dev = torch.device(spec["device"])
-    ins = np.load(spec["inputs"])
-    frames, audio = ins["frames"], ins["audio"]
-    t0 = time.perf_counter()
-    eng = P.build(cfg, dev)
-    sync(dev)
-    build_s = time.perf_counter() - t0
-    out = {"import_s": import_s, "build_s": build_s, "unet_weights": eng.weights.get("latentsync_unet")}
-    lat = []
-    for key in ("first_job_s", "second_job_s"):
-        t0 = time.perf_counter()
-        rep = P.run(eng, P.prepare(eng, frames), audio, spec["sr"], keep_faces=True)
-        sync(dev)
-        out[key] = time.perf_counter() - t0
-        lat.append(rep.latents)
-    out["second_equals_first"] = bool(torch.equal(lat[0], lat[1]))
-    print(json.dumps(out), flush=True)
+# what keeping the engine across jobs saves: its own module, re-exported here
+from lab.experiments.latentsync_jobs import _job_process, job_costs  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------- 6. memory
@@ -1328,6 +1247,20 @@ def _group(label: str) -> str:
     return "deepcache" if m.cache_interval > 1 else "exact" if m.exact else m.kind
 
 
+MODE_COLS = ["mode", "runner", "s_per_output_s", "change_vs_exact20_eager_pct", "latent_cosine", "psnr_face_db",
+             "ssim_mouth", "peak_vram_mb", "latents_equal_cold"]
+
+
+def mode_view(ctx: Context, rows: list[dict]) -> Any:
+    """The modes as a narrow table: each runner named once above it by a letter (the Result keeps every column)."""
+    names = list(dict.fromkeys(r["runner"] for r in rows if r.get("runner")))
+    key = {n: "ABCDEFGH"[i] for i, n in enumerate(names[:8])}
+    short = [dict(r, runner=key.get(r.get("runner"), r.get("runner"))) for r in rows]
+    legend = "; ".join(f"{k} = {n}" for n, k in key.items())
+    return table(short, MODE_COLS, f"modes over {ctx.job.n_out} frames{ctx.suffix}\n\nrunners: {legend}. Every column "
+                 "(wall, UNet and VAE seconds, host memory, full-frame SSIM, LPIPS) is in results.json, table `modes`")
+
+
 def speed_drift_figure(ctx: Context):
     rows = [dict(r, group=_group(r["mode"])) for r in ctx.res.tables["modes"]
             if r["mode"] != "exact20 eager" and "latent_cosine" in r]  # the reference (drift 0): not on a log axis
@@ -1345,7 +1278,9 @@ def table(rows: list[dict], cols: list[str] | None = None, title: str = "") -> A
 
     cols = cols or list(dict.fromkeys(k for r in rows for k in r))
     cols = [c for c in cols if any(c in r for r in rows)]
-    return Markdown((f"**{title}**\n\n" if title else "") + plots.table_markdown(rows, cols, floatfmt=".4g"))
+    head, _, notes = title.partition("\n\n")   # bold the first line only: `**` cannot span paragraphs
+    text = (f"**{head}**\n\n" if head else "") + (f"{notes}\n\n" if notes else "")
+    return Markdown(text + plots.table_markdown(rows, cols, floatfmt=".4g"))
 
 
 def headline(ctx: Context) -> dict:

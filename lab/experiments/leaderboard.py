@@ -29,6 +29,7 @@ from lab.experiments import compare as F
 from lab.experiments import studio
 from lab.experiments.common import Run, weights_label
 from lab.experiments.common import start as _start
+from lab.progress import step
 
 NAME = "09_leaderboard"
 SOURCE_HUD = "Beyond Eager PyTorch (studio §4–5)"
@@ -133,6 +134,7 @@ def measure(run: Run) -> Any:
     rows, failed = [], []
     box = run.clip.face_box()
     for fam in run.families:
+        step(f"{fam}: build, warm up and render its exact and fast presets …")
         try:
             rows += _family_rows(run, fam, box)
         except (LabError, RuntimeError) as e:
@@ -199,7 +201,7 @@ def calibration(run: Run) -> Any:
     from lab.results import atomic_write_text
 
     rep = calibrate(str(run.device), quick=run.quick, seed=run.seed, families=tuple(run.built), clip=run.clip,
-                    bases=run.built, log=lambda m: print(m, flush=True))
+                    bases=run.built, log=step)
     run.result.metrics["calibration"] = {k: rep[k] for k in ("median_abs_error_pct", "wall_s", "size", "n_frames")}
     rows, engines = [], []
     for fam, b in rep["benchmarks"].items():

@@ -224,10 +224,49 @@ def strip_figure(frames: np.ndarray, title: str = ""):
     return image_row([frames[i] for i in idx], [f"frame {i}" for i in idx], suptitle=title)
 
 
+SLOW_COMPILE = {
+    "cpu": "torch.compile on a CPU takes minutes per network (Inductor writes and builds C++) and the kernel is busy "
+           "meanwhile; eager starts in seconds",
+    "cuda": "a first torch.compile build takes a minute or more per network; a later build of the same shapes "
+            "reuses the compile cache"}
+
+
+def compile_note(runtime: str | None, device: torch.device | str) -> str:
+    """What a build with `runtime` costs on this device where it compiles ('' where it does not)."""
+    if not runtime or "compile" not in runtime:
+        return ""
+    return SLOW_COMPILE.get(torch.device(device).type, SLOW_COMPILE["cpu"])
+
+
+class Ticker:
+    """While a build runs, `widget.value` reads `text` and the seconds so far, refreshed every `period_s` from a
+    thread of its own (the kernel is busy building; the front end still draws widget updates)."""
+
+    def __init__(self, widget: Any, text: str, period_s: float = 1.0):
+        self.widget, self.text, self.period_s = widget, text, period_s
+        self._stop = threading.Event()
+        self.t0 = time.perf_counter()
+        self.ticks = 0
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.ticks += 1
+            self.widget.value = f"{self.text} {time.perf_counter() - self.t0:.0f} s"
+
+    def __enter__(self) -> "Ticker":
+        self.widget.value = f"{self.text} 0 s"
+        threading.Thread(target=self._loop, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+
+
 class Panel:
     """Family / preset / runtime / batch → "run": build, render with the HUD, a frame strip.
 
-    Runtimes this device cannot run are listed with the reason instead of being offered."""
+    Runtimes this device cannot run are listed with the reason instead of being offered; a runtime that compiles
+    says how long a build takes here; while a build runs the status counts its seconds."""
 
     def __init__(self, clip: F.Clip, device: torch.device, size: str, folder: Path | None = None,
                  family: str = F.FAMILIES[0], batches: tuple[int, ...] = (1, 2, 4, 8, 16), batch: int = 4, seed: int = 0,
@@ -243,10 +282,11 @@ class Panel:
         self.batch = W.Dropdown(options=list(batches), value=batch, description="batch")
         self.techniques = W.HTML()
         self.notes = W.HTML()
+        self.slow = W.HTML()
         self.button = W.Button(description="run", button_style="primary")
         self.status = W.HTML("ready")
         self.controls = W.VBox([W.HBox([self.family, self.preset]), W.HBox([self.runtime, self.batch]),
-                                self.techniques, self.notes, W.HBox([self.button, self.status])])
+                                self.techniques, self.notes, self.slow, W.HBox([self.button, self.status])])
         self.hud: Hud | None = None
         self.outcome: F.Outcome | None = None
         self.built: dict[str, F.Built] = {}
@@ -255,6 +295,7 @@ class Panel:
         self._hud_handle: Any = None
         self.family.observe(self._family_changed, names="value")
         self.preset.observe(self._preset_changed, names="value")
+        self.runtime.observe(self._runtime_changed, names="value")
         self.button.on_click(self._clicked)
         self._family_changed()
 
@@ -279,6 +320,11 @@ class Panel:
                                 f"{html.escape(', '.join(p.techniques) or 'none')}</small>"
         no = [f"{F.RUNTIME_TEXT[r]}: {html.escape(why)}" for r, u, why in opts if not u]
         self.notes.value = "<small>not offered here — " + "<br>".join(no) + "</small>" if no else ""
+        self._runtime_changed()
+
+    def _runtime_changed(self, *_: Any) -> None:
+        note = compile_note(self.runtime.value, self.device)
+        self.slow.value = f"<small style='color:#a15c00'>slow build on this device: {html.escape(note)}</small>" if note else ""
 
     def _clicked(self, _b: Any) -> None:
         try:
@@ -300,8 +346,10 @@ class Panel:
         try:
             key = repr(s)
             if key not in self.built:
-                self.built[key] = F.build(s, self.clip, self.device, self.size, seed=self.seed,
-                                          base=self.bases.get(s.family))
+                slow = " (compiling: see the note above)" if compile_note(s.runtime, self.device) else ""
+                with Ticker(self.status, f"building {html.escape(s.label())}{slow} …"):
+                    self.built[key] = F.build(s, self.clip, self.device, self.size, seed=self.seed,
+                                              base=self.bases.get(s.family))
                 self.bases.setdefault(s.family, self.built[key])
             b = self.built[key]
             self.hud = Hud(b, period_s=self.period_s)

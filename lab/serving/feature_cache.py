@@ -30,6 +30,7 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from lab.errors import InputError
+from lab.progress import step
 
 WINDOW_S = 0.200
 STRIDE_S = 0.133
@@ -186,6 +187,7 @@ def encode_windows(audio: Any, sr: int, encode: Callable[[np.ndarray], Any], cac
         raise InputError(f"window starts must lie in 0..{a.size - win} for a stream of {a.size} samples")
     sync = sync or (lambda: None)
     n = starts.size
+    step(f"{n} audio windows through the cache ({'every hit encoded again to check it' if check_hits else 'hits served'}) …")
     keys, feats = [], []
     hits = np.zeros(n, bool)
     t_fp, t_lk, t_enc = np.zeros(n), np.zeros(n), np.full(n, np.nan)

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from lab.errors import BackendUnavailable, InputError
+from lab.progress import step
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 PAGE = STATIC / "stream.html"
@@ -421,8 +422,10 @@ def browser_run(url: str, stream: str | list[str], timeout: float = 120.0) -> di
     if not ok:
         raise BackendUnavailable(why)
     names = [stream] if isinstance(stream, str) else list(stream)
+    step(f"headless Chromium: the {', '.join(names)} page{'s' if len(names) > 1 else ''} over a local WebSocket …")
     with ThreadPoolExecutor(1) as ex:
         out = ex.submit(_drive, url, names, timeout).result()
+    step("headless Chromium: done")
     return out[stream] if isinstance(stream, str) else out
 
 
