@@ -202,6 +202,28 @@ def test_render_jobs_sequential_keeps_one_engine(tmp_path, capsys):
     assert "kept" in capsys.readouterr().out   # this process's engine, built by the first batch, served the second
 
 
+def test_ctrl_c_keeps_the_finished_jobs(tmp_path, capsys, monkeypatch):
+    import lab.scaleout.jobs as J
+
+    calls = []
+
+    def fake(family, preset, weights, device, size, job, overwrite):
+        calls.append(job.row)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return {"job": job.row, "out": job.out, "status": "ok", "frames": 5, "fps": 9.0, "wall_s": 0.5, "job_s": 1.0,
+                "built": True, "build_s": 0.3, "warm_s": 0.0, "worker": "local"}
+
+    monkeypatch.setattr(J, "render_job", fake)
+    jobs = _jobs(tmp_path, 3)
+    (tmp_path / "out" / ".v1.render-999.mp4").write_bytes(b"part")   # a render cut short leaves its temporary file
+    assert main(["render", "latentsync", "--device", "cpu", "--jobs", str(jobs), "--workers", "1",
+                 "--json", str(tmp_path / "r.json")]) == 130
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["status"] == "interrupted" and [r["status"] for r in rep["jobs"]] == ["ok", "interrupted", "interrupted"]
+    assert "interrupted" in capsys.readouterr().out and not (tmp_path / "out" / ".v1.render-999.mp4").exists()
+
+
 def test_a_schedulers_worker_keeps_its_engine_across_batches(tmp_path, capsys):
     """--scheduler: the workers of a running cluster; a worker's engine outlives the batch that built it."""
     pytest.importorskip("imageio_ffmpeg")

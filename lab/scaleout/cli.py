@@ -92,7 +92,10 @@ def render_jobs(a: argparse.Namespace) -> int:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(a.json, json.dumps({**rep, "builds": builds, "command": _command()}, indent=2, default=str)
                           + "\n", overwrite=True)
-        record(a.json, quiet_outside=True)   # a JSON under outputs/reference/<machine>/ adds its rows there
+        if rep["status"] != "interrupted":
+            record(a.json, quiet_outside=True)   # a JSON under outputs/reference/<machine>/ adds its rows there
+    if rep["status"] == "interrupted":
+        raise KeyboardInterrupt
     return 0 if len(ok) == len(recs) else 1
 
 

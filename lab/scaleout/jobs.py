@@ -189,7 +189,9 @@ def run_jobs(family: str, preset: str, jobs_file: str | Path, weights: list[str]
              size: str | None = None, seconds: float | None = None, overwrite: bool = False,
              workers: int | None = None, scheduler: str | None = None, gpus_per_task: int = 1,
              log: Callable[[str], Any] = print) -> dict[str, Any]:
-    """Every job of `jobs_file` over the pool → {"pool", "wall_s", "jobs": [record per job, in file order]}."""
+    """Every job of `jobs_file` over the pool → {"pool", "wall_s", "status", "jobs": [record per job, in file order],
+    …}. Ctrl-C (or SIGTERM) cancels the jobs not finished, marks them interrupted and returns what finished
+    with the status "interrupted"."""
     from lab.pipelines import pipeline
     from lab.pipelines import preset as preset_of
     from lab.pipelines.render import parse_weights
@@ -218,21 +220,20 @@ def run_jobs(family: str, preset: str, jobs_file: str | Path, weights: list[str]
                                                     if r["status"] == "ok" else f" — {r.get('error')}"))
 
         tasks = [(str(j.row), render_job, (family, preset, weights, device, size, j, overwrite)) for j in jobs]
+        interrupted = False
         try:
             run_all(pool, tasks, done, desc=f"render {family} {preset}", unit="job")
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:   # what finished is kept and reported; the caller says the batch was interrupted
+            interrupted = True
             for j in jobs:
                 if j.row not in records:
                     records[j.row] = {"job": j.row, "out": j.out, "status": "interrupted"}
                     _remove_parts(j)
-            from lab.scaleout.report import jobs_markdown
-
-            log(jobs_markdown([records[j.row] for j in jobs]))
-            raise
     from lab.env import git_commit
     from lab.scaleout.sweep import _now
 
     return {"pool": pool.kind, "wall_s": round(time.perf_counter() - t0, 2), "commit": git_commit(), "date": _now(),
+            "status": "interrupted" if interrupted else "complete",
             "jobs": [records[j.row] for j in jobs], "settings": {"family": family, "preset": preset,
                                                                   "weights": weights, "device": device, "size": size},
             "files": [asdict(j) for j in jobs]}

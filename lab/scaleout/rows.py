@@ -82,7 +82,7 @@ def jobs_rows(path: str | Path) -> list[L.Row]:
     rows = med("job_s", "first job s (engine built)", "s", built) + med("build_s", "engine build s", "s", built)
     rows += med("warm_s", "engine warm-up s", "s", [r for r in built if r.get("warm_s")])
     rows += med("job_s", "kept-engine job s", "s", kept) + med("fps", "kept-engine render FPS", "FPS", kept)
-    if rep.get("wall_s"):
+    if rep.get("wall_s") and rep.get("status") != "interrupted":   # an interrupted batch's wall time counts the wait
         rows.append(L.Row(metric="jobs per minute", value=round(60 * len(ok) / rep["wall_s"], 3), unit="", **base))
     rows.append(L.Row(metric="engine builds", value=float(len(built)), unit="", **base))
     return rows
