@@ -3,7 +3,9 @@
 Notebooks 02 and 05 run with quick=True; their comparator / scrubber controls are moved and the
 picture must change; no "Error displaying widget" and no severe console error; one cell re-run;
 saved, kernel restarted: the widgets and their pictures come back; and a notebook opened as
-committed is not modified by being opened. Skips with the reason where Chromium or Playwright is
+committed is not modified by being opened. 06, 07 and 08 run whole (quick) and 09's panel is driven;
+every one of these shows each figure its run saved and no literal Markdown marker (`**`, `](`, a
+fence) in what Lab rendered. Skips with the reason where Chromium or Playwright is
 not installed (`.ci/run` installs Chromium from Debian)."""
 from __future__ import annotations
 
@@ -179,6 +181,20 @@ class Page:
 
 # ----------------------------------------------------------------------------- the tests
 
+MARKERS = ("**", "](", "```")   # Markdown that reached the page unrendered
+
+
+def _rendered_ok(p: "Page", name: str) -> None:
+    """Each figure the run saved is on the page, the findings view is filled, and no Markdown marker is left."""
+    res = json.loads((p.lab["root"] / "runs" / name / "results.json").read_text())
+    imgs = p.page.locator(".jp-OutputArea-output img").count()
+    assert imgs >= max(1, len(res["figures"])), f"{imgs} pictures on the page for {len(res['figures'])} saved figures"
+    texts = p.page.locator(".jp-RenderedMarkdown, .jp-RenderedText, .jp-RenderedHTMLCommon").all_inner_texts()
+    assert len(texts) > 5, "the rendered cells were not found on the page"
+    left = sorted({m for t in texts for m in MARKERS if m in t})
+    assert not left, f"literal Markdown in the rendered page: {left}: " + next(t for t in texts if any(m in t for m in left))[:300]
+    assert "What this run found" in p.text() and "filled in when the run completes" not in p.text()
+
 def _widget_cell(page):
     cells = page.locator(".jp-Notebook .jp-CodeCell")
     for i in range(cells.count()):
@@ -211,6 +227,7 @@ def test_notebook_in_lab(lab, name):
         p.run_all(timeout_s=420)
         p.page.screenshot(path=str(root / f"{name}.png"), full_page=True)  # kept beside the server log
         assert not p.cell_outputs_with_errors(), p.cell_outputs_with_errors()[:1]
+        _rendered_ok(p, name)
         cell = _widget_cell(p.page)
         pic = _picture(cell)
         cell.locator(".noUi-handle").first.focus()
@@ -254,6 +271,23 @@ def test_notebook_in_lab(lab, name):
     finally:
         q.close()
     assert (root / "notebooks" / f"{name}.ipynb").read_bytes() == before
+
+
+@pytest.mark.parametrize("name", ["06_ditto", "07_latentsync", "08_serving_techniques"])
+def test_notebook_runs_whole_in_lab(lab, name):
+    """Run All (quick): no traceback, no widget error, every saved figure shown, nothing left as raw Markdown."""
+    root = lab["root"]
+    _quick_copy(name, root / "notebooks", root / "runs" / name)
+    p = Page(lab, f"notebooks/{name}.ipynb")
+    try:
+        p.run_all(timeout_s=300)
+        p.page.screenshot(path=str(root / f"{name}.png"), full_page=True)
+        assert not p.cell_outputs_with_errors(), p.cell_outputs_with_errors()[:1]
+        _rendered_ok(p, name)
+        assert "Error displaying widget" not in p.text()
+        assert not p.severe(), p.severe()
+    finally:
+        p.close()
 
 
 def test_committed_notebooks_open_unmodified(lab):
@@ -317,6 +351,7 @@ def test_studio_panel_in_lab(lab):
         assert after["updates"] >= 2, f"the HUD refreshed {after['updates']} times during the run"
         assert "FPS" in after["text"] and "unet" in after["text"], after["text"]
         p.page.screenshot(path=str(root / f"{name}.png"), full_page=True)
+        _rendered_ok(p, name)
         assert "Error displaying widget" not in p.text()
         assert not p.severe(), p.severe()
     finally:

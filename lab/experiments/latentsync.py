@@ -1256,8 +1256,8 @@ def mode_view(ctx: Context, rows: list[dict]) -> Any:
     names = list(dict.fromkeys(r["runner"] for r in rows if r.get("runner")))
     key = {n: "ABCDEFGH"[i] for i, n in enumerate(names[:8])}
     short = [dict(r, runner=key.get(r.get("runner"), r.get("runner"))) for r in rows]
-    legend = "; ".join(f"{k} = {n}" for n, k in key.items())
-    return table(short, MODE_COLS, f"modes over {ctx.job.n_out} frames{ctx.suffix}\n\nrunners: {legend}. Every column "
+    legend, cols = "; ".join(f"{k} = {n}" for n, k in key.items()), [c for c in MODE_COLS if any(r.get(c) is not None for r in rows)]
+    return table(short, cols, f"modes over {ctx.job.n_out} frames{ctx.suffix}\n\nrunners: {legend}. Every column "
                  "(wall, UNet and VAE seconds, host memory, full-frame SSIM, LPIPS) is in results.json, table `modes`")
 
 
