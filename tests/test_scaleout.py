@@ -301,3 +301,17 @@ def test_rows_of_a_sweep_and_a_batch_reach_the_ledger_and_the_scaling_page(tmp_p
     R.write_docs(tmp_path, changed=lambda c: None)
     page = (tmp_path / "docs" / "scaling.md").read_text()
     assert "sweep 01 batch_size=8: end-to-end FPS" in page and "kept-engine job s" in page and "H200" in page
+
+
+def test_worker_settings_keep_dasks_distributed_defaults():
+    # a fresh process where distributed is first imported inside the settings' context (as dask-cuda's cluster
+    # does on a GPU host): leaving the context must not drop distributed's defaults from dask's config
+    import subprocess
+    import sys
+
+    code = ("import dask\nfrom lab.scaleout.cluster import _thread_config\n"
+            "with dask.config.set(_thread_config(1)):\n    import distributed\n"
+            "print(dask.config.get('distributed.comm.timeouts.connect'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-800:]
+    assert out.stdout.strip()

@@ -97,6 +97,7 @@ def scheduler_address(address: str, timeout: float = 5.0) -> str:
 def _thread_config(workers: int) -> dict[str, Any]:
     """Dask settings for local workers: the cores shared out as OpenMP/MKL threads, processes of their own."""
     import dask
+    import distributed  # noqa: F401 - its defaults must be in dask's config before `dask.config.set` notes what to restore
 
     t = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
     env = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {})
