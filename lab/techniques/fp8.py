@@ -181,8 +181,7 @@ _ROWWISE_OUT: dict[tuple[str, torch.dtype], torch.dtype] = {}
 
 
 def _rowwise_out_dtype(device: torch.device, want: torch.dtype) -> torch.dtype:
-    """Row-wise scaled `_scaled_mm` accepted only bf16 output in older builds; probe once whether
-    `want` works on this GPU, else compute in bf16 and cast."""
+    """Row-wise `_scaled_mm` took only bf16 output in older builds: probe once whether `want` works here."""
     key = (str(device), want)
     if key not in _ROWWISE_OUT:
         a = torch.zeros(16, 32, device=device).to(E4M3)
@@ -748,8 +747,7 @@ _TUNED: dict[tuple, tuple[tuple[int, ...], float]] = {}
 
 
 def time_layer(layer: nn.Module, x: torch.Tensor, iters: int = 5, warmup: int = 2) -> float:
-    """Median milliseconds of `layer(x)` on the GPU (CUDA events; a short loop for choosing kernels,
-    not a benchmark: `lab.timing.bench` is that)."""
+    """Median GPU milliseconds of `layer(x)` (a short loop for choosing kernels; `lab.timing.bench` benchmarks)."""
     return gpu_ms(lambda: layer(x), iters, warmup)
 
 
@@ -760,12 +758,11 @@ def tma_capable(device: torch.device | str) -> bool:
 
 
 def tune_triton(layer: FP8Conv2d, x: torch.Tensor, iters: int = 5) -> tuple[tuple[int, ...], float]:
-    """Time the candidate tiles (gather kernel, and on Hopper the TMA kernel) for this layer's
-    shape on its real input, the conv kernel alone on the already-cast input: the cast is the same
-    for every tile, and in a compiled model it fuses into the producer. Keeps the fastest; a TMA
-    tile must first agree with the gather kernel. Returns (tile, ms of the whole layer with it,
-    cast included, comparable with `time_layer` of another path). Cached per shape, so a
-    decoder's ~30 convs cost a handful of tunings."""
+    """Time the candidate tiles (gather kernel; on Hopper the TMA kernel) for this layer's shape on its real
+    input, the conv kernel alone on the already-cast input (the cast is the same for every tile and fuses
+    into the producer when compiled). Keeps the fastest; a TMA tile must first agree with the gather kernel.
+    Returns (tile, ms of the whole layer with it, cast included: comparable with `time_layer` of another
+    path). Cached per shape: a decoder's ~30 convs cost a handful of tunings."""
     key = (tuple(x.shape), x.dtype, layer.out_channels, layer.kernel_size, layer.stride, layer.padding,
            layer.fuse_act)
     if key in _TUNED:
@@ -922,10 +919,7 @@ def quantize_module(model: nn.Module, scheme: str = "per_tensor", mode: str = "a
 
     for name in tqdm(list(plan), desc="fp8 quantize", disable=not progress, leave=False):
         mod, path, _ = plan[name]
-        amax = seen[name]["amax"] if seen is not None and name in seen else None
-        if activation == "static" and amax is not None and not 0 < amax < math.inf:
-            raise InputError(f"calibration gave layer {name!r} an input amax of {amax}: a static scale needs a "
-                             f"finite, non-zero range (calibrate on real inputs, or use activation='dynamic')")
+        amax = _calibrated_amax(name, seen, activation)
         cls = FP8Conv2d if isinstance(mod, nn.Conv2d) else FP8Linear
         q = cls.from_float(mod, scheme, path, activation, amax, emulate)
         if isinstance(q, FP8Conv2d):
@@ -948,6 +942,14 @@ def quantize_module(model: nn.Module, scheme: str = "per_tensor", mode: str = "a
     for name, q in built.items():
         _set_module(target, name, q)
     return target, report
+
+
+def _calibrated_amax(name: str, seen: dict | None, activation: str) -> float | None:
+    amax = seen[name]["amax"] if seen is not None and name in seen else None
+    if activation == "static" and amax is not None and not 0 < amax < math.inf:
+        raise InputError(f"calibration gave layer {name!r} an input amax of {amax}: a static scale needs a "
+                         f"finite, non-zero range (calibrate on real inputs, or use activation='dynamic')")
+    return amax
 
 
 def _measure(model: nn.Module, cands: dict[nn.Module, str], built: dict[str, _FP8Layer],
