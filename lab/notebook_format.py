@@ -24,7 +24,13 @@ def language_info(version: str | None = None) -> dict[str, Any]:
 
 
 def tidy(nb: dict[str, Any], experiment: str | None = None) -> dict[str, Any]:
-    """`nb` without outputs or execution counts, with the project's kernel metadata."""
+    """`nb` without outputs or execution counts, with the project's kernel metadata; a cell without an id (the
+    format requires one) gets the first free `cNN`."""
+    taken = {c.get("id") for c in nb["cells"]}
+    for c in nb["cells"]:
+        if not c.get("id"):
+            c["id"] = next(f"c{i:02d}" for i in range(len(taken) + len(nb["cells"]) + 1) if f"c{i:02d}" not in taken)
+            taken.add(c["id"])
     for c in nb["cells"]:
         if c["cell_type"] == "code":
             c["outputs"], c["execution_count"] = [], None

@@ -92,3 +92,25 @@ def test_saved_notebooks_keep_the_picture_not_the_widget_view():
     other = {"type": "file", "content": "text"}
     pre_save(other, path="x.txt")
     assert other == {"type": "file", "content": "text"}
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
+def test_papermill_reads_every_parameter_and_cells_have_ids(nb: Path):
+    # papermill parses the parameters cell itself (`lab run -p` and `lab sweep` hand it values): a line it cannot
+    # parse, such as a comment holding another '=', makes it warn "Passed unknown parameter" for a real one
+    import papermill
+
+    data = json.loads(nb.read_text())
+    ids = [c.get("id") for c in data["cells"]]
+    assert all(ids) and len(set(ids)) == len(ids), f"{nb.name}: every cell needs its own id (run `lab tidy`)"
+    cell = next(c for c in data["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
+    names = [t.id for node in ast.parse("".join(cell["source"])).body if isinstance(node, ast.Assign)
+             for t in node.targets]
+    missing = sorted(set(names) - set(papermill.inspect_notebook(str(nb))))
+    assert not missing, f"{nb.name}: papermill cannot read parameter(s) {missing}"
+
+
+def test_tidy_gives_a_cell_without_an_id_a_free_one():
+    nb = {"cells": [{"cell_type": "markdown", "id": "c00", "metadata": {}, "source": []},
+                    {"cell_type": "markdown", "metadata": {}, "source": []}], "metadata": {}}
+    assert [c["id"] for c in notebook_format.tidy(nb)["cells"]] == ["c00", "c01"]
