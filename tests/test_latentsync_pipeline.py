@@ -371,8 +371,6 @@ def test_waterfall_builds_the_pdl_row_before_the_comparison_stack(tmp_path, monk
 
 
 def test_job_costs_a_new_process_loads_the_checkpoint_and_keeps_its_engine(tmp_path, monkeypatch):
-    import subprocess
-
     from lab.experiments import latentsync as X
 
     ctx = X.setup("cpu", quick=True, out_dir=str(tmp_path / "run"))
@@ -384,7 +382,9 @@ def test_job_costs_a_new_process_loads_the_checkpoint_and_keeps_its_engine(tmp_p
     assert rows[0]["wall_s"] > rows[1]["wall_s"] and rows[0]["x_kept"] > 1
     assert abs(rows[0]["wall_s"] - (m["import_s"] + m["build_s"] + m["first_job_s"])) < 1e-9
     # a child that fails is a row that says why, not a stack trace
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "Traceback …\nWeightsError: bad"))
+    from lab.experiments import latentsync_jobs as J
+
+    monkeypatch.setattr(J, "_child", lambda env: (1, ["Traceback …", "WeightsError: bad"]))
     assert X.job_costs(ctx) == [{"job": "a job in a new process", "status": "failed: WeightsError: bad"}]
 
 
