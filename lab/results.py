@@ -232,8 +232,12 @@ def run_dir(notebook: str, out_dir: str | Path | None = None, root: str | Path |
     `out_dir` None: this session's folder for `notebook` — a fresh `outputs/<run-id>/<notebook>/`
     the first time, the same one when the cell is run again. `out_dir` given: the runner's folder
     (handed over through LAB_RUN_TOKEN), one this session already owns, or a new/empty one; a folder
-    holding another run is refused (InputError) before anything is written.
+    holding another run is refused (InputError) before anything is written. In a kernel it also starts the
+    session's heartbeat (`lab.progress.heartbeat`): no cell of a notebook that opened a run folder looks hung.
     """
+    from lab import progress
+
+    progress.heartbeat()
     if out_dir is None:
         key = f"{Path(root or OUTPUTS).resolve()}::{notebook}"
         if key not in _SESSION or not _SESSION[key].is_dir():
