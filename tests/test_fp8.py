@@ -946,6 +946,8 @@ def test_conv_shape_microbenchmark_logic_on_cpu(models, monkeypatch):
         assert r["fp16_ms"] > 0 and r["fp8_gemm_only_ms"] > 0 and r["act_cast_ms"] > 0
         assert r["speedup"] > 0 and r["M"] * r["N"] * r["K"] > 0
         assert ("fp8_im2col_ms" in r and r["fp8_triton_ms"] is None) or "fp8_gemm_ms" in r
+        # cuDNN's FP8 conv cannot run on a CPU: no time (never the torch fallback's), the reason in the note
+        assert "fp8_gemm_ms" in r or (r["fp8_cudnn_ms"] is None and "cudnn: cuDNN graphs run on a CUDA GPU" in r["note"])
 
 
 # ----------------------------------------------------------------------------- kernel kinds and the bound

@@ -35,6 +35,7 @@ from lab.techniques.fp8 import (ACTIVATIONS, CONV_IMPLS, MODES, SCHEMES, FP8Conv
                            _model_device, _quant_act, fp8_mm, fp8_supported, im2col_nhwc, quantize_module,
                            triton_conv_status, tune_triton)
 from lab.budget import RESERVE_S, Budget, BudgetExceeded, budget_seconds, estimate, save_partial
+from lab.runtime import cudnn_graph
 from lab.errors import BackendUnavailable, InputError
 from lab.experiments import common
 from lab.experiments.common import Run, budget_report, row, weights_label
@@ -64,7 +65,7 @@ GPU_ESTIMATES_S: dict[str, Any] = {
     "compile FP8": {"sd-vae": 60, "taesd": 60, "unet": 120},  # H200 measured: 20-25 s, UNet 80 s
     "kernel split": {"*": 10},                                 # profiler over 3 calls of a compiled model
     "drift variant": {"*": 15},                          # an extra SD-VAE quantization (tiles cached)
-    "microbench shape": 5,                               # per distinct conv shape
+    "microbench shape": 8,                               # per distinct conv shape (cuDNN times ~44 plans)
     "torchao": {"*": 25},                                # deepcopy + quantize_ + eager timing
     "compile torchao": {"unet": 200, "*": 90},
 }
@@ -493,14 +494,12 @@ def kernel_split(fn: Any, args: tuple, iters: int = 3) -> dict[str, float]:
 
 def conv_rate_bound(base_split: dict[str, float], base_ms: float,
                     shape_rows: Sequence[dict[str, Any]]) -> dict[str, float] | None:
-    """An upper bound on what FP8 convs can buy a compiled model: its baseline wall time with the
-    conv kernels' time (`base_split["conv"]`, from `kernel_split`) replaced by what the same convs
-    cost as bare `_scaled_mm` GEMMs (Σ count · fp8_gemm_only_ms over `shape_rows`: operands
-    already FP8 and laid out, no cast, no gather, no epilogue). Everything else is assumed
-    unchanged. None unless every shape row was measured."""
-    if not shape_rows or any(r.get("status") != "ok" or not r.get("fp8_gemm_only_ms") for r in shape_rows):
-        return None
-    if "conv" not in base_split:
+    """An upper bound on what FP8 convs can buy a compiled model: its baseline wall time with the conv kernels'
+    time (`base_split["conv"]`, from `kernel_split`) replaced by what the same convs cost as bare `_scaled_mm`
+    GEMMs (Σ count · fp8_gemm_only_ms over `shape_rows`: operands already FP8 and laid out, no cast, gather or
+    epilogue), everything else unchanged. None unless every shape row was measured."""
+    if not shape_rows or any(r.get("status") != "ok" or not r.get("fp8_gemm_only_ms") for r in shape_rows) \
+            or "conv" not in base_split:
         return None
     fp8_ms = sum(r["count"] * r["fp8_gemm_only_ms"] for r in shape_rows)
     ms = base_ms - base_split["conv"] + fp8_ms
@@ -525,16 +524,15 @@ def conv_shapes(report: FP8Report) -> list[dict[str, Any]]:
 
 
 def bench_conv_shapes(report: FP8Report, dtype: torch.dtype = torch.float16, device: str | torch.device = "cuda",
-                      iters: int = 20, impls: Iterable[str] = ("im2col", "triton"), seed: int = 0,
+                      iters: int = 20, impls: Iterable[str] = ("im2col", "triton", "cudnn"), seed: int = 0,
                       progress: bool = True, budget: Budget | None = None,
                       est_per_shape: float | None = None) -> list[dict[str, Any]]:
-    """GPU microbenchmark, one row per distinct conv shape of a quantized model (random weights of
-    that shape): fp16 F.conv2d (channels-last, cuDNN) vs each FP8 path with its activation cast,
-    the FP8 GEMM alone on a pre-built im2col matrix (what a bare "GEMM ms" figure measures), and
-    the activation cast alone. Eager timings: under torch.compile the cast fuses into the previous
-    op's kernel, so `fp8_*_ms − act_cast_ms` is closer to what a compiled model pays.
-    With a `budget`, each shape must fit `est_per_shape` seconds (default GPU_ESTIMATES_S) or it
-    and the rest become rows with status 'skipped: …' (measured rows have status 'ok')."""
+    """GPU microbenchmark, one row per distinct conv shape of a quantized model (random weights of that shape):
+    fp16 F.conv2d (channels-last, cuDNN) vs each FP8 path with its activation cast (cuDNN's own FP8 conv among
+    them), the FP8 GEMM alone on a pre-built im2col matrix (a bare "GEMM ms" figure), and the cast alone. Eager:
+    compiled, the cast fuses into the previous op, so `fp8_*_ms − act_cast_ms` is nearer what a model pays.
+    With a `budget`, each shape must fit `est_per_shape` s (default GPU_ESTIMATES_S) or it and the rest are
+    rows with status 'skipped: …' (measured rows: 'ok')."""
     from lab.progress import tqdm
 
     from lab.timing import bench
@@ -599,19 +597,21 @@ def _bench_shape(shp: dict[str, Any], head: dict[str, Any], dtype: torch.dtype, 
         pointwise = _is_pointwise(conv32)
         best = math.inf
         for impl in (["gemm"] if pointwise else list(impls)):
-            if impl == "triton" and not t_ok:
-                row["fp8_triton_ms"] = None
-                row["note"] = f"triton: {t_why}"
-                continue
-            try:
+            try:  # a path that cannot run here or on this shape is a note, not a crash
+                ok, why = cudnn_graph.available(dev, "fp8") if impl == "cudnn" else (t_ok or impl != "triton", t_why)
+                if not ok:
+                    raise BackendUnavailable(why)
                 layer = FP8Conv2d.from_float(conv32, path=impl)
                 if impl == "triton":
                     cfg, _ = tune_triton(layer, xs[0])
                     row["triton_kernel"] = f"{'TMA' if fp8_triton.is_tma(cfg) else 'gather'} {cfg[:5]}"
                 t = bench(layer, inputs=[(x,) for x in xs], iters=iters, device=dev).median_s
-            except Exception as e:  # one path that cannot run this shape is a note, not a crash
+                if impl == "cudnn" and any(k.startswith(layer.spec.key()) for k in cudnn_graph.NOTES):
+                    raise RuntimeError("cuDNN declined this shape (torch ran it): " + "; ".join(cudnn_graph.notes()))
+            except Exception as e:
                 row[f"fp8_{impl}_ms"] = None
-                row["note"] = f"{impl}: {type(e).__name__}: {str(e)[:120]}"
+                why = str(e) if isinstance(e, BackendUnavailable) else f"{type(e).__name__}: {str(e)[:120]}"
+                row["note"] = "; ".join(filter(None, [row.get("note"), f"{impl}: {why}"]))
                 continue
             row[f"fp8_{impl}_ms"] = 1e3 * t
             best = min(best, t)
@@ -641,9 +641,9 @@ SPEED_COLS = ["model", "variant", "compiled", "ms_per_batch", "fps", "speedup", 
 LAYER_COLS = ["order", "name", "kind", "shape", "path", "reason", "scale", "scale_min", "scale_max", "weight_rel_err",
               "out_rel_err", "out_max_abs", "saturated", "triton_config", "ms_triton", "ms_im2col"]
 DRIFT_COLS = ["model", "variant", "FP8 layers", "mae", "max_abs", "psnr_db", "cosine", "status"]
-SHAPE_COLS = ["model", "label", "count", "M", "N", "K", "fp16_ms", "fp8_im2col_ms", "fp8_triton_ms", "fp8_gemm_ms",
-              "fp8_gemm_only_ms", "act_cast_ms", "speedup", "triton_kernel", "fp16_TFLOPs", "fp8_gemm_TFLOPs", "note",
-              "status"]
+SHAPE_COLS = ["model", "label", "count", "M", "N", "K", "fp16_ms", "fp8_im2col_ms", "fp8_triton_ms", "fp8_cudnn_ms",
+              "fp8_gemm_ms", "fp8_gemm_only_ms", "act_cast_ms", "speedup", "triton_kernel", "fp16_TFLOPs",
+              "fp8_gemm_TFLOPs", "note", "status"]
 SPLIT_COLS = ["model", "variant", "wall_ms", "total", "conv", "GEMM", "attention",
               "fused elementwise / norms (Inductor)", "other"]
 COMPARE_COLS = ["claim", "their_value", "their_hardware", "our_value", "unit", "verdict", "reason"]
@@ -986,7 +986,7 @@ def conv_shapes_figure(run: Run) -> Any:
         return _md("*No conv shape was measured here.*")
     series = {"fp16 cuDNN": [r["fp16_ms"] for r in done],
               "FP8 im2col": [r.get("fp8_im2col_ms", r.get("fp8_gemm_ms")) for r in done],
-              "FP8 Triton": [r.get("fp8_triton_ms") for r in done],
+              **{f"FP8 {k}": [r.get(f"fp8_{k.lower()}_ms") for r in done] for k in ("Triton", "cuDNN")},
               "FP8 GEMM only": [r["fp8_gemm_only_ms"] for r in done]}
     fig = plots.grouped_bars([f"{r['model']} {r['label']}" for r in done], series, "ms per call", logy=True,
                              title=f"per conv shape, batch {run.batch}, eager{run.suffix()}")
