@@ -40,7 +40,11 @@ _BUILT: dict[tuple, "ConvGraph"] = {}
 _LOCK = threading.Lock()
 _HANDLES: dict[int, int] = {}
 HEURISTICS = ("A", "FALLBACK")  # cuDNN heuristic modes whose plans are built and timed
-AUTOTUNE_PLANS = 64  # plans timed per graph; on an H200 the fastest fp16 and FP8 conv plans were not among cuDNN's first 8
+# Which plans a graph times: "heuristics" (the plans of HEURISTICS), or "kernels" (those, plus every engine cuDNN
+# has for the graph at each of its kernel configurations, the knob the heuristics pick one value of)
+SEARCHES = ("heuristics", "kernels")
+SEARCH = "heuristics"
+AUTOTUNE_PLANS = {"heuristics": 64, "kernels": 1024}  # on an H200 the fastest plans were not among cuDNN's first 8
 
 
 def parse_epilogue(ops: Sequence[str]) -> tuple[str, ...]:
@@ -168,8 +172,10 @@ def _frontend():
 def require(device: torch.device | str | None = None, io: str = "fp16") -> None:
     """Raise BackendUnavailable naming what is missing: the wheel, a CUDA GPU, or FP8 tensor cores (sm_89+)."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type != "cuda" or not torch.cuda.is_available():
+    if dev.type != "cuda":
         raise BackendUnavailable(f"cuDNN graphs run on a CUDA GPU; the device is {dev.type}")
+    if not torch.cuda.is_available():
+        raise BackendUnavailable("cuDNN graphs run on a CUDA GPU; torch sees none on this machine")
     if not torch.backends.cudnn.is_available():
         raise BackendUnavailable(f"torch {torch.__version__} was built without cuDNN")
     _frontend()
@@ -208,9 +214,12 @@ def _strides_cl(shape: Sequence[int]) -> list[int]:
 class ConvGraph:
     """One built graph: call it with channels-last operands; it writes a new channels-last fp16 output."""
 
-    def __init__(self, spec: ConvSpec, x_shape, w_shape, device: torch.device, autotune: bool = True):
+    def __init__(self, spec: ConvSpec, x_shape, w_shape, device: torch.device, autotune: bool = True,
+                 search: str = SEARCH):
+        if search not in SEARCHES:
+            raise InputError(f"cuDNN plan search must be one of {SEARCHES}, got {search!r}")
         cudnn = _frontend()
-        self.spec, self.x_shape, self.w_shape, self.device = spec, tuple(x_shape), tuple(w_shape), device
+        self.search, self.spec, self.x_shape, self.w_shape, self.device = spec, tuple(x_shape), tuple(w_shape), device
         self.out_shape = spec.out_shape(x_shape, w_shape)
         io_t = cudnn.data_type.FP8_E4M3 if spec.io == "fp8" else cudnn.data_type.HALF
         f32, half = cudnn.data_type.FLOAT, cudnn.data_type.HALF
@@ -242,18 +251,18 @@ class ConvGraph:
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in HEURISTICS])
+        if search == "kernels":
+            self.engines = _add_kernel_plans(cudnn, g)
         g.check_support()
         g.build_plans(cudnn.build_plan_policy.ALL if autotune else cudnn.build_plan_policy.HEURISTICS_CHOICE)
         self.plans = g.get_execution_plan_count()
         self.plan, self.plan_ms, self.plan_name = 0, None, ""
+        self.timings: list[tuple[int, float]] = []  # (plan index, ms) of every plan the autotune ran
         self._ws = torch.empty(0, dtype=torch.uint8, device=device)
         if autotune:
             self._autotune()
         self._ws = torch.empty(max(g.get_workspace_size_plan_at_index(self.plan), 1), dtype=torch.uint8, device=device)
-        try:
-            self.plan_name = g.get_plan_name_at_index(self.plan)
-        except Exception:  # noqa: BLE001 - a name is a courtesy for the notes
-            self.plan_name = f"plan {self.plan}"
+        self.plan_name = self.name_of(self.plan)
 
     def _operands(self, x, w, extras, out) -> dict:
         pack = {self._x: x, self._w: w, self._y: out}
@@ -272,18 +281,25 @@ class ConvGraph:
                   torch.randn(self.out_shape, device=dev, dtype=torch.float16).contiguous(
                       memory_format=torch.channels_last) for op in spec.tensors()]
         out = torch.empty(self.out_shape, device=dev, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
-        best = None
-        for i in range(min(self.plans, AUTOTUNE_PLANS)):
+        best, cap = None, AUTOTUNE_PLANS[self.search]
+        for i in range(min(self.plans, cap)):
             try:
                 ws = torch.empty(max(self.graph.get_workspace_size_plan_at_index(i), 1), dtype=torch.uint8, device=dev)
                 ms = gpu_ms(lambda: self._run(x, w, extras, out, ws, i), warmup=1)
             except Exception:  # noqa: BLE001 - a plan that did not build or run is skipped, not fatal
                 continue
+            self.timings.append((i, ms))
             if best is None or ms < best[1]:
                 best = (i, ms)
         if best is None:
-            raise RuntimeError(f"none of the first {min(self.plans, AUTOTUNE_PLANS)} plans ran")
+            raise RuntimeError(f"none of the first {min(self.plans, cap)} plans ran")
         self.plan, self.plan_ms = best
+
+    def name_of(self, index: int) -> str:
+        try:
+            return self.graph.get_plan_name_at_index(index)
+        except Exception:  # noqa: BLE001 - a name is a courtesy for the notes
+            return f"plan {index}"
 
     def _run(self, x, w, extras, out, ws, index) -> None:
         _frontend().set_stream(self.handle, torch.cuda.current_stream(self.device).cuda_stream)
@@ -299,17 +315,46 @@ class ConvGraph:
         return out
 
 
-def build(spec: ConvSpec, x_shape, w_shape, device: torch.device | str, autotune: bool = True) -> ConvGraph:
-    """The graph for `spec` at these shapes, built once per process (per shape, spec, architecture and cuDNN)."""
+def _add_kernel_plans(cudnn, g) -> int:
+    """Add a plan per (engine, kernel configuration) the graph admits; an engine without that knob adds its
+    default. Returns how many engines offered at least one plan."""
+    engines = 0
+    for engine in range(g.get_engine_count()):
+        try:
+            knobs = g.get_knobs_for_engine(engine)
+        except Exception:  # noqa: BLE001 - an engine that does not support the graph is skipped
+            continue
+        cfgs = [{}]
+        for knob in knobs:
+            if knob.type == cudnn.knob_type.KERNEL_CFG:
+                cfgs = [{knob.type: v} for v in range(knob.min_value, knob.max_value + 1, max(knob.stride, 1))]
+        added = 0
+        for cfg in cfgs:
+            try:
+                g.create_execution_plan(engine, cfg)
+                added += 1
+            except Exception:  # noqa: BLE001 - a configuration the engine rejects for this graph is skipped
+                continue
+        engines += added > 0
+    return engines
+
+
+def build(spec: ConvSpec, x_shape, w_shape, device: torch.device | str, autotune: bool = True,
+          search: str | None = None) -> ConvGraph:
+    """The graph for `spec` at these shapes, built once per process (per shape, spec, search, architecture and
+    cuDNN). `search` picks the plans the autotune times (SEARCHES; default SEARCH)."""
+    search = SEARCH if search is None else search
+    if search not in SEARCHES:
+        raise InputError(f"cuDNN plan search must be one of {SEARCHES}, got {search!r}")
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     require(dev, spec.io)
-    key = (spec.key(), HEURISTICS, tuple(x_shape), tuple(w_shape), torch.cuda.get_device_capability(dev), dev.index,
-           _frontend().backend_version())
+    key = (spec.key(), HEURISTICS, search, tuple(x_shape), tuple(w_shape), torch.cuda.get_device_capability(dev),
+           dev.index, _frontend().backend_version())
     with _LOCK:
         if key not in _BUILT:
-            _BUILT[key] = ConvGraph(spec, x_shape, w_shape, dev, autotune)
+            _BUILT[key] = ConvGraph(spec, x_shape, w_shape, dev, autotune, search)
         return _BUILT[key]
 
 

@@ -1,0 +1,185 @@
+"""Which kernel runs a convolution: torch's own cuDNN call against the cuDNN graph API's autotuned plans.
+
+    python -m lab.runtime.cudnn_survey --search kernels --json survey.json
+    python -m lab.runtime.cudnn_survey --shape 16,512,512,64,3 --io fp16,fp8
+
+For each conv shape (batch, Cin, Cout, H = W, k; stride 1, "same" padding, channels-last): torch's fp16 conv
+with `cudnn.benchmark`, and the graph API's fp16 and FP8 e4m3 conv (the FP8 one with its per-channel descale
+in the epilogue), each as one call's GPU time (ten calls captured in one CUDA graph; the median of the replays
+with their spread), its TFLOP/s, the CUDA kernels the profiler saw, and for the graphs how many plans were
+timed and how long the build took. On random operands: a speed figure, never a quality one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from lab.errors import BackendUnavailable, InputError
+from lab.runtime import cudnn_graph as C
+
+# the decoder convs of Ditto's renderer and the SD-VAE at batch 16 (B, Cin, Cout, H, k)
+SHAPES = ((16, 512, 512, 64, 3), (16, 512, 256, 128, 3), (16, 256, 64, 256, 3), (16, 512, 512, 128, 3),
+          (16, 256, 256, 256, 3), (16, 512, 512, 32, 3), (16, 1024, 1024, 64, 1))
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    """'16,512,512,64,3' → (batch, Cin, Cout, H, k), checked."""
+    try:
+        vals = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != 5 or min(vals) < 1 or vals[4] % 2 == 0:
+        raise InputError(f"--shape {text!r}: expected five positive ints 'batch,Cin,Cout,H,k' with an odd k, "
+                         f"e.g. '16,512,512,64,3'")
+    return vals  # type: ignore[return-value]
+
+
+def graph_ms(fn: Callable[[], Any], calls: int = 10, reps: int = 10) -> tuple[float, float, float]:
+    """(median, min, max) ms of one call: `calls` calls captured in one CUDA graph, `reps` timed replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / calls)
+    return statistics.median(times), min(times), max(times)
+
+
+def kernels(fn: Callable[[], Any]) -> list[str]:
+    """The names of the CUDA kernels one call launches, in order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if str(e.device_type).endswith("CUDA")]
+
+
+def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), search: str | None = None,
+                 device: str = "cuda") -> dict[str, Any]:
+    """One shape's row: torch fp16 and each graph's time, spread, TFLOP/s, kernels and plan count."""
+    b, cin, cout, h, k = shape
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    cl = torch.channels_last
+    x = torch.randn(b, cin, h, h, device=dev, dtype=torch.float16).contiguous(memory_format=cl)
+    w = (torch.randn(cout, cin, k, k, device=dev, dtype=torch.float16) * 0.05).contiguous(memory_format=cl)
+    flops = 2.0 * b * cout * h * h * cin * k * k
+    pad = (k // 2, k // 2)
+    row: dict[str, Any] = {"shape": f"{b}, {cin} → {cout}, {h}², {k}", "gflop": round(flops / 1e9, 1)}
+
+    def put(name: str, fn: Callable[[], Any]) -> None:
+        med, lo, hi = graph_ms(fn)
+        row[f"{name}_ms"], row[f"{name}_spread"] = round(med, 4), f"{lo:.4f}–{hi:.4f}"
+        row[f"{name}_tflops"] = round(flops / med / 1e9, 1)
+        row[f"{name}_kernels"] = kernels(fn)
+
+    torch.backends.cudnn.benchmark = True
+    with torch.no_grad():
+        put("torch_fp16", lambda: F.conv2d(x, w, None, 1, pad))
+        for io in ios:
+            if io == "fp16":
+                spec, xs, ws, extras = C.ConvSpec.of(pad, io="fp16"), x, w, []
+            else:
+                spec = C.ConvSpec.of(pad, io="fp8", epilogue=("scale",))
+                xs = x.to(torch.float8_e4m3fn)
+                ws = w.to(torch.float8_e4m3fn)
+                extras = [torch.ones(1, cout, 1, 1, device=dev)]
+            t0 = time.perf_counter()
+            try:
+                gph = C.build(spec, xs.shape, ws.shape, dev, autotune=True, search=search)
+            except BackendUnavailable:
+                raise
+            except Exception as e:  # noqa: BLE001 - a declined shape is a row with the reason, not a stop
+                row[f"graph_{io}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                continue
+            row[f"graph_{io}_build_s"] = round(time.perf_counter() - t0, 1)
+            row[f"graph_{io}_plans_timed"] = len(gph.timings)
+            row[f"graph_{io}_plan"] = gph.plan_name
+            put(f"graph_{io}", lambda: gph(xs, ws, extras))
+            row[f"graph_{io}_vs_torch"] = round(row["torch_fp16_ms"] / row[f"graph_{io}_ms"], 3)
+    return row
+
+
+def table(rows: Sequence[dict[str, Any]], ios: Sequence[str]) -> str:
+    head = ["conv (B, Cin → Cout, H², k)", "torch fp16 ms", "TFLOP/s"]
+    for io in ios:
+        head += [f"graph {io} ms", "TFLOP/s", f"{io} / torch", "plans"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["shape"], f"{r['torch_fp16_ms']:.3f}", f"{r['torch_fp16_tflops']:.0f}"]
+        for io in ios:
+            if f"graph_{io}_ms" in r:
+                cells += [f"{r[f'graph_{io}_ms']:.3f}", f"{r[f'graph_{io}_tflops']:.0f}",
+                          f"{r[f'graph_{io}_vs_torch']:.2f}×", str(r[f"graph_{io}_plans_timed"])]
+            else:
+                cells += ["—", "—", r.get(f"graph_{io}_error", "not run"), "—"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lab.runtime.cudnn_survey", description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", action="append", help="batch,Cin,Cout,H,k (repeatable; default: the decoder set)")
+    ap.add_argument("--io", default="fp16,fp8", help="graph operand types to time, of fp16,fp8")
+    ap.add_argument("--search", default=C.SEARCH, help=f"which plans the graphs time, one of {C.SEARCHES}")
+    ap.add_argument("--json", help="write the rows (with kernel names) to this file")
+    a = ap.parse_args(argv)
+    try:
+        shapes = [parse_shape(s) for s in a.shape] if a.shape else list(SHAPES)
+        ios = [i.strip() for i in a.io.split(",") if i.strip()]
+        if not ios or any(i not in C.IO for i in ios):
+            raise InputError(f"--io {a.io!r}: expected a comma list of {C.IO}")
+        if a.search not in C.SEARCHES:
+            raise InputError(f"--search {a.search!r}: expected one of {C.SEARCHES}")
+        C.require("cuda", "fp8" if "fp8" in ios else "fp16")
+    except (InputError, BackendUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cudnn = C._frontend()
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": cudnn.backend_version(),
+            "frontend": getattr(cudnn, "__version__", "?"), "search": a.search, "weights": "random operands"}
+    print(json.dumps(meta), flush=True)
+    rows = []
+    for i, shape in enumerate(shapes):
+        t0 = time.perf_counter()
+        rows.append(survey_shape(shape, ios, a.search))
+        r = rows[-1]
+        print(f"[{i + 1}/{len(shapes)}] {r['shape']}: torch {r['torch_fp16_ms']:.3f} ms "
+              + " ".join(f"{io} {r.get(f'graph_{io}_ms', '—')} ms ({r.get(f'graph_{io}_plans_timed', 0)} plans)"
+                         for io in ios) + f" [{time.perf_counter() - t0:.0f} s]", flush=True)
+    print(table(rows, ios))
+    for r in rows:
+        print(f"{r['shape']}: torch {r['torch_fp16_kernels']}; "
+              + "; ".join(f"{io} {r.get(f'graph_{io}_plan', '')} {r.get(f'graph_{io}_kernels', '')}" for io in ios))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
