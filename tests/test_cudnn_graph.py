@@ -166,3 +166,61 @@ def test_fp8_graph_under_compile_matches_the_dequantized_conv():
     with torch.inference_mode():
         got = torch.compile(q, fullgraph=True)(x)
     torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=1e-2)
+
+
+class _Knob:
+    def __init__(self, type_, lo, hi, stride):
+        self.type, self.min_value, self.max_value, self.stride = type_, lo, hi, stride
+
+
+class _FakeGraph:
+    """What `_add_kernel_plans` asks of a frontend graph: engines 0–3; 1 rejects the graph, 2 has no kernel knob,
+    3 rejects its kernel configuration 4."""
+    def __init__(self):
+        self.plans = []
+
+    def get_engine_count(self):
+        return 4
+
+    def get_knobs_for_engine(self, e):
+        if e == 1:
+            raise RuntimeError("engine does not support this graph")
+        return [_Knob("TILE", 0, 3, 1)] if e == 2 else [_Knob("TILE", 0, 1, 1), _Knob("KERNEL_CFG", 0, 4, 2)]
+
+    def create_execution_plan(self, e, cfg):
+        if e == 3 and cfg.get("KERNEL_CFG") == 4:
+            raise RuntimeError("not supported")
+        self.plans.append((e, dict(cfg)))
+
+
+def test_kernel_search_adds_every_kernel_configuration_of_every_engine():
+    fe = type("FE", (), {"knob_type": type("K", (), {"KERNEL_CFG": "KERNEL_CFG"})})
+    g = _FakeGraph()
+    assert C._add_kernel_plans(fe, g) == 3
+    assert g.plans == [(0, {"KERNEL_CFG": 0}), (0, {"KERNEL_CFG": 2}), (0, {"KERNEL_CFG": 4}), (2, {}),
+                       (3, {"KERNEL_CFG": 0}), (3, {"KERNEL_CFG": 2})]
+
+
+def test_search_and_survey_inputs_are_checked():
+    from lab.runtime import cudnn_survey as S
+
+    with pytest.raises(InputError, match="plan search must be one of"):
+        C.build(C.ConvSpec(), (1, 4, 8, 8), (4, 4, 3, 3), "cpu", search="all")
+    assert S.parse_shape("16,512,256,128,3") == (16, 512, 256, 128, 3)
+    for bad in ("16,3", "16,512,256,128,2", "a,b,c,d,e", "16,0,4,8,3"):
+        with pytest.raises(InputError, match="batch,Cin,Cout,H,k"):
+            S.parse_shape(bad)
+    assert S.main(["--io", "int8"]) == 2
+    assert S.main(["--search", "every"]) == 2
+
+
+@pytest.mark.gpu
+def test_kernel_search_times_more_plans_and_is_never_slower():
+    _gpu()
+    from lab.runtime import cudnn_survey as S
+
+    row = S.survey_shape((2, 64, 64, 32, 3), ("fp16",), "kernels")
+    heur = C.build(C.ConvSpec.of((1, 1)), (2, 64, 32, 32), (64, 64, 3, 3), "cuda", search="heuristics")
+    assert row["graph_fp16_plans_timed"] >= len(heur.timings) > 0
+    assert row["torch_fp16_kernels"] and row["graph_fp16_kernels"]
+    assert row["graph_fp16_ms"] > 0 and row["torch_fp16_tflops"] > 0
