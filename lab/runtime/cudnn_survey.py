@@ -171,13 +171,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{i + 1}/{len(shapes)}] {r['shape']}: torch {r['torch_fp16_ms']:.3f} ms "
               + " ".join(f"{io} {r.get(f'graph_{io}_ms', '—')} ms ({r.get(f'graph_{io}_plans_timed', 0)} plans)"
                          for io in ios) + f" [{time.perf_counter() - t0:.0f} s]", flush=True)
+        if a.json:  # after every shape: a run stopped by a timeout keeps the shapes it finished
+            with open(a.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows, "complete": len(rows) == len(shapes)}, f, indent=1)
     print(table(rows, ios))
     for r in rows:
         print(f"{r['shape']}: torch {r['torch_fp16_kernels']}; "
               + "; ".join(f"{io} {r.get(f'graph_{io}_plan', '')} {r.get(f'graph_{io}_kernels', '')}" for io in ios))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0
 
 
