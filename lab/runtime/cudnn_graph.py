@@ -219,7 +219,7 @@ class ConvGraph:
         if search not in SEARCHES:
             raise InputError(f"cuDNN plan search must be one of {SEARCHES}, got {search!r}")
         cudnn = _frontend()
-        self.search, self.spec, self.x_shape, self.w_shape, self.device = spec, tuple(x_shape), tuple(w_shape), device
+        self.search, self.spec, self.x_shape, self.w_shape, self.device = search, spec, tuple(x_shape), tuple(w_shape), device
         self.out_shape = spec.out_shape(x_shape, w_shape)
         io_t = cudnn.data_type.FP8_E4M3 if spec.io == "fp8" else cudnn.data_type.HALF
         f32, half = cudnn.data_type.FLOAT, cudnn.data_type.HALF
