@@ -280,7 +280,7 @@ class ConvGraph:
                   torch.randn(1, k, 1, 1, device=dev, dtype=torch.float16) if op == "bias" else
                   torch.randn(self.out_shape, device=dev, dtype=torch.float16).contiguous(
                       memory_format=torch.channels_last) for op in spec.tensors()]
-        out = torch.empty(self.out_shape, device=dev, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        out = torch.empty(self.out_shape, device=dev, dtype=torch.float16, memory_format=torch.channels_last)
         best, cap = None, AUTOTUNE_PLANS[self.search]
         for i in range(min(self.plans, cap)):
             try:
@@ -306,8 +306,8 @@ class ConvGraph:
         self.graph.execute_plan_at_index(self._operands(x, w, extras, out), ws, index, handle=self.handle)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, extras: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        out = torch.empty(self.out_shape, device=self.device, dtype=torch.float16).contiguous(
-            memory_format=torch.channels_last)
+        # allocated channels-last: an NCHW empty() made channels-last is a copy kernel of the whole output per call
+        out = torch.empty(self.out_shape, device=self.device, dtype=torch.float16, memory_format=torch.channels_last)
         cl = torch.channels_last
         self._run(x.contiguous(memory_format=cl), w.contiguous(memory_format=cl),
                   [t.contiguous() if t.dim() < 4 or t.shape[1] == 1 else t.contiguous(memory_format=cl) for t in extras],

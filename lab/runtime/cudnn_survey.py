@@ -66,8 +66,8 @@ def graph_ms(fn: Callable[[], Any], calls: int = 10, reps: int = 10) -> tuple[fl
     return statistics.median(times), min(times), max(times)
 
 
-def kernels(fn: Callable[[], Any]) -> list[str]:
-    """The names of the CUDA kernels one call launches, in order."""
+def kernels(fn: Callable[[], Any]) -> list[tuple[str, float]]:
+    """(name, µs) of each CUDA kernel one call launches, in order."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -75,7 +75,8 @@ def kernels(fn: Callable[[], Any]) -> list[str]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if str(e.device_type).endswith("CUDA")]
+    return [(e.name[:120], round(e.time_range.elapsed_us(), 1)) for e in prof.events()
+            if str(e.device_type).endswith("CUDA")]
 
 
 def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), search: str | None = None,
