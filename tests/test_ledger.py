@@ -184,3 +184,17 @@ def test_the_runner_hook_appends_a_reference_run_and_nothing_else(tmp_path, monk
     assert L.record_run(SimpleNamespace(notebook="06_ditto", out_dir=str(ref), status="failed"), {}, tmp_path) == []
     L.ledger_path("h200", tmp_path).write_text("notebook,metric\n06,x\n")  # a broken ledger never fails the run
     assert L.record_run(entry, {}, root=tmp_path) == []
+
+
+def test_a_shortened_docs_table_keeps_every_run_and_names_the_gpu(tmp_path):
+    sweep = [_row(notebook="scaling", row=f"sweep 01 batch_size={b}", metric=m, command="lab sweep 01",
+                  machine="NVIDIA H100 80GB HBM3 (sm_90)", date="2026-12-05T09:07:00Z")
+             for b in (8, 16, 32) for m in ("end-to-end FPS", "UNet FPS", "first frame ms")]
+    jobs = [_row(notebook="scaling", row="jobs musetalk", metric=m, command="lab render musetalk --jobs j.csv",
+                 date="2026-12-04T10:00:00Z") for m in ("jobs per minute", "engine builds")]
+    text = R.docs_section(sweep + jobs, "scaling", limit=4, root=tmp_path)
+    table = [line for line in text.splitlines() if line.startswith("| ") and "figure" not in line]
+    assert len(table) == 4
+    assert sum("jobs musetalk" in line for line in table) == 2     # the older run is not pushed off by the sweep
+    assert "| H100 |" in table[0] and "| H200 |" in table[-1]
+    assert "(7 older figures" in text
