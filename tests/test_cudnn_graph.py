@@ -224,3 +224,35 @@ def test_kernel_search_times_more_plans_and_is_never_slower():
     assert row["graph_fp16_plans_timed"] >= len(heur.timings) > 0
     assert row["torch_fp16_kernels"] and row["graph_fp16_kernels"]
     assert row["graph_fp16_ms"] > 0 and row["torch_fp16_tflops"] > 0
+
+
+def test_compiled_callers_hand_the_op_channels_last_input_from_one_fused_kernel(monkeypatch):
+    """On a GPU GroupNorm returns NCHW: the layout change must be folded into the kernel that casts to FP8 (outside
+    the opaque op), not left to a transposing copy inside it. Checked on the CPU through the same op."""
+    from torch._inductor.utils import run_and_get_code
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def __call__(self, x, w, extras):
+            seen.append(x.stride())
+            return C._fallback(x, w, self.spec, extras)
+
+    monkeypatch.setattr(C, "build", lambda spec, xs, ws, dev, autotune=True, search=None: Recorder(spec))
+    spec = C.ConvSpec.of((1, 1), io="fp8", epilogue=("scale",))
+    w, s = torch.randn(16, 16, 3, 3).to(torch.float8_e4m3fn), torch.ones(16)
+
+    def f(x):
+        y = F.silu(x.contiguous()).to(torch.float8_e4m3fn)   # NCHW, like GroupNorm's output on a GPU
+        return C._to_op(y, w, spec, [s])
+
+    x = torch.randn(2, 16, 8, 8).contiguous(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    out, code = run_and_get_code(torch.compile(f), x)
+    assert seen[-1] == (1024, 1, 128, 16)                     # channels-last strides of (2, 16, 8, 8)
+    src = "\n".join(code)
+    assert src.count("async_compile.cpp") == 1, src           # silu, cast and layout in one kernel
+    torch.testing.assert_close(out.float(), C._fallback(F.silu(x).to(torch.float8_e4m3fn), w, spec, [s]).float())

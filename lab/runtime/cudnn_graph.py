@@ -362,7 +362,7 @@ def _declined(spec_key: str, shape_key: str, why: str) -> None:
     NOTES[f"{spec_key} at {shape_key}"] = why
 
 
-@torch.library.custom_op("lab::cudnn_conv", mutates_args=())
+@torch.library.custom_op("lab::cudnn_conv", mutates_args=(), tags=(torch.Tag.needs_fixed_stride_order,))
 def _cudnn_conv(x: torch.Tensor, w: torch.Tensor, key: str, extras: list[torch.Tensor]) -> torch.Tensor:
     spec = ConvSpec.from_key(key)
     shapes = f"x{tuple(x.shape)} w{tuple(w.shape)}"
@@ -400,6 +400,16 @@ def conv2d(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, scale: torch.Tensor
     extras = _extras(spec, scale, bias, others)
     if not x.is_cuda:
         return _fallback(x, w, spec, extras)
+    return _to_op(x, w, spec, extras)
+
+
+def _to_op(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, extras: list[torch.Tensor]) -> torch.Tensor:
+    # Channels-last here, outside the opaque op, where torch.compile folds the layout into the kernel that made
+    # x (the FP8 cast, fused with the norm before it). On a GPU GroupNorm hands back NCHW; converted inside the
+    # op, that was a separate transposing copy of every conv's input.
+    cl = torch.channels_last
+    x, w = x.contiguous(memory_format=cl), w.contiguous(memory_format=cl)
+    extras = [t.contiguous(memory_format=cl) if t.dim() == 4 and t.shape[1] > 1 else t for t in extras]
     return torch.ops.lab.cudnn_conv(x, w, spec.key(), extras)
 
 
