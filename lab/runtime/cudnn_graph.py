@@ -6,8 +6,9 @@ exact tier: the same function up to fp16 rounding) or FP8 e4m3 (the approximate 
 
 The graph comes from `nvidia-cudnn-frontend` (it drives the cuDNN that torch already loads). `build`
 makes one per (spec, input shape, GPU architecture, cuDNN version), tries the plans cuDNN's heuristics
-rank (`autotune`: times each on the real operands and keeps the fastest; else the heuristics' first),
-and keeps it for the process. A run executes on torch's current stream, so a CUDA graph captures it.
+rank (`autotune`: times each on the real operands and keeps the fastest; else the heuristics' first;
+`search="kernels"` adds every engine at each kernel configuration), and keeps it for the process. A run
+executes on torch's current stream, so a CUDA graph captures it.
 
 Epilogue ops apply in order to the fp32 accumulator: "scale" (× a per-output-channel fp32 tensor: the
 FP8 descale), "bias" (+ per channel), "add" / "mul" (with a tensor of the output's shape, e.g. a
@@ -219,7 +220,8 @@ class ConvGraph:
         if search not in SEARCHES:
             raise InputError(f"cuDNN plan search must be one of {SEARCHES}, got {search!r}")
         cudnn = _frontend()
-        self.search, self.spec, self.x_shape, self.w_shape, self.device = search, spec, tuple(x_shape), tuple(w_shape), device
+        self.search, self.spec, self.device = search, spec, device
+        self.x_shape, self.w_shape = tuple(x_shape), tuple(w_shape)
         self.out_shape = spec.out_shape(x_shape, w_shape)
         io_t = cudnn.data_type.FP8_E4M3 if spec.io == "fp8" else cudnn.data_type.HALF
         f32, half = cudnn.data_type.FLOAT, cudnn.data_type.HALF
