@@ -147,6 +147,34 @@ def test_ctrl_c_marks_the_sweep_interrupted(tmp_path, capsys, monkeypatch):
     assert (out / "sweep.md").exists()
 
 
+def test_a_missing_module_stops_the_sweep_and_a_rerun_resumes(tmp_path, capsys, monkeypatch):
+    import lab.scaleout.sweep as S
+
+    calls, broken = [], [True]
+
+    def fake(notebook, folder, params):
+        calls.append(Path(folder).name)
+        if broken[0]:
+            return {"status": "failed", "error": "ModuleNotFoundError: No module named 'face_alignment'",
+                    "wall_s": 2.0, "headline": {}, "worker": "local"}
+        Path(folder).mkdir(parents=True)
+        (Path(folder) / "results.json").write_text("{}")
+        return {"status": "ok", "error": None, "wall_s": 0.1, "headline": {"x": 1.0}, "worker": "local"}
+
+    monkeypatch.setattr(S, "run_point", fake)
+    out = tmp_path / "sw"
+    args = ["sweep", "00", "-p", "seed", "0,1,2", "--device", "cpu", "--workers", "1", "--out", str(out)]
+    assert main(args) == 1
+    rec = json.loads((out / "sweep.json").read_text())
+    assert calls == ["p00_seed-0"] and [p["status"] for p in rec["points"]] == ["failed", "not run", "not run"]
+    assert "missing module (face_alignment)" in rec["points"][1]["error"] and rec["status"] == "failed"
+    assert "missing module (face_alignment)" in _err(capsys)
+    broken[0] = False   # the module installed: the same command runs every point
+    assert main(args) == 0
+    assert calls[1:] == ["p00_seed-0", "p01_seed-1", "p02_seed-2"]
+    assert json.loads((out / "sweep.json").read_text())["status"] == "complete"
+
+
 def test_pinned_workers_each_see_their_own_gpu():
     """The fallback where dask-cuda is missing: one worker per GPU, CUDA_VISIBLE_DEVICES set per worker."""
     from distributed import Client

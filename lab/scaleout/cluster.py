@@ -233,6 +233,11 @@ def where() -> dict[str, Any]:
     return {"worker": name, "host": socket.gethostname(), "gpu": gpu, "gpu_name": gpu_name}
 
 
+class Stop(Exception):
+    """Raised by a `done` callback when the rest cannot succeed: what has not finished is cancelled, and the
+    caller marks it (run_all re-raises this)."""
+
+
 def run_all(pool: Pool, tasks: list[tuple[str, Callable[..., Any], tuple]],
             done: Callable[[str, Any, BaseException | None], None], desc: str, unit: str) -> None:
     """Run each (key, fn, args) on the pool; `done(key, result, error)` as each finishes, in the order they
@@ -278,6 +283,6 @@ def _run_futures(pool: Pool, tasks: list[tuple[str, Callable[..., Any], tuple]],
                 result, err = None, e
             done(futures[f], result, err)
             bar.update()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Stop):
         pool.client.cancel(list(futures), force=True)
         raise

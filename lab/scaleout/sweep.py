@@ -10,7 +10,8 @@ rules before anything is submitted. The sweep folder holds:
     sweep.png    each numeric headline figure over the first axis, one line per value of the others
     pNN_…/       each point's run folder (executed notebook, results.json, figures)
 
-A failed point is recorded with its error and the others finish. Running the same command on the same
+A failed point is recorded with its error and the others finish, unless it failed on a missing Python module:
+every point imports the same, so the rest are stopped and marked "not run" with that reason. Running the same command on the same
 folder again resumes: points that completed are skipped, the others run again (a failed point's old
 folder is replaced). Ctrl-C cancels what has not finished and marks the sweep and those points interrupted.
 """
@@ -182,7 +183,7 @@ def run_sweep(notebook: str, pairs: list[tuple[str, str]], out: str | Path | Non
     """Plan, check, run (resuming a sweep folder that holds this sweep) → (sweep folder, record)."""
     from lab.results import OUTPUTS, new_run_id
     from lab.runner import find_notebook, resolve_paths
-    from lab.scaleout.cluster import open_pool, run_all
+    from lab.scaleout.cluster import Stop, open_pool, run_all
 
     nb = find_notebook(notebook)
     axes, fixed = parse_axes(pairs)
@@ -220,10 +221,20 @@ def run_sweep(notebook: str, pairs: list[tuple[str, str]], out: str | Path | Non
             tqdm.write(f"{p['name']}: {p['status']} in {p.get('wall_s') or 0:.1f} s on {p.get('worker', '?')}"
                        + (f" (GPU {p['gpu']})" if p.get("gpu") else "") + (f" — {p['error']}" if p.get("error") else ""))
             _write(folder, rec)
+            missing = re.search(r"No module named '([^']+)'", str(p.get("error") or ""))
+            if missing and p["status"] == "failed":
+                raise Stop(f"{p['name']} failed on a missing module ({missing.group(1)}); every point imports the same, "
+                           f"so the rest were not run: install it where the workers run, then run the same command to "
+                           f"resume")
 
         tasks = [(str(i), run_point, (str(nb), str(folder / rec["points"][i]["name"]), points[i])) for i in todo]
         try:
             run_all(pool, tasks, done, desc=f"sweep {nb.stem}", unit="point")
+        except Stop as stop:
+            for i in todo:
+                if rec["points"][i]["status"] == "submitted":
+                    rec["points"][i].update(status="not run", error=str(stop))
+            log(str(stop))
         except KeyboardInterrupt:
             for i in todo:
                 if rec["points"][i]["status"] == "submitted":
