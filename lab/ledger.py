@@ -1,6 +1,7 @@
 """The results ledger: one row per measured quantity, `outputs/reference/<machine>/results.csv`.
 
-A row says which notebook measured what (`row`: the preset or the row's name, `metric`), the value and
+A row says which notebook measured what (`row`: the preset, the variant such as "conv_impl=cudnn", or the
+row's name; `metric`), the value and
 its unit, the spread over repeats (min–max or IQR as text; empty for one run), how many repeats, the
 commit and the exact `lab …` command that produced it, the machine, the weights and the date. A
 reference run (a notebook run whose folder lies under `outputs/reference/<machine>/`) appends its
@@ -58,6 +59,9 @@ class Row:
 
 COLUMNS = tuple(f.name for f in fields(Row))
 PRESET_NAMES = ("upstream", "exact", "fast")  # a run's `preset` parameter names its row
+# parameters that change what a notebook's headline figures measure: a run that sets one away from the notebook's
+# default names its rows after it ("conv_impl=cudnn"), so a variant never stands in for the default's figures
+VARIANT_PARAMS = {"03_fp8_quantization": ("conv_impl", "scheme", "activation", "mode")}
 SKIP_KEYS = ("weights", "frames", "time budget", "face crop", "e2e rows from", "fp8 gemms")
 REQUIRED = tuple(c for c in COLUMNS if c != "note")
 
@@ -375,6 +379,7 @@ def rows_from_result(res: dict, notebook: str, command: str, note: str = "", mac
                 command=command, machine=prov.get("machine") or machine, weights=_weights(res.get("weights")),
                 date=_iso(prov.get("time_utc")) or date)
     preset = (res.get("params") or {}).get("preset")
+    variant = _variant(notebook, res.get("params") or {})
     tables = res.get("tables") or {}
     out = []
     for key, value in (res.get("headline") or {}).items():
@@ -385,7 +390,7 @@ def rows_from_result(res: dict, notebook: str, command: str, note: str = "", mac
         if fig is None:
             continue
         num, unit, text = fig
-        row, metric = (preset if preset in PRESET_NAMES else "headline"), key
+        row, metric = (preset if preset in PRESET_NAMES else variant or "headline"), key
         rank = re.match(r"#\d+\s+(.*)", key)
         if rank:
             row, metric = rank.group(1), (unit or "value")
@@ -394,6 +399,22 @@ def rows_from_result(res: dict, notebook: str, command: str, note: str = "", mac
         out.append(Row(row=row, metric=metric, value=num, unit=unit, spread=spread, repeats=reps, note=notes,
                        **base))
     return out
+
+
+def _variant(notebook: str, params: dict[str, Any], notebooks_dir: str | Path | None = None) -> str | None:
+    """"name=value, …" of the VARIANT_PARAMS this run set away from the notebook's defaults; None if it set none."""
+    keys = VARIANT_PARAMS.get(notebook)
+    if not keys:
+        return None
+    from lab import params as P
+
+    try:
+        nb = next(Path(notebooks_dir or NOTEBOOKS).glob(f"{notebook.split('_')[0]}_*.ipynb"))
+        defaults = P.notebook_defaults(nb)
+    except (StopIteration, OSError, ValueError, InputError):
+        return None
+    moved = [f"{k}={params[k]}" for k in keys if k in params and k in defaults and params[k] != defaults[k]]
+    return ", ".join(moved) or None
 
 
 def _results_files(folder: Path) -> list[tuple[Path, str | None]]:

@@ -198,3 +198,15 @@ def test_a_shortened_docs_table_keeps_every_run_and_names_the_gpu(tmp_path):
     assert sum("jobs musetalk" in line for line in table) == 2     # the older run is not pushed off by the sweep
     assert "| H100 |" in table[0] and "| H200 |" in table[-1]
     assert "(7 older figures" in text
+
+
+def test_a_variant_run_names_its_rows_and_leaves_the_default_figures_standing():
+    res = {"params": {"conv_impl": "cudnn", "scheme": "per_tensor", "activation": "static", "mode": "auto"},
+           "headline": {"sd-vae FP8 FPS (compiled)": 370.4}, "provenance": {"git_commit": "54cf2b7c9e90"}}
+    (row,) = L.rows_from_result(res, "03_fp8_quantization", "lab run 03 -p conv_impl cudnn")
+    assert row.row == "conv_impl=cudnn" and row.metric == "sd-vae FP8 FPS (compiled)"
+    res["params"].update(conv_impl="auto", activation="dynamic")
+    assert L.rows_from_result(res, "03_fp8_quantization", "x")[0].row == "activation=dynamic"
+    res["params"]["activation"] = "static"
+    assert L.rows_from_result(res, "03_fp8_quantization", "x")[0].row == "headline"     # the defaults
+    assert L.rows_from_result(res, "05_stride_slerp", "x")[0].row == "headline"         # no variant parameters
