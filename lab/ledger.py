@@ -2,9 +2,8 @@
 
 A row says which notebook measured what (`row`: the preset, the variant such as "conv_impl=cudnn", or the
 row's name; `metric`), the value and its unit, the spread over repeats (min–max or IQR as text; empty for
-one run), how many repeats, the
-commit and the exact `lab …` command that produced it, the machine, the weights and the date. A
-reference run (a notebook run whose folder lies under `outputs/reference/<machine>/`) appends its
+one run), how many repeats, the commit and the exact `lab …` command that produced it, the machine, the
+weights and the date. A reference run (a notebook run whose folder lies under `outputs/reference/<machine>/`) appends its
 headline rows here when it finishes (`record_run`, called by the runner); `import_run` turns an
 existing run folder into rows with that run's own commit and date. The README's results section and
 each docs page's current figures are generated from the newest rows (`newest`); a row whose family
