@@ -3,8 +3,8 @@
 A row says which notebook measured what (`row`: the preset, the variant such as "conv_impl=cudnn", or the
 row's name; `metric`), the value and its unit, the spread over repeats (min–max or IQR as text; empty for
 one run), how many repeats, the commit and the exact `lab …` command that produced it, the machine, the
-weights and the date. A reference run (a notebook run whose folder lies under `outputs/reference/<machine>/`) appends its
-headline rows here when it finishes (`record_run`, called by the runner); `import_run` turns an
+weights and the date. A reference run (a notebook run whose folder lies under `outputs/reference/<machine>/`)
+appends its headline rows here when it finishes (`record_run`, called by the runner); `import_run` turns an
 existing run folder into rows with that run's own commit and date. The README's results section and
 each docs page's current figures are generated from the newest rows (`newest`); a row whose family
 code changed after its commit is stale (`stale`, from `git log` since that commit).
@@ -405,13 +405,7 @@ def _variant(notebook: str, params: dict[str, Any], notebooks_dir: str | Path | 
     keys = VARIANT_PARAMS.get(notebook)
     if not keys:
         return None
-    from lab import params as P
-
-    try:
-        nb = next(Path(notebooks_dir or NOTEBOOKS).glob(f"{notebook.split('_')[0]}_*.ipynb"))
-        defaults = P.notebook_defaults(nb)
-    except (StopIteration, OSError, ValueError, InputError):
-        return None
+    defaults = _defaults(notebook, notebooks_dir or NOTEBOOKS)
     moved = [f"{k}={params[k]}" for k in keys if k in params and k in defaults and params[k] != defaults[k]]
     return ", ".join(moved) or None
 
@@ -444,6 +438,16 @@ def _literal(v: Any) -> str:
     return shlex.quote(str(text))
 
 
+def _defaults(notebook: str, notebooks_dir: str | Path) -> dict[str, Any]:
+    """The parameter defaults of the notebook numbered like `notebook` ({} where it cannot be read)."""
+    from lab import params as P
+
+    try:
+        return P.notebook_defaults(next(Path(notebooks_dir).glob(f"{notebook.split('_')[0]}_*.ipynb")))
+    except (StopIteration, OSError, ValueError, InputError):
+        return {}
+
+
 def run_command(notebook: str, params: dict[str, Any], out_dir: str | Path | None = None,
                 notebooks_dir: str | Path = NOTEBOOKS) -> str:
     """The `lab run` command that runs `notebook` with these parameters: the notebook's declared knobs
@@ -451,11 +455,7 @@ def run_command(notebook: str, params: dict[str, Any], out_dir: str | Path | Non
     from lab import params as P
 
     num = notebook.split("_")[0]
-    try:
-        nb = next(Path(notebooks_dir).glob(f"{num}_*.ipynb"))
-        defaults = P.notebook_defaults(nb)
-    except (StopIteration, OSError, ValueError, InputError):
-        defaults = {}
+    defaults = _defaults(notebook, notebooks_dir)
     parts = ["lab", "run", num]
     dev = params.get("device")
     if dev in ("cpu", "cuda"):

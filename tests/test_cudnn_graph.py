@@ -215,7 +215,7 @@ def test_search_and_survey_inputs_are_checked():
 
 
 @pytest.mark.gpu
-def test_kernel_search_times_more_plans_and_is_never_slower():
+def test_kernel_search_times_at_least_the_heuristics_plans():
     _gpu()
     from lab.runtime import cudnn_survey as S
 

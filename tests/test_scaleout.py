@@ -343,3 +343,12 @@ def test_worker_settings_keep_dasks_distributed_defaults():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-800:]
     assert out.stdout.strip()
+
+
+def test_the_sweep_table_says_which_weights_and_machine():
+    from lab.scaleout.report import table_markdown
+
+    rec = {"notebook": "01_profiling", "status": "complete", "axes": {"batch_size": [8]}, "pool": "1 worker",
+           "points": [{"name": "p00", "params": {"batch_size": 8}, "status": "ok", "gpu_name": "NVIDIA H100",
+                       "weights": {"unet": "random (seed 0)"}, "headline": {"UNet FPS": 271.5}}]}
+    assert "(random weights, NVIDIA H100)" in table_markdown(rec).splitlines()[2]

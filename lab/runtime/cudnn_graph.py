@@ -253,8 +253,7 @@ class ConvGraph:
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in HEURISTICS])
-        if search == "kernels":
-            self.engines = _add_kernel_plans(cudnn, g)
+        self.engines = _add_kernel_plans(cudnn, g) if search == "kernels" else None  # engines that added plans
         g.check_support()
         g.build_plans(cudnn.build_plan_policy.ALL if autotune else cudnn.build_plan_policy.HEURISTICS_CHOICE)
         self.plans = g.get_execution_plan_count()

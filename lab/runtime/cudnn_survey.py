@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 from lab.errors import BackendUnavailable, InputError
 from lab.runtime import cudnn_graph as C
+from lab.timing import bench
 
 # the decoder convs of Ditto's renderer and the SD-VAE at batch 16 (B, Cin, Cout, H, k)
 SHAPES = ((16, 512, 512, 64, 3), (16, 512, 256, 128, 3), (16, 256, 64, 256, 3), (16, 512, 512, 128, 3),
@@ -53,17 +53,8 @@ def graph_ms(fn: Callable[[], Any], calls: int = 10, reps: int = 10) -> tuple[fl
     with torch.cuda.graph(g):
         for _ in range(calls):
             fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    return statistics.median(times), min(times), max(times)
+    r = bench(g.replay, warmup=1, iters=reps, device="cuda")
+    return r.median_s * 1e3 / calls, r.min_s * 1e3 / calls, r.max_s * 1e3 / calls
 
 
 def kernels(fn: Callable[[], Any]) -> list[tuple[str, float]]:

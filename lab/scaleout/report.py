@@ -28,7 +28,8 @@ def table_markdown(rec: dict[str, Any], figure: bool = False) -> str:
     heads = metrics(rec)
     done = sum(p["status"] == "ok" for p in rec["points"])
     lines = [f"# Sweep of {rec['notebook']} ({rec.get('status')})", "",
-             f"{done} of {len(rec['points'])} points completed on {rec.get('pool', '?')}. "
+             f"{done} of {len(rec['points'])} points completed on {rec.get('pool', '?')}"
+             + (f" ({', '.join(_provenance(rec))}). " if _provenance(rec) else ". ")
              + ("Fixed: " + ", ".join(f"{k}={v!r}" for k, v in (rec.get("fixed") or {}).items()) + ". " if rec.get("fixed") else "")
              + (f"Command: `{rec['command']}`." if rec.get("command") else ""), ""]
     if figure:
@@ -60,11 +61,16 @@ def _numeric(rec: dict[str, Any]) -> list[str]:
     return [m for varies, m in sorted(out, key=lambda t: not t[0])]
 
 
-def _title(rec: dict[str, Any]) -> str:
+def _provenance(rec: dict[str, Any]) -> list[str]:
+    """["random weights", "<machine> + …"]: what the completed points ran with and on (either may be absent)."""
     ok = [p for p in rec["points"] if p["status"] == "ok"]
     machines = sorted({p.get("gpu_name") or p.get("machine") or "" for p in ok} - {""})
     weights = {str(w) for p in ok for w in (p.get("weights") or {}).values()}
-    bits = [b for b in (("random weights" if any("random" in w for w in weights) else ""), " + ".join(machines)) if b]
+    return [b for b in (("random weights" if any("random" in w for w in weights) else ""), " + ".join(machines)) if b]
+
+
+def _title(rec: dict[str, Any]) -> str:
+    bits = _provenance(rec)
     failed = [p["name"] for p in rec["points"] if p["status"] != "ok"]
     return (f"{rec['notebook']}: headline figures over {', '.join(rec.get('axes') or {}) or 'one point'}"
             + (f" ({' · '.join(bits)})" if bits else "")

@@ -10,10 +10,11 @@ rules before anything is submitted. The sweep folder holds:
     sweep.png    each numeric headline figure over the first axis, one line per value of the others
     pNN_…/       each point's run folder (executed notebook, results.json, figures)
 
-A failed point is recorded with its error and the others finish, unless it failed on a missing Python module:
-every point imports the same, so the rest are stopped and marked "not run" with that reason. Running the same command on the same
-folder again resumes: points that completed are skipped, the others run again (a failed point's old
-folder is replaced). Ctrl-C cancels what has not finished and marks the sweep and those points interrupted.
+A failed point is recorded with its error and the others finish, unless it failed on a missing Python
+module: every point imports the same, so the rest are stopped and marked "not run" with that reason.
+Running the same command on the same folder again resumes: points that completed are skipped, the others
+run again (a failed point's old folder is replaced). Ctrl-C cancels what has not finished and marks the
+sweep and those points interrupted.
 """
 from __future__ import annotations
 
@@ -223,9 +224,9 @@ def run_sweep(notebook: str, pairs: list[tuple[str, str]], out: str | Path | Non
             _write(folder, rec)
             missing = re.search(r"No module named '([^']+)'", str(p.get("error") or ""))
             if missing and p["status"] == "failed":
-                raise Stop(f"{p['name']} failed on a missing module ({missing.group(1)}); every point imports the same, "
-                           f"so the rest were not run: install it where the workers run, then run the same command to "
-                           f"resume")
+                raise Stop(f"{p['name']} failed on a missing module ({missing.group(1)}); every point imports the "
+                           f"same, so the rest were not run: install it where the workers run, then run the same "
+                           f"command to resume")
 
         tasks = [(str(i), run_point, (str(nb), str(folder / rec["points"][i]["name"]), points[i])) for i in todo]
         try:
