@@ -212,6 +212,21 @@ def test_search_and_survey_inputs_are_checked():
             S.parse_shape(bad)
     assert S.main(["--io", "int8"]) == 2
     assert S.main(["--search", "every"]) == 2
+    assert S.main(["--epilogue", "bias,scale"]) == 2
+    assert S.main(["--epilogue", "gelu"]) == 2
+
+
+def test_survey_baseline_computes_the_graphs_epilogue():
+    from lab.runtime import cudnn_survey as S
+
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 8, 6, 6), torch.randn(16, 8, 3, 3) * 0.1
+    bias, r = torch.randn(1, 16, 1, 1), torch.randn(2, 16, 6, 6)
+    epi = ("bias", "add", "leaky_relu:0.2")
+    got = S.torch_epilogue(epi, (1, 1), compile=False)(x, w, bias, [r])
+    want = C.reference(x, w, C.ConvSpec.of((1, 1), epilogue=epi), bias=bias, others=[r])
+    assert torch.allclose(got, want.float(), atol=2e-2)
+    assert not torch.allclose(got, S.torch_epilogue(("bias", "add"), (1, 1), compile=False)(x, w, bias, [r]), atol=1e-2)
 
 
 @pytest.mark.gpu

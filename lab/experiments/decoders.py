@@ -23,6 +23,7 @@ the saved figure), the comparator widget, `compare` and `finish`.
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 import time
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ from lab.experiments import common
 from lab.experiments.common import Run, batched, row, to_uint8, weights_label
 from lab.models.vae import KINDS, VAE
 from lab.models.weights import quiet_diffusers
+from lab.runtime import cudnn_graph
 from lab.timing import bench, count_flops, matmul_ceiling, sync
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -64,20 +66,18 @@ VARIANTS: dict[str, str] = {
                                   "(lab.techniques.group_norm: statistics over whole pixel rows, conv1's bias taken in)",
     "compile_subpixel_autotune": "compile_subpixel with mode='max-autotune' (Triton conv/GEMM templates vs cuDNN "
                                  "per shape, + CUDA graphs; minutes of compile)",
+    "compile_subpixel_graph": "compile_subpixel with each conv a cuDNN graph-API conv (lab.techniques.graph_conv: "
+                              "plans timed per shape; bias and the resnet skip add in the conv's epilogue)",
 }
-COMPILED = ("compile", "compile_cudagraphs", "compile_autotune", "compile_subpixel", "compile_subpixel_phases",
-            "compile_subpixel_frozen", "compile_subpixel_groupnorm", "compile_subpixel_autotune")
-_COMPILE_MODE = {"compile": "default", "compile_cudagraphs": "reduce-overhead",
-                 "compile_autotune": "max-autotune-no-cudagraphs", "compile_subpixel": "reduce-overhead",
-                 "compile_subpixel_phases": "reduce-overhead", "compile_subpixel_frozen": "reduce-overhead",
-                 "compile_subpixel_groupnorm": "reduce-overhead", "compile_subpixel_autotune": "max-autotune"}
-_SUBPIXEL = {"subpixel": "transpose", "compile_subpixel": "transpose", "compile_subpixel_phases": "phases",
-             "compile_subpixel_frozen": "transpose", "compile_subpixel_groupnorm": "transpose",
-             "compile_subpixel_autotune": "transpose"}
-# Inductor options per variant (patched only while that variant compiles)
-_INDUCTOR = {"compile_subpixel_frozen": {"freezing": True, "conv_1x1_as_mm": True}}
-_GRAPHED = ("cuda_graph", "compile_cudagraphs", "compile_subpixel", "compile_subpixel_phases",
-            "compile_subpixel_frozen", "compile_subpixel_groupnorm", "compile_subpixel_autotune")
+_COMPILE_MODE = {"compile": "default", "compile_cudagraphs": "reduce-overhead", "compile_autotune": "max-autotune-no-cudagraphs",
+                 **{v: "max-autotune" if v.endswith("autotune") else "reduce-overhead" for v in VARIANTS if "_subpixel" in v}}
+COMPILED = tuple(_COMPILE_MODE)
+_SUBPIXEL = {v: "phases" if v.endswith("phases") else "transpose" for v in VARIANTS if "subpixel" in v}
+_INDUCTOR = {"compile_subpixel_frozen": {"freezing": True, "conv_1x1_as_mm": True}}  # patched while it compiles
+_GRAPHED = ("cuda_graph",) + tuple(v for v, m in _COMPILE_MODE.items() if m in ("reduce-overhead", "max-autotune"))
+# the rewrite a variant applies to the (folded) decoder before compiling: lab.techniques module, function
+_REWRITE = {"compile_subpixel_groupnorm": ("group_norm", "fuse_group_norms"),
+            "compile_subpixel_graph": ("graph_conv", "graph_convs")}
 
 # UNet-space latents (SD-VAE latents × 0.18215) have roughly unit standard deviation: that is how
 # Stable Diffusion chose the factor. Benchmark latents therefore use N(0, 1), never zeros.
@@ -275,6 +275,8 @@ def skip_reason(variant: str, device: torch.device | str, quick: bool, compile: 
         info = {b["backend"]: b for b in backends()}["torch.compile"]
         if not info["available"]:
             return f"torch.compile unavailable: {info['detail']}"
+    if variant == "compile_subpixel_graph" and not cudnn_graph.available(dev, "fp16")[0]:
+        return f"cuDNN graph API unavailable: {cudnn_graph.available(dev, 'fp16')[1]}"
     return None
 
 
@@ -288,10 +290,8 @@ def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor) -> 
         model = (model if model is not None else copy.deepcopy(vae.model)).to(dtype=DTYPES[dtype])
     if variant != "eager":
         model = model.to(memory_format=torch.channels_last)
-    if variant == "compile_subpixel_groupnorm":
-        from lab.techniques.group_norm import fuse_group_norms
-
-        fuse_group_norms(model.decoder)
+    if variant in _REWRITE:
+        getattr(importlib.import_module(f"lab.techniques.{_REWRITE[variant][0]}"), _REWRITE[variant][1])(model.decoder)
     dec = VAE(vae.kind, model, vae.scaling_factor, vae.weights).decoder_module().eval()
     if variant in ("eager", "channels_last", "cudnn_benchmark", "subpixel"):
         return dec

@@ -7,7 +7,10 @@ For each conv shape (batch, Cin, Cout, H = W, k; stride 1, "same" padding, chann
 with `cudnn.benchmark`, and the graph API's fp16 and FP8 e4m3 conv (the FP8 one with its per-channel descale
 in the epilogue), each as one call's GPU time (ten calls captured in one CUDA graph; the median of the replays
 with their spread), its TFLOP/s, the CUDA kernels the profiler saw, and for the graphs how many plans were
-timed and how long the build took. On random operands: a speed figure, never a quality one.
+timed and how long the build took. With `--epilogue bias,add` (any of cudnn_graph's epilogue ops) each
+graph carries that epilogue and torch's row is the conv with the same ops after it under torch.compile
+(Inductor: cuDNN's conv, then one fused pointwise kernel): one fusion measured alone against the compiled
+path. On random operands: a speed figure, never a quality one.
 """
 from __future__ import annotations
 
@@ -70,9 +73,33 @@ def kernels(fn: Callable[[], Any]) -> list[tuple[str, float]]:
             if str(e.device_type).endswith("CUDA")]
 
 
+_ACT = {"relu": torch.relu, "silu": F.silu, "sigmoid": torch.sigmoid}
+
+
+def torch_epilogue(epilogue: Sequence[str], pad: tuple[int, int], compile: bool = True) -> Callable[..., torch.Tensor]:
+    """torch's conv and then `epilogue`'s ops, as torch.compile runs them (the baseline of a fusion)."""
+    epilogue = C.parse_epilogue(epilogue)
+
+    def f(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, others: list[torch.Tensor]) -> torch.Tensor:
+        y, it = F.conv2d(x, w, None, 1, pad), iter(others)
+        for op in epilogue:
+            if op in ("bias", "add", "mul"):
+                t = bias if op == "bias" else next(it)
+                y = y * t if op == "mul" else y + t
+            elif op == "scale":
+                raise InputError("the 'scale' op is the FP8 descale; leave it out of --epilogue")
+            elif op in _ACT:
+                y = _ACT[op](y)
+            else:
+                y = F.leaky_relu(y, float(op.split(":")[1]))
+        return y
+    return torch.compile(f, dynamic=False) if epilogue and compile else f
+
+
 def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), search: str | None = None,
-                 device: str = "cuda") -> dict[str, Any]:
-    """One shape's row: torch fp16 and each graph's time, spread, TFLOP/s, kernels and plan count."""
+                 device: str = "cuda", epilogue: Sequence[str] = ()) -> dict[str, Any]:
+    """One shape's row: torch fp16 (with `epilogue` after it, compiled) and each graph (with `epilogue` in it):
+    time, spread, TFLOP/s, kernels and plan count."""
     b, cin, cout, h, k = shape
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -81,7 +108,13 @@ def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), sea
     w = (torch.randn(cout, cin, k, k, device=dev, dtype=torch.float16) * 0.05).contiguous(memory_format=cl)
     flops = 2.0 * b * cout * h * h * cin * k * k
     pad = (k // 2, k // 2)
-    row: dict[str, Any] = {"shape": f"{b}, {cin} → {cout}, {h}², {k}", "gflop": round(flops / 1e9, 1)}
+    row: dict[str, Any] = {"shape": f"{b}, {cin} → {cout}, {h}², {k}", "gflop": round(flops / 1e9, 1),
+                           "epilogue": ",".join(epilogue)}
+    epi = C.parse_epilogue(epilogue)
+    bias = torch.randn(1, cout, 1, 1, device=dev, dtype=torch.float16)
+    others = [torch.randn(b, cout, h, h, device=dev, dtype=torch.float16).contiguous(memory_format=cl)
+              for op in epi if op in ("add", "mul")]
+    base = torch_epilogue(epi, pad)
 
     def put(name: str, fn: Callable[[], Any]) -> None:
         med, lo, hi = graph_ms(fn)
@@ -91,15 +124,16 @@ def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), sea
 
     torch.backends.cudnn.benchmark = True
     with torch.no_grad():
-        put("torch_fp16", lambda: F.conv2d(x, w, None, 1, pad))
+        put("torch_fp16", lambda: base(x, w, bias, others))
         for io in ios:
+            tail = [bias] * ("bias" in epi) + others
             if io == "fp16":
-                spec, xs, ws, extras = C.ConvSpec.of(pad, io="fp16"), x, w, []
+                spec, xs, ws, extras = C.ConvSpec.of(pad, io="fp16", epilogue=epi), x, w, tail
             else:
-                spec = C.ConvSpec.of(pad, io="fp8", epilogue=("scale",))
+                spec = C.ConvSpec.of(pad, io="fp8", epilogue=("scale",) + epi)
                 xs = x.to(torch.float8_e4m3fn)
                 ws = w.to(torch.float8_e4m3fn)
-                extras = [torch.ones(1, cout, 1, 1, device=dev)]
+                extras = [torch.ones(1, cout, 1, 1, device=dev)] + tail
             t0 = time.perf_counter()
             try:
                 gph = C.build(spec, xs.shape, ws.shape, dev, autotune=True, search=search)
@@ -138,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--shape", action="append", help="batch,Cin,Cout,H,k (repeatable; default: the decoder set)")
     ap.add_argument("--io", default="fp16,fp8", help="graph operand types to time, of fp16,fp8")
     ap.add_argument("--search", default=C.SEARCH, help=f"which plans the graphs time, one of {C.SEARCHES}")
+    ap.add_argument("--epilogue", default="", help="ops fused into each graph and run after torch's conv, e.g. bias,add")
     ap.add_argument("--json", help="write the rows (with kernel names) to this file")
     a = ap.parse_args(argv)
     try:
@@ -147,18 +182,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise InputError(f"--io {a.io!r}: expected a comma list of {C.IO}")
         if a.search not in C.SEARCHES:
             raise InputError(f"--search {a.search!r}: expected one of {C.SEARCHES}")
+        epi = C.parse_epilogue([o.strip() for o in a.epilogue.split(",") if o.strip()])
+        if "scale" in epi:
+            raise InputError("--epilogue: 'scale' is the FP8 descale the survey adds itself; leave it out")
         C.require("cuda", "fp8" if "fp8" in ios else "fp16")
     except (InputError, BackendUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cudnn = C._frontend()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": cudnn.backend_version(),
-            "frontend": getattr(cudnn, "__version__", "?"), "search": a.search, "weights": "random operands"}
+            "frontend": getattr(cudnn, "__version__", "?"), "search": a.search, "weights": "random operands",
+            "epilogue": ",".join(epi)}
     print(json.dumps(meta), flush=True)
     rows = []
     for i, shape in enumerate(shapes):
         t0 = time.perf_counter()
-        rows.append(survey_shape(shape, ios, a.search))
+        rows.append(survey_shape(shape, ios, a.search, epilogue=epi))
         r = rows[-1]
         print(f"[{i + 1}/{len(shapes)}] {r['shape']}: torch {r['torch_fp16_ms']:.3f} ms "
               + " ".join(f"{io} {r.get(f'graph_{io}_ms', '—')} ms ({r.get(f'graph_{io}_plans_timed', 0)} plans)"

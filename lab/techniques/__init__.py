@@ -25,7 +25,7 @@ DEVICES = ("any", "cuda")
 # modules whose decorators fill the registry; imported on first lookup, so that importing one technique
 # does not import them all
 _MODULES = ("block_norm", "channel_pad", "fft_conv", "group_norm", "nearest_conv", "putback", "short_attention",
-            "silence", "spade_fuse", "spectral_fold", "subpixel", "tap_conv", "tf32x3")
+            "silence", "spade_fuse", "spectral_fold", "subpixel", "tap_conv", "tf32x3", "graph_conv")
 
 
 @dataclass(frozen=True)

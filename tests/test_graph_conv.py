@@ -1,0 +1,70 @@
+"""The SD-VAE decoder's convs as cuDNN graph convs (lab.techniques.graph_conv): on the CPU, the rewrite keeps the
+function (bit-equal in fp32, where the torch ops run) and routes each resnet block's skip add into conv2's epilogue
+(fp16, where the graph op's torch fallback runs); the GPU tests time nothing, they check the built graphs."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lab.errors import InputError
+from lab.runtime import cudnn_graph
+from lab.techniques import check, registry
+from lab.techniques import graph_conv as gc
+
+
+def _vae():
+    from lab.models.vae import load_vae
+
+    return load_vae("sd-vae", "random", size="tiny")
+
+
+def test_fp32_rewrite_is_bit_equal_and_keeps_the_keys():
+    vae = _vae()
+    ref = vae.decoder_module().eval()
+    g = copy.deepcopy(vae)
+    rows = gc.graph_convs(g.model.decoder)
+    n_res = sum(1 for r in rows if r["became"].startswith("GraphResnet"))
+    assert n_res == len([m for m in vae.model.decoder.modules() if type(m).__name__ == "ResnetBlock2D"]) > 0
+    assert any(r["became"] == "GraphConv2d" for r in rows)
+    z = torch.randn(2, 4, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(g.decoder_module().eval()(z), ref(z))
+    assert g.model.decoder.state_dict().keys() == vae.model.decoder.state_dict().keys()
+
+
+def test_fp16_skip_runs_in_conv2s_epilogue(monkeypatch):
+    vae = _vae()
+    g = copy.deepcopy(vae)
+    gc.graph_convs(g.model.decoder)
+    g.model.half()
+    specs = []
+    real = cudnn_graph.conv2d
+    monkeypatch.setattr(cudnn_graph, "conv2d", lambda x, w, spec, **kw: specs.append(spec.epilogue) or real(x, w, spec, **kw))
+    z = torch.randn(2, 4, 8, 8)
+    with torch.no_grad():
+        got = g.decoder_module().eval()(z.half()).float()
+        want = vae.decoder_module().eval()(z)
+    n_res = len([m for m in g.model.decoder.modules() if isinstance(m, gc.GraphResnet)])
+    assert specs.count(("bias", "add")) == n_res
+    assert len(specs) > n_res
+    assert float((got - want).abs().max()) < 2e-2   # fp16 rounding of a tiny decoder's outputs in [0, 1]
+
+
+def test_ineligible_convs_stay_with_a_reason():
+    ok, why = gc.eligible(nn.Conv2d(4, 16, 3, padding=1))
+    assert not ok and "multiples of 8" in why
+    assert not gc.eligible(nn.Conv2d(16, 16, 3, padding=1, groups=2))[0]
+    assert not gc.eligible(nn.ConvTranspose2d(16, 16, 4, stride=2, padding=1))[0]
+    rows = gc.graph_convs(_vae().model.decoder)
+    conv_in = [r for r in rows if r["module"] == "conv_in"]
+    assert conv_in and not conv_in[0]["became"] and "channels" in conv_in[0]["reason"]
+    with pytest.raises(ValueError, match="multiples of 8"):
+        gc.GraphConv2d(nn.Conv2d(4, 16, 3))
+
+
+def test_registered_as_an_exact_musetalk_technique_that_needs_cuda():
+    t = registry("musetalk")["graph_conv"]
+    assert t.exact and t.device == "cuda"
+    with pytest.raises(InputError, match="graph_conv"):
+        check("musetalk", ("graph_conv",), device=torch.device("cpu"))
