@@ -259,10 +259,9 @@ class ConvGraph:
         self.plans = g.get_execution_plan_count()
         self.plan, self.plan_ms, self.plan_name = 0, None, ""
         self.timings: list[tuple[int, float]] = []  # (plan index, ms) of every plan the autotune ran
-        self._ws = torch.empty(0, dtype=torch.uint8, device=device)
         if autotune:
             self._autotune()
-        self._ws = torch.empty(max(g.get_workspace_size_plan_at_index(self.plan), 1), dtype=torch.uint8, device=device)
+        self.workspace = max(g.get_workspace_size_plan_at_index(self.plan), 1)
         self.plan_name = self.name_of(self.plan)
 
     def _operands(self, x, w, extras, out) -> dict:
@@ -309,10 +308,13 @@ class ConvGraph:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, extras: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         # allocated channels-last: an NCHW empty() made channels-last is a copy kernel of the whole output per call
         out = torch.empty(self.out_shape, device=self.device, dtype=torch.float16, memory_format=torch.channels_last)
+        # the workspace too per call, never kept: a graph built during CUDA-graph trees' warm-up would leave a kept
+        # one in the trees' pool, untracked, and the capture refuses
+        ws = torch.empty(self.workspace, dtype=torch.uint8, device=self.device)
         cl = torch.channels_last
         self._run(x.contiguous(memory_format=cl), w.contiguous(memory_format=cl),
                   [t.contiguous() if t.dim() < 4 or t.shape[1] == 1 else t.contiguous(memory_format=cl) for t in extras],
-                  out, self._ws, self.plan)
+                  out, ws, self.plan)
         return out
 
 
