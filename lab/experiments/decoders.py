@@ -66,7 +66,7 @@ VARIANTS: dict[str, str] = {
                                   "(lab.techniques.group_norm: statistics over whole pixel rows, conv1's bias taken in)",
     "compile_subpixel_autotune": "compile_subpixel with mode='max-autotune' (Triton conv/GEMM templates vs cuDNN "
                                  "per shape, + CUDA graphs; minutes of compile)",
-    "compile_subpixel_graph": "compile_subpixel with each conv a cuDNN graph-API conv (lab.techniques.graph_conv: "
+    "compile_subpixel_graph": "compile_subpixel_groupnorm, each conv a cuDNN graph-API conv (lab.techniques.graph_conv: "
                               "plans timed per shape; bias and the resnet skip add in the conv's epilogue)",
 }
 _COMPILE_MODE = {"compile": "default", "compile_cudagraphs": "reduce-overhead", "compile_autotune": "max-autotune-no-cudagraphs",
@@ -75,9 +75,9 @@ COMPILED = tuple(_COMPILE_MODE)
 _SUBPIXEL = {v: "phases" if v.endswith("phases") else "transpose" for v in VARIANTS if "subpixel" in v}
 _INDUCTOR = {"compile_subpixel_frozen": {"freezing": True, "conv_1x1_as_mm": True}}  # patched while it compiles
 _GRAPHED = ("cuda_graph",) + tuple(v for v, m in _COMPILE_MODE.items() if m in ("reduce-overhead", "max-autotune"))
-# the rewrite a variant applies to the (folded) decoder before compiling: lab.techniques module, function
-_REWRITE = {"compile_subpixel_groupnorm": ("group_norm", "fuse_group_norms"),
-            "compile_subpixel_graph": ("graph_conv", "graph_convs")}
+# the rewrites a variant applies to the (folded) decoder before compiling: lab.techniques module, function
+_REWRITE = {"compile_subpixel_groupnorm": [("group_norm", "fuse_group_norms")],
+            "compile_subpixel_graph": [("group_norm", "fuse_group_norms"), ("graph_conv", "graph_convs")]}
 
 # UNet-space latents (SD-VAE latents × 0.18215) have roughly unit standard deviation: that is how
 # Stable Diffusion chose the factor. Benchmark latents therefore use N(0, 1), never zeros.
@@ -290,8 +290,8 @@ def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor) -> 
         model = (model if model is not None else copy.deepcopy(vae.model)).to(dtype=DTYPES[dtype])
     if variant != "eager":
         model = model.to(memory_format=torch.channels_last)
-    if variant in _REWRITE:
-        getattr(importlib.import_module(f"lab.techniques.{_REWRITE[variant][0]}"), _REWRITE[variant][1])(model.decoder)
+    for mod, fn in _REWRITE.get(variant, []):
+        getattr(importlib.import_module(f"lab.techniques.{mod}"), fn)(model.decoder)
     dec = VAE(vae.kind, model, vae.scaling_factor, vae.weights).decoder_module().eval()
     if variant in ("eager", "channels_last", "cudnn_benchmark", "subpixel"):
         return dec
