@@ -63,8 +63,46 @@ def test_ineligible_convs_stay_with_a_reason():
         gc.GraphConv2d(nn.Conv2d(4, 16, 3))
 
 
-def test_registered_as_an_exact_musetalk_technique_that_needs_cuda():
+def test_registered_as_an_exact_musetalk_technique():
     t = registry("musetalk")["graph_conv"]
-    assert t.exact and t.device == "cuda"
+    assert t.exact and "graph_conv" in t.where
+    assert check("musetalk", ("subpixel", "fused_norm", "graph_conv")) == ("subpixel", "fused_norm", "graph_conv")
     with pytest.raises(InputError, match="graph_conv"):
-        check("musetalk", ("graph_conv",), device=torch.device("cpu"))
+        check("musetalk", "graph_conv")
+
+
+def test_plain_convs_undoes_the_rewrite():
+    vae = _vae()
+    g = copy.deepcopy(vae)
+    rows = gc.graph_convs(g.model.decoder)
+    assert gc.plain_convs(g.model.decoder) == sum(1 for r in rows if r["became"]) > 0
+    kinds = [type(m).__name__ for m in g.model.decoder.modules()]
+    assert "GraphResnet" not in kinds and "GraphConv2d" not in kinds
+    assert [type(m).__name__ for m in vae.model.decoder.modules()] == kinds
+    assert gc.plain_convs(g.model.decoder) == 0
+
+
+def test_pipeline_switch_same_frames_and_back():
+    import numpy as np
+
+    from lab.pipelines import Encode
+    from lab.pipelines import musetalk as mt
+
+    cfg = mt.Config(size="tiny", frame_size=(128, 192), crop=64, batch_size=4, encode=Encode(writer="null", queue=3),
+                    face_crop="geometric", techniques=("subpixel", "fused_norm"))
+    e = mt.build(cfg, "cpu")
+    av = mt.prepare(e, mt.avatar_loop(6, (128, 192)))
+    on = mt.reconfigure(e, techniques=("subpixel", "fused_norm", "graph_conv"))
+    assert any(isinstance(m, gc.GraphResnet) for m in on.decoder.modules())
+    assert not any(isinstance(m, gc.GraphResnet) for m in e.decoder.modules())
+    off = mt.reconfigure(on, techniques=("subpixel", "fused_norm"))
+    assert off.decoder is e.decoder
+    z = torch.randn(4, 4, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(on.decoder(z), e.decoder(z))
+    built = mt.build(mt.Config(**{**cfg.__dict__, "techniques": ("graph_conv",)}), "cpu")
+    assert any(isinstance(m, gc.GraphConv2d) for m in built.decoder.modules())
+    unfused = mt.reconfigure(built, techniques=("fused_norm",))   # a graphed build, its copy made plain then fused
+    assert not any(isinstance(m, gc.GraphConv2d) for m in unfused.decoder.modules())
+    audio = (0.1 * np.random.default_rng(0).standard_normal(24000)).astype(np.float32)
+    assert mt.run(on, av, audio, 24000, n_frames=8).n_frames == 8

@@ -44,6 +44,7 @@ class GraphConv2d(nn.Module):
         ok, why = eligible(conv)
         if not ok:
             raise ValueError(f"GraphConv2d: {why}")
+        object.__setattr__(self, "plain", conv)   # unregistered: the state dict keeps Conv2d's keys; plain_convs undoes
         self.weight, self.bias = conv.weight, conv.bias
         self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
         bias = ("bias",) if conv.bias is not None else ()
@@ -69,6 +70,7 @@ class GraphResnet(nn.Module):
 
     def __init__(self, blk: nn.Module):
         super().__init__()
+        object.__setattr__(self, "plain", blk)
         self.norm1, self.norm2, self.nonlinearity, self.dropout = blk.norm1, blk.norm2, blk.nonlinearity, blk.dropout
         self.conv1, self.conv2 = _swap(blk.conv1), GraphConv2d(blk.conv2)
         self.conv_shortcut = None if blk.conv_shortcut is None else _swap(blk.conv_shortcut)
@@ -98,9 +100,10 @@ def _set(root: nn.Module, name: str, mod: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, leaf, mod)
 
 
-@technique("graph_conv", family="musetalk", exact=True, device="cuda",
+@technique("graph_conv", family="musetalk", exact=True,
            doc="SD-VAE decoder: each conv a cuDNN graph-API fp16 conv (plans timed per shape) with its bias and, "
-               "in the resnet blocks, the skip add in the conv's epilogue (the same function up to fp16 rounding).")
+               "in the resnet blocks, the skip add in the conv's epilogue (the same function up to fp16 rounding; "
+               "the torch ops off CUDA or in fp32).")
 def graph_convs(module: nn.Module) -> list[dict[str, Any]]:
     """Swap, in place, each diffusers ResnetBlock2D for a GraphResnet and every other eligible Conv2d for a
     GraphConv2d; one report row per place considered (what it became, or why it stayed)."""
@@ -122,4 +125,15 @@ def graph_convs(module: nn.Module) -> list[dict[str, Any]]:
     return rows
 
 
-__all__ = ["GraphConv2d", "GraphResnet", "eligible", "graph_convs"]
+def plain_convs(module: nn.Module) -> int:
+    """Undo graph_convs in place (the same parameters back in the original modules); how many places were restored."""
+    n = 0
+    for cls in (GraphResnet, GraphConv2d):   # blocks first: a block's own graph convs go back with it
+        for name, mod in list(module.named_modules()):
+            if isinstance(mod, cls) and name and module.get_submodule(name) is mod:
+                _set(module, name, mod.plain)
+                n += 1
+    return n
+
+
+__all__ = ["GraphConv2d", "GraphResnet", "eligible", "graph_convs", "plain_convs"]

@@ -93,6 +93,11 @@ def _fused(cfg: Config) -> bool:
     return on(cfg, "fused_norm") and cfg.decoder == "sd-vae"
 
 
+def _graphed(cfg: Config) -> bool:
+    """Whether this config's decoder runs its convs as cuDNN graphs (SD-VAE's convs and resnet skips)."""
+    return on(cfg, "graph_conv") and cfg.decoder == "sd-vae"
+
+
 def _dtype(cfg: Config, dev: torch.device) -> torch.dtype:
     dt = DTYPES[cfg.dtype]
     return torch.float32 if dev.type == "cpu" and dt == torch.float16 else dt  # many CPU conv kernels lack fp16
@@ -128,6 +133,10 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
         from lab.techniques.group_norm import fuse_group_norms
 
         fuse_group_norms(vae.model.decoder)
+    if _graphed(cfg):
+        from lab.techniques.graph_conv import graph_convs
+
+        graph_convs(vae.model.decoder)
     gen, dec = unet.module(), vae.decoder_module()
     if _channels_last(cfg, dev):
         gen = gen.to(memory_format=torch.channels_last)
@@ -278,13 +287,14 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
     dt = _dtype(cfg, engine.device)
     v = engine.variants
     v.setdefault(("core", engine.dtype), (engine.whisper, engine.generator))
-    v.setdefault(("vae", engine.cfg.decoder, _folded(engine.cfg), _fused(engine.cfg), engine.dtype), (engine.vae, engine.decoder))
+    c0 = engine.cfg
+    v.setdefault(("vae", c0.decoder, _folded(c0), _fused(c0), _graphed(c0), engine.dtype), (engine.vae, engine.decoder))
     cl = _channels_last(cfg, engine.device)
     if ("core", dt) not in v:
         w0, g0 = v[("core", engine.dtype)]
         g = copy.deepcopy(g0).to(dt)
         v[("core", dt)] = (copy.deepcopy(w0).to(dt), g.to(memory_format=torch.channels_last) if cl else g)
-    key = ("vae", cfg.decoder, _folded(cfg), _fused(cfg), dt)
+    key = ("vae", cfg.decoder, _folded(cfg), _fused(cfg), _graphed(cfg), dt)
     if key not in v:
         v[key] = _decoder_variant(engine, cfg, key, dt, cl)
     whisper, gen = v[("core", dt)]
@@ -302,6 +312,7 @@ def _decoder_variant(engine: Engine, cfg: Config, key: tuple, dt: torch.dtype, c
     """(vae, decoder module) for `key`: a copy of the same decoder with the same folding if there is one (an
     unfolded copy is folded here), then with the same norms (a copy's norms are fused or restored here)."""
     from lab.models.vae import load_vae
+    from lab.techniques.graph_conv import graph_convs, plain_convs
     from lab.techniques.group_norm import fuse_group_norms, unfuse_group_norms
 
     v = engine.variants
@@ -310,6 +321,7 @@ def _decoder_variant(engine: Engine, cfg: Config, key: tuple, dt: torch.dtype, c
     if same_kind:
         vae = copy.deepcopy(same_kind[0][2][0])
         vae.model.to(dt)
+        plain_convs(vae.model.decoder)   # graph convs go on last, after the folding and the norms
     else:
         # a decoder kind the build did not load: its own weights (Config.weights[kind]) or random, never
         # cfg.weights["vae"], which are the built decoder's (an SD-VAE checkpoint does not fit TAESD)
@@ -326,5 +338,7 @@ def _decoder_variant(engine: Engine, cfg: Config, key: tuple, dt: torch.dtype, c
         fuse_group_norms(vae.model.decoder)  # a no-op on a copy that is fused already
     else:
         unfuse_group_norms(vae.model.decoder)
+    if key[4]:
+        graph_convs(vae.model.decoder)
     dec = vae.decoder_module()
     return vae, (dec.to(memory_format=torch.channels_last) if cl else dec)
