@@ -468,7 +468,8 @@ def run_command(notebook: str, params: dict[str, Any], out_dir: str | Path | Non
         v = params[k]
         if d is None and not isinstance(v, (int, float, list, bool)):
             continue
-        if d is not None and not P._type_ok(d, v) or isinstance(v, str) and v.startswith("torch."):
+        by_hand = d == "auto" and isinstance(v, (bool, int, float))   # an "auto" knob given a flag or a number
+        if d is not None and not (P._type_ok(d, v) or by_hand) or isinstance(v, str) and v.startswith("torch."):
             continue
         parts += ["-p", k, _literal(v)]
     if out_dir is not None:

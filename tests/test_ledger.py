@@ -86,6 +86,13 @@ def test_import_of_a_synthetic_run_folder(tmp_path):
     assert not any("#" in r.metric or "target" in r.metric for r in rows)
 
 
+def test_a_rebuilt_command_keeps_an_auto_knob_set_to_a_flag():
+    cmd = L.run_command("02_taesd_vs_vae", {"device": "cuda", "autotune": False, "batch_sizes": [16], "seed": 0})
+    assert "-p autotune False" in cmd and "-p batch_sizes '[16]'" in cmd and "seed" not in cmd
+    assert "autotune" not in L.run_command("02_taesd_vs_vae", {"autotune": "auto"})
+    assert "-p time_budget_s 230.0" in L.run_command("03_fp8_quantization", {"time_budget_s": 230.0})
+
+
 def test_import_of_a_reproduce_run_takes_its_recorded_command(tmp_path):
     run = tmp_path / "run_06_y"
     (run / "06_ditto").mkdir(parents=True)
