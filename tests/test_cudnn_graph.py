@@ -235,7 +235,7 @@ def test_kernel_search_times_at_least_the_heuristics_plans():
     from lab.runtime import cudnn_survey as S
 
     row = S.survey_shape((2, 64, 64, 32, 3), ("fp16",), "kernels")
-    heur = C.build(C.ConvSpec.of((1, 1)), (2, 64, 32, 32), (64, 64, 3, 3), "cuda", search="heuristics")
+    heur = C.build(C.ConvSpec.of((1, 1)), (2, 64, 32, 32), (64, 64, 3, 3), "cuda", search="heuristics", reuse=False)
     assert row["graph_fp16_plans_timed"] >= len(heur.timings) > 0
     assert row["torch_fp16_kernels"] and row["graph_fp16_kernels"]
     assert row["graph_fp16_ms"] > 0 and row["torch_fp16_tflops"] > 0
@@ -271,3 +271,65 @@ def test_compiled_callers_hand_the_op_channels_last_input_from_one_fused_kernel(
     src = "\n".join(code)
     assert src.count("async_compile.cpp") == 1, src           # silu, cast and layout in one kernel
     torch.testing.assert_close(out.float(), C._fallback(F.silu(x).to(torch.float8_e4m3fn), w, spec, [s]).float())
+
+
+class _Plans:
+    """What a ConvGraph asks of a frontend graph when it reuses a stored choice."""
+    def __init__(self, names, fail=False):
+        self.names, self.fail, self.built = names, fail, []
+
+    def get_execution_plan_count(self):
+        return len(self.names)
+
+    def get_plan_name_at_index(self, i):
+        return self.names[i]
+
+    def build_plan_at_index(self, i):
+        if self.fail:
+            raise RuntimeError("plan does not build")
+        self.built.append(i)
+
+
+def _graph_with(plans):
+    g = object.__new__(C.ConvGraph)
+    g.graph, g.plan, g.plan_ms, g.cached = plans, 0, None, False
+    return g
+
+
+def test_a_stored_choice_builds_only_that_plan_if_cudnn_still_offers_it():
+    g = _graph_with(_Plans(["eng0", "eng4_k24=40", "eng7"]))
+    assert g._build_cached({"plan_index": 1, "plan_name": "eng4_k24=40", "plan_ms": 0.43})
+    assert (g.plan, g.plan_ms, g.cached, g.graph.built) == (1, 0.43, True, [1])
+    for hit, plans in (({"plan_index": 1, "plan_name": "eng9"}, _Plans(["eng0", "eng4_k24=40"])),   # renamed
+                       ({"plan_index": 5, "plan_name": "eng0"}, _Plans(["eng0"])),                  # gone
+                       ({"plan_index": 0, "plan_name": "eng0"}, _Plans(["eng0"], fail=True))):      # fails to build
+        g = _graph_with(plans)
+        assert not g._build_cached(hit) and not g.cached and g.graph.built == []
+
+
+def test_plan_choices_round_trip_through_the_engine_cache(tmp_path, monkeypatch):
+    from lab.runtime.cache import CacheWarning
+
+    spec = C.ConvSpec.of((1, 1), epilogue=("bias", "add"))
+    key = C.plan_key(spec, (16, 512, 64, 64), (512, 512, 3, 3), "sm_90", "cudnn 91900, frontend 1.16.0", "heuristics")
+    assert key == C.plan_key(spec, (16, 512, 64, 64), (512, 512, 3, 3), "sm_90", "cudnn 91900, frontend 1.16.0", "heuristics")
+    others = [C.plan_key(spec, (16, 512, 32, 32), (512, 512, 3, 3), "sm_90", "cudnn 91900, frontend 1.16.0", "heuristics"),
+              C.plan_key(C.ConvSpec.of((1, 1)), (16, 512, 64, 64), (512, 512, 3, 3), "sm_90", "cudnn 91900, frontend 1.16.0", "heuristics"),
+              C.plan_key(spec, (16, 512, 64, 64), (512, 512, 3, 3), "sm_100", "cudnn 91900, frontend 1.16.0", "heuristics"),
+              C.plan_key(spec, (16, 512, 64, 64), (512, 512, 3, 3), "sm_90", "cudnn 91300, frontend 1.16.0", "kernels")]
+    assert all(o != key for o in others)
+    assert C.cached_plan(tmp_path, key) is None and C.cached_plan(None, key) is None
+    choice = {"plan_index": 3, "plan_name": "eng4_k24=40", "plan_ms": 0.427, "plans": 14}
+    C.store_plan(tmp_path, key, choice)
+    assert C.cached_plan(tmp_path, key) == choice
+    assert C.cached_plan(tmp_path, others[0]) is None          # another conv: no entry, no warning about this one
+    entry = next(tmp_path.glob("*.plan"))
+    entry.write_text("{}")
+    with pytest.warns(CacheWarning):
+        assert C.cached_plan(tmp_path, key) is None             # changed on disk: rebuilt, said so
+    monkeypatch.setenv("LAB_CUDNN_CACHE", "none")
+    assert C.cache_dir() is None
+    monkeypatch.setenv("LAB_CUDNN_CACHE", str(tmp_path))
+    assert C.cache_dir() == tmp_path
+    monkeypatch.delenv("LAB_CUDNN_CACHE")
+    assert C.cache_dir().name == "engine_cache"

@@ -7,8 +7,11 @@ exact tier: the same function up to fp16 rounding) or FP8 e4m3 (the approximate 
 The graph comes from `nvidia-cudnn-frontend` (it drives the cuDNN that torch already loads). `build`
 makes one per (spec, input shape, GPU architecture, cuDNN version), tries the plans cuDNN's heuristics
 rank (`autotune`: times each on the real operands and keeps the fastest; else the heuristics' first;
-`search="kernels"` adds every engine at each kernel configuration), and keeps it for the process. A run
-executes on torch's current stream, so a CUDA graph captures it.
+`search="kernels"` adds every engine at each kernel configuration), and keeps it for the process. The
+autotuned choice is also kept on disk beside the engine cache (`cache_dir()`: $LAB_CUDNN_CACHE, "none" for
+nowhere), keyed by the spec, the shapes, the GPU architecture and the cuDNN and frontend versions: a later
+process builds that one plan instead of building and timing them all (each plan is a runtime-compiled kernel,
+seconds apiece). A run executes on torch's current stream, so a CUDA graph captures it.
 
 Epilogue ops apply in order to the fp32 accumulator: "scale" (× a per-output-channel fp32 tensor: the
 FP8 descale), "bias" (+ per channel), "add" / "mul" (with a tensor of the output's shape, e.g. a
@@ -22,9 +25,11 @@ no CUDA or FP8 on a GPU below sm_89 raise `BackendUnavailable` from `require`.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +51,16 @@ HEURISTICS = ("A", "FALLBACK")  # cuDNN heuristic modes whose plans are built an
 SEARCHES = ("heuristics", "kernels")
 SEARCH = "heuristics"
 AUTOTUNE_PLANS = {"heuristics": 64, "kernels": 1024}  # on an H200 the fastest plans were not among cuDNN's first 8
+
+
+def cache_dir() -> Path | None:
+    """Where the autotuned plan choices are kept: $LAB_CUDNN_CACHE ("none": nowhere), else beside the engine cache."""
+    env = os.environ.get("LAB_CUDNN_CACHE")
+    if env is not None:
+        return None if env.strip().lower() in ("", "none") else Path(env)
+    from lab.results import OUTPUTS
+
+    return OUTPUTS / "engine_cache"
 
 
 def parse_epilogue(ops: Sequence[str]) -> tuple[str, ...]:
@@ -212,11 +227,48 @@ def _strides_cl(shape: Sequence[int]) -> list[int]:
     return [c * h * w, 1, w * c, c]
 
 
+def plan_key(spec: ConvSpec, x_shape, w_shape, arch: str, version: str, search: str) -> dict[str, Any]:
+    """The engine-cache key of one autotuned choice: what the graph computes, at which shapes, on which GPU
+    architecture and cuDNN / frontend, among which plans."""
+    import hashlib
+
+    from lab.runtime import cache
+
+    # the conv itself in the entry's name: a miss then names only entries of this conv (another GPU, another cuDNN)
+    conv = hashlib.sha256(f"{spec.key()} {tuple(x_shape)} {tuple(w_shape)}".encode()).hexdigest()[:10]
+    return cache.make_key(f"cudnn-conv-{conv}", arch, spec.io, int(x_shape[0]), [x_shape, w_shape], "cudnn_graph",
+                          version, options={"spec": spec.key(), "heuristics": list(HEURISTICS), "search": search})
+
+
+def cached_plan(folder: Path | None, key: dict[str, Any]) -> dict[str, Any] | None:
+    """The stored choice for `key` ({"plan_index", "plan_name", "plan_ms", "plans"}), or None (a bad entry warns)."""
+    from lab.runtime import cache
+
+    def load(path: Path) -> dict[str, Any] | None:
+        rec = json.loads(path.read_text())
+        return rec if isinstance(rec, dict) and isinstance(rec.get("plan_index"), int) and rec.get("plan_name") else None
+
+    # the entry's extension is not .json: the engine cache reads a *.json path as a sidecar
+    return cache.lookup(folder, key, "plan", load=load)[1] if folder is not None else None
+
+
+def store_plan(folder: Path | None, key: dict[str, Any], choice: dict[str, Any]) -> None:
+    """Keep an autotuned choice; a folder that cannot be written costs the next process its autotune, not this run."""
+    from lab.runtime import cache
+
+    if folder is None:
+        return
+    try:
+        cache.store(folder, key, "plan", json.dumps(choice, sort_keys=True).encode())
+    except OSError as e:
+        NOTES[f"plan cache {folder}"] = f"not written ({type(e).__name__}: {e})"
+
+
 class ConvGraph:
     """One built graph: call it with channels-last operands; it writes a new channels-last fp16 output."""
 
     def __init__(self, spec: ConvSpec, x_shape, w_shape, device: torch.device, autotune: bool = True,
-                 search: str = SEARCH):
+                 search: str = SEARCH, reuse: bool = True):
         if search not in SEARCHES:
             raise InputError(f"cuDNN plan search must be one of {SEARCHES}, got {search!r}")
         cudnn = _frontend()
@@ -255,14 +307,38 @@ class ConvGraph:
         g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in HEURISTICS])
         self.engines = _add_kernel_plans(cudnn, g) if search == "kernels" else None  # engines that added plans
         g.check_support()
-        g.build_plans(cudnn.build_plan_policy.ALL if autotune else cudnn.build_plan_policy.HEURISTICS_CHOICE)
-        self.plans = g.get_execution_plan_count()
-        self.plan, self.plan_ms, self.plan_name = 0, None, ""
+        self.plan, self.plan_ms, self.plan_name, self.cached = 0, None, "", False
         self.timings: list[tuple[int, float]] = []  # (plan index, ms) of every plan the autotune ran
-        if autotune:
-            self._autotune()
+        folder = cache_dir() if autotune else None
+        hit = None
+        arch = "sm_{}{}".format(*torch.cuda.get_device_capability(device))
+        key = plan_key(spec, x_shape, w_shape, arch, f"cudnn {cudnn.backend_version()}, frontend "
+                       f"{getattr(cudnn, '__version__', '?')}", search) if folder is not None else None
+        if key is not None and reuse:
+            hit = cached_plan(folder, key)
+        # a stored choice builds one plan (each is a runtime-compiled kernel: seconds apiece), not every plan
+        if hit is None or not self._build_cached(hit):
+            g.build_plans(cudnn.build_plan_policy.ALL if autotune else cudnn.build_plan_policy.HEURISTICS_CHOICE)
+            self.plans = g.get_execution_plan_count()
+            if autotune:
+                self._autotune()
+                store_plan(folder, key, {"plan_index": self.plan, "plan_name": self.name_of(self.plan),
+                                         "plan_ms": self.plan_ms, "plans": self.plans})
         self.workspace = max(g.get_workspace_size_plan_at_index(self.plan), 1)
         self.plan_name = self.name_of(self.plan)
+
+    def _build_cached(self, hit: dict[str, Any]) -> bool:
+        """Build only the stored plan, if cuDNN still offers it at the same index under the same name."""
+        self.plans = self.graph.get_execution_plan_count()
+        i = hit["plan_index"]
+        if not 0 <= i < self.plans or self.name_of(i) != hit["plan_name"]:
+            return False
+        try:
+            self.graph.build_plan_at_index(i)
+        except Exception:  # noqa: BLE001 - the stored plan no longer builds: autotune again
+            return False
+        self.plan, self.plan_ms, self.cached = i, hit.get("plan_ms"), True
+        return True
 
     def _operands(self, x, w, extras, out) -> dict:
         pack = {self._x: x, self._w: w, self._y: out}
@@ -343,9 +419,10 @@ def _add_kernel_plans(cudnn, g) -> int:
 
 
 def build(spec: ConvSpec, x_shape, w_shape, device: torch.device | str, autotune: bool = True,
-          search: str | None = None) -> ConvGraph:
+          search: str | None = None, reuse: bool = True) -> ConvGraph:
     """The graph for `spec` at these shapes, built once per process (per shape, spec, search, architecture and
-    cuDNN). `search` picks the plans the autotune times (SEARCHES; default SEARCH)."""
+    cuDNN). `search` picks the plans the autotune times (SEARCHES; default SEARCH); `reuse=False` autotunes even
+    where the engine cache holds a choice (and replaces it)."""
     search = SEARCH if search is None else search
     if search not in SEARCHES:
         raise InputError(f"cuDNN plan search must be one of {SEARCHES}, got {search!r}")
@@ -354,10 +431,10 @@ def build(spec: ConvSpec, x_shape, w_shape, device: torch.device | str, autotune
         dev = torch.device("cuda", torch.cuda.current_device())
     require(dev, spec.io)
     key = (spec.key(), HEURISTICS, search, tuple(x_shape), tuple(w_shape), torch.cuda.get_device_capability(dev),
-           dev.index, _frontend().backend_version())
+           dev.index, _frontend().backend_version(), reuse)
     with _LOCK:
         if key not in _BUILT:
-            _BUILT[key] = ConvGraph(spec, x_shape, w_shape, dev, autotune, search)
+            _BUILT[key] = ConvGraph(spec, x_shape, w_shape, dev, autotune, search, reuse)
         return _BUILT[key]
 
 

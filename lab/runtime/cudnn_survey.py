@@ -136,7 +136,7 @@ def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), sea
                 extras = [torch.ones(1, cout, 1, 1, device=dev)] + tail
             t0 = time.perf_counter()
             try:
-                gph = C.build(spec, xs.shape, ws.shape, dev, autotune=True, search=search)
+                gph = C.build(spec, xs.shape, ws.shape, dev, autotune=True, search=search, reuse=False)
             except BackendUnavailable:
                 raise
             except Exception as e:  # noqa: BLE001 - a declined shape is a row with the reason, not a stop
