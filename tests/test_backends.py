@@ -88,7 +88,7 @@ def test_precision_copy_leaves_callers_module_alone():
 
 
 @pytest.mark.skipif(CUDA, reason="checks the CPU-only answer")
-@pytest.mark.parametrize("backend", ["cudagraph", "compile+cudagraph", "tensorrt"])
+@pytest.mark.parametrize("backend", ["cudagraph", "compile+cudagraph", "cudnn", "tensorrt"])
 def test_gpu_backends_unavailable_on_cpu(backend):
     m, ex = tiny("taesd")
     with pytest.raises(BackendUnavailable) as e:
@@ -96,6 +96,15 @@ def test_gpu_backends_unavailable_on_cpu(backend):
     assert len(str(e.value)) > 20
     ok, why = B.available(backend, "cpu")
     assert not ok and why
+
+
+def test_cudnn_backend_runs_fp16_only(monkeypatch):
+    from lab.runtime import cudnn_graph
+
+    monkeypatch.setattr(cudnn_graph, "require", lambda device, io: None)
+    B._require_cudnn_graph(torch.device("cuda"), "fp16")
+    with pytest.raises(BackendUnavailable, match="fp16 only"):
+        B._require_cudnn_graph(torch.device("cuda"), "bf16")
 
 
 def test_tensorrt_stub_package_is_reported(monkeypatch):
@@ -514,7 +523,8 @@ def test_plan_puts_the_headline_rows_first():
                          ("unet", 16, "eager"), ("unet", 16, "compile"), ("unet", 16, "compile+cudagraph")]
     assert tasks[6:12] == [("sd-vae", 1, "eager"), ("sd-vae", 1, "compile"), ("sd-vae", 1, "compile+cudagraph"),
                            ("unet", 1, "eager"), ("unet", 1, "compile"), ("unet", 1, "compile+cudagraph")]
-    assert tasks[12:15] == [("sd-vae", 16, "cudagraph"), ("sd-vae", 16, "onnx"), ("sd-vae", 16, "tensorrt")]
+    assert tasks[12:16] == [("sd-vae", 16, "cudagraph"), ("sd-vae", 16, "cudnn"), ("sd-vae", 16, "onnx"),
+                            ("sd-vae", 16, "tensorrt")]
     assert tasks[-4:] == [("sd-vae", 16, "eager (NCHW)"), ("unet", 16, "eager (NCHW)"),
                           ("sd-vae", 1, "eager (NCHW)"), ("unet", 1, "eager (NCHW)")]
     assert len(tasks) == len(set(tasks)) == 2 * 2 * len(B.BACKENDS) + 4

@@ -33,3 +33,18 @@ def test_full_decoder_with_graph_convs_matches_the_plain_one():
     assert cudnn_graph.notes() == []          # every conv ran on a built graph
     mse = float(((a.float() - b.float()) ** 2).mean())
     assert 10 * torch.log10(torch.tensor(1 / max(mse, 1e-20))).item() > 60
+
+
+def test_the_cudnn_backend_computes_what_compile_computes():
+    if not cudnn_graph.available("cuda", "fp16")[0]:
+        pytest.skip(cudnn_graph.available("cuda", "fp16")[1])
+    from lab.runtime import backends as B
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.SiLU(), torch.nn.Conv2d(64, 32, 1)).cuda()
+    x = torch.randn(4, 64, 32, 32, device="cuda")
+    ref = B.accelerate(net, "compile+cudagraph", (x,), precision="fp16")
+    got = B.accelerate(net, "cudnn", (x,), precision="fp16")
+    assert got.backend == "cudnn" and "2 places as cuDNN graph convs" in got.notes[0]
+    assert type(net[0]) is torch.nn.Conv2d                  # the caller's module is not rewritten
+    torch.testing.assert_close(got(x.half()).float(), ref(x.half()).float(), atol=2e-2, rtol=1e-2)

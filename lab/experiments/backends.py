@@ -42,7 +42,7 @@ from lab.results import OUTPUTS
 from lab.timing import bench, count_flops
 
 MODELS = ("sd-vae", "taesd", "unet")
-HEAVY = ("compile", "compile+cudagraph", "onnx", "tensorrt")  # builds that count against build_budget_s
+HEAVY = ("compile", "compile+cudagraph", "cudnn", "onnx", "tensorrt")  # builds that count against build_budget_s
 
 # Seconds each step is assumed to take on one H200 (16 cores) with cold inductor / Triton caches:
 # what `Budget` compares with the time left before starting it. Measured on the H200 where noted,
@@ -60,6 +60,7 @@ GPU_ESTIMATES_S: dict[str, Any] = {
     "compile": {"sd-vae": 45, "taesd": 30, "unet": 150, "*": 150},
     "cudagraph": {"unet": 15, "*": 10},    # 3 warm-up calls + capture + bench
     "compile+cudagraph": {"unet": 15, "*": 10},  # reusing the compile row's graph (else + "compile")
+    "cudnn": {"sd-vae": 150, "taesd": 60, "*": 400},  # graph plans built and timed per conv shape, then compile
     "onnx": {"sd-vae": 120, "taesd": 60, "unet": 400, "*": 400},  # dynamo export + ORT session (CUDA provider)
     "tensorrt": {"sd-vae": 400, "taesd": 150, "unet": 1200, "*": 1200},  # export + engine build (one C++ call)
     # TAESD: 1 export + 4 builds + 2 reuses; ONNX Runtime on the CPU took 10 s on a 2-core box
@@ -156,13 +157,9 @@ def _unavailable(backend: str, device: torch.device, opts: dict[str, Any]) -> st
     try:
         if backend == "onnx":
             B._require_ort(device, opts.get("providers"))
-        elif backend == "tensorrt":
-            B._require_tensorrt(device)
-        elif backend in ("cudagraph", "compile+cudagraph"):
-            B._require_cuda(device, "CUDA graphs")
     except BackendUnavailable as e:
         return str(e)
-    return ""
+    return "" if B.available(backend, device)[0] else B.available(backend, device)[1]
 
 
 @dataclass
@@ -227,7 +224,7 @@ def run_matrix(models: Sequence[str], batches: Sequence[int], backends: Sequence
     compile_failed: dict[tuple[str, int], str] = {}
     spent = 0.0
     unavailable = {b: _unavailable(b, device, onnx_opts or {}) for b in ("onnx", "tensorrt", "cudagraph",
-                                                                        "compile+cudagraph") if b in backends}
+                                                                        "compile+cudagraph", "cudnn") if b in backends}
 
     def result() -> dict[str, Any]:
         fill_speedups(rows)  # over every row so far: a checkpoint before the NCHW rows uses eager alone

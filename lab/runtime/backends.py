@@ -7,35 +7,33 @@
 Backends (`BACKENDS`):
 
 * ``eager``: the module itself, under inference mode. The baseline every speed-up is taken against.
-* ``compile``: `torch.compile` (inductor; `mode` "default" or "reduce-overhead"). Compiling is
-  lazy, so the first call(s) run here and their time is `build_s`.
-* ``cudagraph``: warm up on a side stream, capture one `torch.cuda.CUDAGraph` into static input
-  and output buffers, replay it. Each call copies the inputs into the staging buffers; the output
-  is a clone of the static buffer (``clone_output=False`` returns the buffer itself: no copy, but
-  the next call overwrites it). A CUDA graph replays fixed addresses and sizes, so a call with
-  another shape raises InputError: build one runner per batch size.
-* ``compile+cudagraph``: the compiled module (default mode) captured the same way; pass
-  ``compiled=<the "compile" runner>`` to reuse its graphs instead of compiling again. ``via=
-  "reduce-overhead"`` uses `torch.compile(mode="reduce-overhead")` (cudagraph trees) instead.
-  Both compile backends take ``inductor_options`` (torch.compile's `options`, e.g. `lab.runtime.pdl`'s).
-* ``onnx``: `torch.onnx.export` (dynamo exporter; external data above 1.5 GB; checked with
-  `onnx.checker`) → ONNX Runtime. A CUDA module needs the CUDA execution provider
-  (onnxruntime-gpu) and runs with I/O bound to torch tensors; a CPU module uses the CPU provider.
-  fp16/bf16 precisions export the graph at that precision.
-* ``tensorrt``: the ONNX graph (exported in fp32; the FP16/BF16/FP8/INT8 builder flags let
-  TensorRT pick each layer's precision) built into an engine with the TensorRT 10 builder, run
-  with tensor addresses bound to torch tensors and `execute_async_v3` on the current torch stream.
+* ``compile``: `torch.compile` (inductor; `mode` "default" or "reduce-overhead"). Compiling is lazy, so the first
+  call(s) run here and their time is `build_s`.
+* ``cudagraph``: warm up on a side stream, capture one `torch.cuda.CUDAGraph` into static input and output buffers,
+  replay it. Each call copies the inputs into the staging buffers; the output is a clone of the static buffer
+  (``clone_output=False`` returns the buffer itself: no copy, but the next call overwrites it). A CUDA graph replays
+  fixed addresses and sizes, so a call with another shape raises InputError: build one runner per batch size.
+* ``compile+cudagraph``: the compiled module (default mode) captured the same way; pass ``compiled=<the "compile"
+  runner>`` to reuse its graphs instead of compiling again. ``via="reduce-overhead"`` uses
+  `torch.compile(mode="reduce-overhead")` (cudagraph trees) instead. Both compile backends take ``inductor_options``
+  (torch.compile's `options`, e.g. `lab.runtime.pdl`'s).
+* ``cudnn``: compile+cudagraph over a copy whose convs run as cuDNN graph-API fp16 convs with their bias (and, in
+  diffusers ResNet blocks, the skip add) in the conv's epilogue (`lab.techniques.graph_conv`); fp16 on CUDA only.
+* ``onnx``: `torch.onnx.export` (dynamo exporter; external data above 1.5 GB; checked with `onnx.checker`) → ONNX
+  Runtime. A CUDA module needs the CUDA execution provider (onnxruntime-gpu) and runs with I/O bound to torch
+  tensors; a CPU module uses the CPU provider. fp16/bf16 precisions export the graph at that precision.
+* ``tensorrt``: the ONNX graph (exported in fp32; the FP16/BF16/FP8/INT8 builder flags let TensorRT pick each
+  layer's precision) built into an engine with the TensorRT 10 builder, run with tensor addresses bound to torch
+  tensors and `execute_async_v3` on the current torch stream.
 
-A backend that cannot run here raises `lab.errors.BackendUnavailable` with the reason (not
-installed, a stub package without the builder, no CUDA, no CUDA provider); `available()` says
-the same without building anything. With `cache_dir`, ONNX exports, ONNX Runtime optimized
-models and TensorRT engines go through `lab.runtime.cache` (keyed by arch, precision, batch,
-shapes, graph hash and backend version; validated before use).
+A backend that cannot run here raises `lab.errors.BackendUnavailable` with the reason (not installed, a stub package
+without the builder, no CUDA, no CUDA provider); `available()` says the same without building anything. With
+`cache_dir`, ONNX exports, ONNX Runtime optimized models and TensorRT engines go through `lab.runtime.cache` (keyed
+by arch, precision, batch, shapes, graph hash and backend version; validated before use).
 
-The caller's module is never modified: a module at another precision is copied first. Every
-runner calls under `torch.inference_mode()` (builds, captures and calls alike, so compiled guards
-never see a different grad mode); its outputs are inference tensors: `.clone()` one outside
-inference mode before modifying it in place.
+The caller's module is never modified: a module at another precision is copied first. Every runner calls under
+`torch.inference_mode()` (builds, captures and calls alike, so compiled guards never see a different grad mode); its
+outputs are inference tensors: `.clone()` one outside inference mode before modifying it in place.
 """
 from __future__ import annotations
 
@@ -48,7 +46,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -58,13 +56,14 @@ from torch.utils._pytree import tree_map
 from lab.runtime import cache
 from lab.errors import BackendUnavailable, InputError
 
-BACKENDS = ("eager", "compile", "cudagraph", "compile+cudagraph", "onnx", "tensorrt")
+BACKENDS = ("eager", "compile", "cudagraph", "compile+cudagraph", "cudnn", "onnx", "tensorrt")
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 OPTIONS = {
     "eager": set(),
     "compile": {"mode", "dynamic", "fullgraph", "compile_backend", "inductor_options"},
     "cudagraph": {"warmup", "clone_output"},
     "compile+cudagraph": {"warmup", "clone_output", "compiled", "via", "dynamic", "fullgraph", "inductor_options"},
+    "cudnn": {"warmup", "clone_output"},
     "onnx": {"providers", "opset", "dynamo"},
     "tensorrt": {"opset", "workspace_gb", "fp8", "int8", "onnx_precision", "timing_cache"},
 }
@@ -144,6 +143,12 @@ def _require_ort(device: torch.device, providers: Sequence[Any] | None = None):
     return ort
 
 
+def _require_cudnn_graph(device: torch.device, precision: str = "fp16") -> None:
+    importlib.import_module("lab.runtime.cudnn_graph").require(device, "fp16")
+    if precision != "fp16":
+        raise BackendUnavailable(f"cudnn: the graph convs run fp16 only, not precision={precision!r}")
+
+
 def _require_tensorrt(device: torch.device):
     try:
         trt = importlib.import_module("tensorrt")
@@ -162,10 +167,12 @@ def available(backend: str, device: torch.device | str = "cpu") -> tuple[bool, s
     dev = torch.device(device)
     _check_backend(backend)
     try:
-        if backend in ("cudagraph", "compile+cudagraph"):
+        if backend in ("cudagraph", "compile+cudagraph", "cudnn"):
             _require_cuda(dev, "CUDA graphs")
-        if backend in ("compile", "compile+cudagraph"):
+        if backend in ("compile", "compile+cudagraph", "cudnn"):
             _require_compile(dev, "inductor")
+        if backend == "cudnn":
+            _require_cudnn_graph(dev)
         if backend == "onnx":
             ort = _require_ort(dev)
             return True, f"onnxruntime {ort.__version__} ({', '.join(_providers(dev, ort))})"
@@ -260,8 +267,10 @@ def accelerate(module: torch.nn.Module, backend: str, example_inputs: Any, preci
                          f"valid: {sorted(OPTIONS[backend]) or 'none'}")
     device = _module_device(module)
     # fail fast, before copying a model or exporting anything
-    if backend in ("cudagraph", "compile+cudagraph"):
+    if backend in ("cudagraph", "compile+cudagraph", "cudnn"):
         _require_cuda(device, "CUDA graphs")
+    if backend == "cudnn":
+        _require_cudnn_graph(device, precision)
     if backend == "tensorrt":
         _require_tensorrt(device)
     if backend == "onnx":
@@ -441,6 +450,20 @@ def _compile_cudagraph(c: _Ctx, warmup: int = 3, clone_output: bool = True, comp
     notes.append("output cloned from the static buffer" if clone_output else
                  "output IS the static buffer: overwritten by the next call")
     return c.runner(run, "compile+cudagraph", build_s=build_s, keep=keep, inner=inner, notes=notes)
+
+
+def _cudnn(c: _Ctx, warmup: int = 3, clone_output: bool = True) -> Accelerated:
+    from lab.runtime import cudnn_graph
+    from lab.techniques.graph_conv import graph_convs
+
+    module, seen = copy.deepcopy(c.module), set(cudnn_graph.NOTES)   # the caller's module is never rewritten
+    made = [x["became"] for x in graph_convs(module)]
+    r = _compile_cudagraph(replace(c, module=module), warmup, clone_output)
+    r.backend = "cudnn"
+    r.notes[:0] = [f"{sum(map(bool, made))} places as cuDNN graph convs ({sum('Resnet' in m for m in made)} with the "
+                   f"skip add), {made.count('')} left to torch"]
+    r.notes += [f"fell back to torch: {k}: {v}" for k, v in cudnn_graph.NOTES.items() if k not in seen]
+    return r
 
 
 # ----------------------------------------------------------------------------- ONNX export
@@ -773,5 +796,5 @@ def _tensorrt(c: _Ctx, opset: int | None = None, workspace_gb: float = 8.0, fp8:
 
 _BUILDERS: dict[str, Callable[..., Accelerated]] = {
     "eager": _eager, "compile": _compile, "cudagraph": _cudagraph, "compile+cudagraph": _compile_cudagraph,
-    "onnx": _onnx, "tensorrt": _tensorrt,
+    "cudnn": _cudnn, "onnx": _onnx, "tensorrt": _tensorrt,
 }
