@@ -91,6 +91,13 @@ def test_exact_switches_keep_the_output(engine, avatar):
     sc = P.run(P.reconfigure(engine, techniques=_t(engine, "fold_spectral_norm", "fuse_spade", "lowres_seg",
                                                    "fold_shortcut")), avatar, a, SR, keep_faces=True)
     assert (ref.faces.int() - sc.faces.int()).abs().max() <= 1
+    graphed = P.run(P.reconfigure(engine, techniques=_t(engine, "fold_spectral_norm", "fuse_spade", "lowres_seg",
+                                                        "fold_shortcut", "graph_conv")), avatar, a, SR, keep_faces=True)
+    assert torch.equal(graphed.faces, sc.faces)   # off CUDA the graph convs are the torch ops, skip adds included
+    from lab.techniques.graph_conv import GraphConv2d
+
+    built = [m for v in engine.variants.values() if isinstance(v, torch.nn.Module) for m in v.modules()]
+    assert any(isinstance(m, GraphConv2d) for m in built)
     with pytest.raises(InputError, match="fold_spectral_norm"):
         P.reconfigure(engine, techniques=_t(engine, "fuse_spade"))
     with pytest.raises(InputError, match=r"'lowres_seg' needs \['fuse_spade'\]"):

@@ -106,3 +106,49 @@ def test_pipeline_switch_same_frames_and_back():
     assert not any(isinstance(m, gc.GraphConv2d) for m in unfused.decoder.modules())
     audio = (0.1 * np.random.default_rng(0).standard_normal(24000)).astype(np.float32)
     assert mt.run(on, av, audio, 24000, n_frames=8).n_frames == 8
+
+
+def _fused_ditto_decoder(fold_shortcut: bool):
+    from lab.models import ditto as D
+    from lab.techniques.spade_fuse import fuse_spade
+    from lab.techniques.spectral_fold import fold_spectral_norm
+
+    torch.manual_seed(0)
+    dec, _ = D.load_component("decoder", "random", "tiny", seed=3)
+    fold_spectral_norm(dec)
+    return fuse_spade(dec, lowres_seg=True, fold_shortcut=fold_shortcut).eval(), D.dims("tiny")
+
+
+@pytest.mark.parametrize("fold_shortcut", [False, True])
+def test_ditto_decoder_with_graph_convs_is_the_same_function(fold_shortcut, monkeypatch):
+    fused, d = _fused_ditto_decoder(fold_shortcut)
+    g = copy.deepcopy(fused)
+    rows = gc.graph_spade(g)
+    blocks = [m for m in g.modules() if type(m).__name__ == "FusedBlock"]
+    assert blocks and all(b.skip_in_conv for b in blocks)
+    assert sum(1 for r in rows if r["became"]) > 2 * len(blocks)
+    x = torch.randn(2, d.warp_out, d.feature_hw, d.feature_hw)
+    with torch.no_grad():
+        assert torch.equal(g(x), fused(x))   # fp32: the torch ops, the skip added in the same order
+    specs = []
+    real = cudnn_graph.conv2d
+    monkeypatch.setattr(cudnn_graph, "conv2d", lambda x, w, spec, **kw: specs.append(spec.epilogue) or real(x, w, spec, **kw))
+    with torch.no_grad():
+        got, want = copy.deepcopy(g).half()(x.half()).float(), fused(x)
+    learned = sum(1 for b in blocks if b.learned_shortcut)
+    assert learned > 0 and specs.count(("bias", "add")) == len(blocks)               # conv_1 + the block's skip
+    assert specs.count(("add",)) == (learned if fold_shortcut else 0)              # a folded conv_s + its β
+    assert float((got - want).abs().max()) < 2e-2
+    assert gc.plain_convs(g) > 0 and not any(b.skip_in_conv for b in blocks)
+    with torch.no_grad():
+        assert torch.equal(g(x), fused(x))
+
+
+def test_ditto_engine_switches_graph_convs_on_the_merged_decoder():
+    from lab.pipelines import ditto
+
+    t = registry("ditto")["graph_conv"]
+    assert t.exact and t.requires == ("fuse_spade",)
+    with pytest.raises(InputError, match="fuse_spade"):
+        check("ditto", ("fold_spectral_norm", "graph_conv"))
+    assert "graph_conv" in ditto.config.RENDERER_TECHNIQUES

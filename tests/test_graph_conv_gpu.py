@@ -48,3 +48,30 @@ def test_the_cudnn_backend_computes_what_compile_computes():
     assert got.backend == "cudnn" and "2 places as cuDNN graph convs" in got.notes[0]
     assert type(net[0]) is torch.nn.Conv2d                  # the caller's module is not rewritten
     torch.testing.assert_close(got(x.half()).float(), ref(x.half()).float(), atol=2e-2, rtol=1e-2)
+
+
+def test_ditto_decoder_with_graph_convs_matches_the_merged_one():
+    if not cudnn_graph.available("cuda", "fp16")[0]:
+        pytest.skip(cudnn_graph.available("cuda", "fp16")[1])
+    from lab.models import ditto as D
+    from lab.techniques.graph_conv import graph_spade
+    from lab.techniques.spade_fuse import fuse_spade
+    from lab.techniques.spectral_fold import fold_spectral_norm
+
+    dec, _ = D.load_component("decoder", "random", "full", seed=0)
+    fold_spectral_norm(dec)
+    base = fuse_spade(dec, lowres_seg=True, fold_shortcut=True).cuda().half().to(memory_format=torch.channels_last)
+    g = copy.deepcopy(base)
+    assert sum(1 for r in graph_spade(g) if r["became"]) > 0
+    compiled = torch.compile(g, mode="reduce-overhead", dynamic=False)
+    d = D.dims("full")
+    x = torch.randn(2, d.warp_out, d.feature_hw, d.feature_hw, device="cuda").half()
+    cudnn_graph.NOTES.clear()
+    with torch.inference_mode():
+        a = base(x)
+        for _ in range(3):
+            torch.compiler.cudagraph_mark_step_begin()
+            b = compiled(x).clone()
+    assert cudnn_graph.notes() == []
+    mse = float(((a.float() - b.float()) ** 2).mean())
+    assert 10 * torch.log10(torch.tensor(1 / max(mse, 1e-20))).item() > 50

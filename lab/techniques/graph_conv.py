@@ -1,13 +1,15 @@
-"""The SD-VAE decoder's convolutions as cuDNN operation graphs: the same function, fewer passes.
+"""Decoder convolutions as cuDNN operation graphs: the same function, fewer passes.
 
-    rows = graph_convs(vae.model.decoder)   # in place; apply after `subpixel` and `fused_norm`
+    rows = graph_convs(vae.model.decoder)   # SD-VAE (MuseTalk), in place; after `subpixel` and `fused_norm`
+    rows = graph_spade(fused_decoder)       # Ditto's merged SPADE decoder (`fuse_spade`), in place
 
 Every stride-1 conv (groups 1, channel counts cuDNN's fp16 engines take: multiples of 8) becomes a
 `GraphConv2d`: `lab.runtime.cudnn_graph` builds it once per shape, times cuDNN's ranked plans on the real
 shapes and keeps the fastest, and adds the bias in the conv's fp32 epilogue. In each resnet block
 (GroupNorm → SiLU → conv1 → GroupNorm → SiLU → conv2, plus the skip) the skip add moves into conv2's
 epilogue too, so the block's output is written once instead of written by the conv, read back by the add
-and written again. Under torch.compile the graph is an opaque op; Inductor fuses what is around it.
+and written again; Ditto's SPADE blocks add their skip (and a folded shortcut's β) in their last conv the
+same way. Under torch.compile the graph is an opaque op; Inductor fuses what is around it.
 
 Exact up to fp16 rounding: the epilogue adds in fp32 and rounds once, where the torch path rounds the conv's
 output before the adds. Inputs other than fp16 (a CPU run in fp32) take the plain torch ops, so the rewrite
@@ -125,6 +127,35 @@ def graph_convs(module: nn.Module) -> list[dict[str, Any]]:
     return rows
 
 
+@technique("graph_conv", family="ditto", exact=True, requires=("fuse_spade",),
+           doc="The merged SPADE decoder's convs as cuDNN graph-API fp16 convs (plans timed per shape), each block's "
+               "skip add (and a folded shortcut's β) in its last conv's epilogue (the same function up to fp16 "
+               "rounding; the torch ops off CUDA or in fp32).")
+def graph_spade(decoder: nn.Module) -> list[dict[str, Any]]:
+    """In place on a FusedSPADEDecoder (lab.techniques.spade_fuse): every eligible conv of its blocks a GraphConv2d,
+    and a block whose conv_1 (and conv_s, if its shortcut is folded) became one adds its skip there."""
+    from lab.techniques.spade_fuse import FusedBlock
+
+    rows: list[dict[str, Any]] = []
+    for name, blk in list(decoder.named_modules()):
+        if not isinstance(blk, FusedBlock):
+            continue
+        convs = ["conv_0", "conv_1"] + (["conv_s"] if blk.learned_shortcut else [])
+        for c in convs:
+            ok, why = eligible(getattr(blk, c))
+            if ok:
+                setattr(blk, c, GraphConv2d(getattr(blk, c)))
+            rows.append({"module": f"{name}.{c}", "became": "GraphConv2d" if ok else "", "reason": why})
+        for i, gb in enumerate(blk.gb):
+            ok, why = eligible(gb)
+            if ok:
+                blk.gb[i] = GraphConv2d(gb)
+            rows.append({"module": f"{name}.gb.{i}", "became": "GraphConv2d" if ok else "", "reason": why})
+        blk.skip_in_conv = isinstance(blk.conv_1, GraphConv2d) and (
+            not blk.fold_shortcut or isinstance(blk.conv_s, GraphConv2d))
+    return rows
+
+
 def plain_convs(module: nn.Module) -> int:
     """Undo graph_convs in place (the same parameters back in the original modules); how many places were restored."""
     n = 0
@@ -133,7 +164,10 @@ def plain_convs(module: nn.Module) -> int:
             if isinstance(mod, cls) and name and module.get_submodule(name) is mod:
                 _set(module, name, mod.plain)
                 n += 1
+    for mod in module.modules():
+        if getattr(mod, "skip_in_conv", False):
+            mod.skip_in_conv = False
     return n
 
 
-__all__ = ["GraphConv2d", "GraphResnet", "eligible", "graph_convs", "plain_convs"]
+__all__ = ["GraphConv2d", "GraphResnet", "eligible", "graph_convs", "graph_spade", "plain_convs"]

@@ -72,6 +72,8 @@ def _plain(conv: nn.Module) -> nn.Module:
 class FusedBlock(nn.Module):
     """One SPADE resnet block reading its norms' hidden maps from a shared tensor."""
 
+    skip_in_conv = False   # lab.techniques.graph_conv: conv_1 (and a folded conv_s) add their skip in the epilogue
+
     def __init__(self, blk: SPADEResnetBlock, fold_shortcut: bool = False):
         super().__init__()
         self.learned_shortcut = blk.learned_shortcut
@@ -100,7 +102,8 @@ class FusedBlock(nn.Module):
         j = 0
         if self.fold_shortcut:
             gamma, beta_s = self.gb[0](hiddens[0]).split(self.split_s, dim=1)
-            xs = self.conv_s(nx * (1 + gamma)) + beta_s
+            m = nx * (1 + gamma)
+            xs = self.conv_s(m, residual=beta_s) if self.skip_in_conv else self.conv_s(m) + beta_s
             j = 1
         elif self.learned_shortcut:
             xs = self.conv_s(self._mod(nx, 0, hiddens[0]))
@@ -108,8 +111,8 @@ class FusedBlock(nn.Module):
         else:
             xs = x
         dx = self.conv_0(F.leaky_relu(self._mod(nx, j, hiddens[j]), 0.2))
-        dx = self.conv_1(F.leaky_relu(self._mod(F.instance_norm(dx, eps=1e-5), j + 1, hiddens[j + 1]), 0.2))
-        return xs + dx
+        h = F.leaky_relu(self._mod(F.instance_norm(dx, eps=1e-5), j + 1, hiddens[j + 1]), 0.2)
+        return self.conv_1(h, residual=xs) if self.skip_in_conv else xs + self.conv_1(h)
 
 
 class FusedSPADEDecoder(nn.Module):

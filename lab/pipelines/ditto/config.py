@@ -31,7 +31,7 @@ CROP_VY = -0.125          # crop centre moved up by this fraction of the side
 LIP_KP = (6, 12, 14, 17, 19, 20)   # keypoints the RMS demo drive moves
 # the techniques that change the renderer's modules (each combination is its own cached copy of warp + decoder)
 RENDERER_TECHNIQUES = ("fold_spectral_norm", "channels_last", "pad_channels", "channels_last_3d", "fuse_spade",
-                       "lowres_seg", "fold_shortcut", "fft_mask", "tap_occlusion", "fused_mix")
+                       "lowres_seg", "fold_shortcut", "fft_mask", "tap_occlusion", "fused_mix", "graph_conv")
 
 _HERE = "lab.pipelines.ditto"
 for _name, _exact, _doc, _req, _conf in (

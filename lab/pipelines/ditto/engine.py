@@ -89,9 +89,9 @@ def _module(engine: Engine, name: str, precision: str, switches: tuple[str, ...]
     warp, dec = name == "warp_network", name == "decoder"
     fold, cl, pad, cl3d = "fold_spectral_norm" in s, "channels_last" in s, "pad_channels" in s, "channels_last_3d" in s
     fuse = "fuse_spade" in s and dec
-    lowres, shortcut = fuse and "lowres_seg" in s, fuse and "fold_shortcut" in s
+    lowres, shortcut, graph = fuse and "lowres_seg" in s, fuse and "fold_shortcut" in s, fuse and "graph_conv" in s
     fft, tap, mix = ("fft_mask" in s and warp), ("tap_occlusion" in s and warp), ("fused_mix" in s and warp)
-    key = ("module", name, precision, fold, cl, pad, cl3d, fuse, lowres, shortcut, tap, mix, fft)
+    key = ("module", name, precision, fold, cl, pad, cl3d, fuse, lowres, shortcut, tap, mix, fft, graph)
     if key not in engine.variants:
         m = engine.nets[name]
         if fold or precision == "fp16" or cl or pad or cl3d or fuse or fft or tap or mix:
@@ -124,6 +124,10 @@ def _module(engine: Engine, name: str, precision: str, switches: tuple[str, ...]
                     sub.to(memory_format=torch.channels_last_3d)
                 if cl3d and isinstance(sub, PaddedConv) and sub.weight.dim() == 5:
                     sub.weight.data = sub.weight.data.contiguous(memory_format=torch.channels_last_3d)
+            if graph:   # last: the graph convs share the fp16, channels-last weights
+                from lab.techniques.graph_conv import graph_spade
+
+                graph_spade(m)
         engine.variants[key] = m
     return engine.variants[key]
 
