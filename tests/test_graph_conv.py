@@ -152,3 +152,21 @@ def test_ditto_engine_switches_graph_convs_on_the_merged_decoder():
     with pytest.raises(InputError, match="fuse_spade"):
         check("ditto", ("fold_spectral_norm", "graph_conv"))
     assert "graph_conv" in ditto.config.RENDERER_TECHNIQUES
+
+
+def test_a_cuda_module_without_the_backend_is_refused_at_the_rewrite(monkeypatch):
+    from lab.errors import BackendUnavailable
+
+    def missing(device, io):
+        raise BackendUnavailable("cuDNN graphs need the nvidia-cudnn-frontend wheel")
+
+    class OnGpu(nn.Module):
+        def parameters(self, recurse=True):
+            yield type("P", (), {"is_cuda": True, "device": torch.device("cuda", 0)})()
+
+    monkeypatch.setattr(cudnn_graph, "require", missing)
+    with pytest.raises(BackendUnavailable, match="nvidia-cudnn-frontend"):
+        gc.graph_convs(OnGpu())
+    with pytest.raises(BackendUnavailable, match="nvidia-cudnn-frontend"):
+        gc.graph_spade(OnGpu())
+    gc.require_for(nn.Conv2d(8, 8, 1))          # on the CPU: nothing to check

@@ -97,6 +97,13 @@ def _resnet_ok(blk: nn.Module) -> tuple[bool, str]:
     return ok, (f"conv2: {why}" if why else "")
 
 
+def require_for(module: nn.Module) -> None:
+    """A module on a CUDA device: BackendUnavailable now (the wheel, the GPU) rather than at its first call."""
+    p = next(iter(module.parameters()), None)
+    if p is not None and p.is_cuda:
+        cudnn_graph.require(p.device, "fp16")
+
+
 def _set(root: nn.Module, name: str, mod: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, mod)
@@ -111,6 +118,7 @@ def graph_convs(module: nn.Module) -> list[dict[str, Any]]:
     GraphConv2d; one report row per place considered (what it became, or why it stayed)."""
     from diffusers.models.resnet import ResnetBlock2D
 
+    require_for(module)
     rows: list[dict[str, Any]] = []
     for name, mod in list(module.named_modules()):
         if isinstance(mod, ResnetBlock2D):
@@ -136,6 +144,7 @@ def graph_spade(decoder: nn.Module) -> list[dict[str, Any]]:
     and a block whose conv_1 (and conv_s, if its shortcut is folded) became one adds its skip there."""
     from lab.techniques.spade_fuse import FusedBlock
 
+    require_for(decoder)
     rows: list[dict[str, Any]] = []
     for name, blk in list(decoder.named_modules()):
         if not isinstance(blk, FusedBlock):
@@ -170,4 +179,4 @@ def plain_convs(module: nn.Module) -> int:
     return n
 
 
-__all__ = ["GraphConv2d", "GraphResnet", "eligible", "graph_convs", "graph_spade", "plain_convs"]
+__all__ = ["GraphConv2d", "GraphResnet", "eligible", "graph_convs", "graph_spade", "plain_convs", "require_for"]
