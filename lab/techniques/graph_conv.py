@@ -3,7 +3,7 @@
     rows = graph_convs(vae.model.decoder)   # SD-VAE (MuseTalk), in place; after `subpixel` and `fused_norm`
     rows = graph_spade(fused_decoder)       # Ditto's merged SPADE decoder (`fuse_spade`), in place
 
-Every stride-1 conv (groups 1, channel counts cuDNN's fp16 engines take: multiples of 8) becomes a
+Every plain conv (groups 1, zero padding, channel counts cuDNN's fp16 engines take: multiples of 8) becomes a
 `GraphConv2d`: `lab.runtime.cudnn_graph` builds it once per shape, times cuDNN's ranked plans on the real
 shapes and keeps the fastest, and adds the bias in the conv's fp32 epilogue. In each resnet block
 (GroupNorm → SiLU → conv1 → GroupNorm → SiLU → conv2, plus the skip) the skip add moves into conv2's
