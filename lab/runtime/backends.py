@@ -18,7 +18,7 @@ Backends (`BACKENDS`):
   `torch.compile(mode="reduce-overhead")` (cudagraph trees) instead. Both compile backends take ``inductor_options``
   (torch.compile's `options`, e.g. `lab.runtime.pdl`'s).
 * ``cudnn``: compile+cudagraph over a copy whose convs run as cuDNN graph-API fp16 convs with their bias (and, in
-  diffusers ResNet blocks, the skip add) in the conv's epilogue (`lab.techniques.graph_conv`); fp16 on CUDA only.
+  diffusers ResNet blocks, the skip add) in the conv's epilogue (`lab.runtime.conv_graphs`); fp16 on CUDA only.
 * ``onnx``: `torch.onnx.export` (dynamo exporter; external data above 1.5 GB; checked with `onnx.checker`) → ONNX
   Runtime. A CUDA module needs the CUDA execution provider (onnxruntime-gpu) and runs with I/O bound to torch
   tensors; a CPU module uses the CPU provider. fp16/bf16 precisions export the graph at that precision.
@@ -454,7 +454,7 @@ def _compile_cudagraph(c: _Ctx, warmup: int = 3, clone_output: bool = True, comp
 
 def _cudnn(c: _Ctx, warmup: int = 3, clone_output: bool = True) -> Accelerated:
     from lab.runtime import cudnn_graph
-    from lab.techniques.graph_conv import graph_convs
+    from lab.runtime.conv_graphs import graph_convs
 
     module, seen = copy.deepcopy(c.module), set(cudnn_graph.NOTES)   # the caller's module is never rewritten
     made = [x["became"] for x in graph_convs(module)]

@@ -91,7 +91,7 @@ def _module(engine: Engine, name: str, precision: str, switches: tuple[str, ...]
     fuse = "fuse_spade" in s and dec
     lowres, shortcut, graph = fuse and "lowres_seg" in s, fuse and "fold_shortcut" in s, fuse and "graph_conv" in s
     fft, tap, mix = ("fft_mask" in s and warp), ("tap_occlusion" in s and warp), ("fused_mix" in s and warp)
-    key = ("module", name, precision, fold, cl, pad, cl3d, fuse, lowres, shortcut, tap, mix, fft, graph)
+    key = ("module", name, precision, fold, cl, pad, cl3d, fuse, lowres, shortcut, graph, tap, mix, fft)
     if key not in engine.variants:
         m = engine.nets[name]
         if fold or precision == "fp16" or cl or pad or cl3d or fuse or fft or tap or mix:
