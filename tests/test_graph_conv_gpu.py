@@ -5,14 +5,34 @@ import copy
 import pytest
 import torch
 
+from lab.metrics import psnr
 from lab.runtime import cudnn_graph
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+def _need_graphs() -> None:
+    ok, why = cudnn_graph.available("cuda", "fp16")
+    if not ok:
+        pytest.skip(why)
+
+
+def _captured_psnr(base: torch.nn.Module, graphed: torch.nn.Module, x: torch.Tensor) -> float:
+    """PSNR (dB, range 1) of `graphed` compiled into CUDA-graph trees against eager `base`; every conv must have run
+    on a built graph (none fell back to torch)."""
+    compiled = torch.compile(graphed, mode="reduce-overhead", dynamic=False)
+    cudnn_graph.NOTES.clear()
+    with torch.inference_mode():
+        a = base(x)
+        for _ in range(3):
+            torch.compiler.cudagraph_mark_step_begin()
+            b = compiled(x).clone()
+    assert cudnn_graph.notes() == []
+    return psnr(b.float(), a.float(), data_range=1.0)
+
+
 def test_full_decoder_with_graph_convs_matches_the_plain_one():
-    if not cudnn_graph.available("cuda", "fp16")[0]:
-        pytest.skip(cudnn_graph.available("cuda", "fp16")[1])
+    _need_graphs()
     from lab.models.vae import load_vae
     from lab.techniques.graph_conv import GraphResnet, graph_convs
 
@@ -22,22 +42,12 @@ def test_full_decoder_with_graph_convs_matches_the_plain_one():
     graph_convs(v2.model.decoder)
     assert sum(isinstance(m, GraphResnet) for m in v2.model.decoder.modules()) == 14
     eager = v2.decoder_module().to(memory_format=torch.channels_last)
-    compiled = torch.compile(eager, mode="reduce-overhead", dynamic=False)
     z = (torch.randn(4, 4, 32, 32, device="cuda") * 4).half().contiguous(memory_format=torch.channels_last)
-    cudnn_graph.NOTES.clear()
-    with torch.inference_mode():
-        a = base(z)
-        for _ in range(3):
-            torch.compiler.cudagraph_mark_step_begin()
-            b = compiled(z).clone()
-    assert cudnn_graph.notes() == []          # every conv ran on a built graph
-    mse = float(((a.float() - b.float()) ** 2).mean())
-    assert 10 * torch.log10(torch.tensor(1 / max(mse, 1e-20))).item() > 60
+    assert _captured_psnr(base, eager, z) > 60
 
 
 def test_the_cudnn_backend_computes_what_compile_computes():
-    if not cudnn_graph.available("cuda", "fp16")[0]:
-        pytest.skip(cudnn_graph.available("cuda", "fp16")[1])
+    _need_graphs()
     from lab.runtime import backends as B
 
     torch.manual_seed(0)
@@ -51,8 +61,7 @@ def test_the_cudnn_backend_computes_what_compile_computes():
 
 
 def test_ditto_decoder_with_graph_convs_matches_the_merged_one():
-    if not cudnn_graph.available("cuda", "fp16")[0]:
-        pytest.skip(cudnn_graph.available("cuda", "fp16")[1])
+    _need_graphs()
     from lab.models import ditto as D
     from lab.techniques.graph_conv import graph_spade
     from lab.techniques.spade_fuse import fuse_spade
@@ -63,15 +72,6 @@ def test_ditto_decoder_with_graph_convs_matches_the_merged_one():
     base = fuse_spade(dec, lowres_seg=True, fold_shortcut=True).cuda().half().to(memory_format=torch.channels_last)
     g = copy.deepcopy(base)
     assert sum(1 for r in graph_spade(g) if r["became"]) > 0
-    compiled = torch.compile(g, mode="reduce-overhead", dynamic=False)
     d = D.dims("full")
     x = torch.randn(2, d.warp_out, d.feature_hw, d.feature_hw, device="cuda").half()
-    cudnn_graph.NOTES.clear()
-    with torch.inference_mode():
-        a = base(x)
-        for _ in range(3):
-            torch.compiler.cudagraph_mark_step_begin()
-            b = compiled(x).clone()
-    assert cudnn_graph.notes() == []
-    mse = float(((a.float() - b.float()) ** 2).mean())
-    assert 10 * torch.log10(torch.tensor(1 / max(mse, 1e-20))).item() > 50
+    assert _captured_psnr(base, g, x) > 50

@@ -159,7 +159,7 @@ def _unavailable(backend: str, device: torch.device, opts: dict[str, Any]) -> st
             B._require_ort(device, opts.get("providers"))
     except BackendUnavailable as e:
         return str(e)
-    return "" if B.available(backend, device)[0] else B.available(backend, device)[1]
+    return "" if (ok := B.available(backend, device))[0] else ok[1]
 
 
 @dataclass

@@ -275,8 +275,8 @@ def skip_reason(variant: str, device: torch.device | str, quick: bool, compile: 
         info = {b["backend"]: b for b in backends()}["torch.compile"]
         if not info["available"]:
             return f"torch.compile unavailable: {info['detail']}"
-    if variant == "compile_subpixel_graph" and not cudnn_graph.available(dev, "fp16")[0]:
-        return f"cuDNN graph API unavailable: {cudnn_graph.available(dev, 'fp16')[1]}"
+    if variant == "compile_subpixel_graph" and not (cu := cudnn_graph.available(dev, "fp16"))[0]:
+        return f"cuDNN graph API unavailable: {cu[1]}"
     return None
 
 

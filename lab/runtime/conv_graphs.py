@@ -130,7 +130,6 @@ def graph_convs(module: nn.Module) -> list[dict[str, Any]]:
     return rows
 
 
-
 def plain_convs(module: nn.Module) -> int:
     """Undo graph_convs in place (the same parameters back in the original modules); how many places were restored."""
     n = 0
@@ -139,9 +138,6 @@ def plain_convs(module: nn.Module) -> int:
             if isinstance(mod, cls) and name and module.get_submodule(name) is mod:
                 _set(module, name, mod.plain)
                 n += 1
-    for mod in module.modules():   # a block told to add its skip in its graph conv (Ditto's) adds it itself again
-        if getattr(mod, "skip_in_conv", False):
-            mod.skip_in_conv = False
     return n
 
 

@@ -24,6 +24,7 @@ no CUDA or FP8 on a GPU below sm_89 raise `BackendUnavailable` from `require`.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.errors import BackendUnavailable, InputError
+from lab.runtime import cache
 from lab.timing import gpu_ms
 
 IO = ("fp16", "fp8")
@@ -230,10 +232,6 @@ def _strides_cl(shape: Sequence[int]) -> list[int]:
 def plan_key(spec: ConvSpec, x_shape, w_shape, arch: str, version: str, search: str) -> dict[str, Any]:
     """The engine-cache key of one autotuned choice: what the graph computes, at which shapes, on which GPU
     architecture and cuDNN / frontend, among which plans."""
-    import hashlib
-
-    from lab.runtime import cache
-
     # the conv itself in the entry's name: a miss then names only entries of this conv (another GPU, another cuDNN)
     conv = hashlib.sha256(f"{spec.key()} {tuple(x_shape)} {tuple(w_shape)}".encode()).hexdigest()[:10]
     return cache.make_key(f"cudnn-conv-{conv}", arch, spec.io, int(x_shape[0]), [x_shape, w_shape], "cudnn_graph",
@@ -242,8 +240,6 @@ def plan_key(spec: ConvSpec, x_shape, w_shape, arch: str, version: str, search: 
 
 def cached_plan(folder: Path | None, key: dict[str, Any]) -> dict[str, Any] | None:
     """The stored choice for `key` ({"plan_index", "plan_name", "plan_ms", "plans"}), or None (a bad entry warns)."""
-    from lab.runtime import cache
-
     def load(path: Path) -> dict[str, Any] | None:
         rec = json.loads(path.read_text())
         return rec if isinstance(rec, dict) and isinstance(rec.get("plan_index"), int) and rec.get("plan_name") else None
@@ -254,8 +250,6 @@ def cached_plan(folder: Path | None, key: dict[str, Any]) -> dict[str, Any] | No
 
 def store_plan(folder: Path | None, key: dict[str, Any], choice: dict[str, Any]) -> None:
     """Keep an autotuned choice; a folder that cannot be written costs the next process its autotune, not this run."""
-    from lab.runtime import cache
-
     if folder is None:
         return
     try:
@@ -311,8 +305,7 @@ class ConvGraph:
         self.timings: list[tuple[int, float]] = []  # (plan index, ms) of every plan the autotune ran
         folder = cache_dir() if autotune else None
         hit = None
-        arch = "sm_{}{}".format(*torch.cuda.get_device_capability(device))
-        key = plan_key(spec, x_shape, w_shape, arch, f"cudnn {cudnn.backend_version()}, frontend "
+        key = plan_key(spec, x_shape, w_shape, cache.target_arch(device), f"cudnn {cudnn.backend_version()}, frontend "
                        f"{getattr(cudnn, '__version__', '?')}", search) if folder is not None else None
         if key is not None and reuse:
             hit = cached_plan(folder, key)

@@ -52,8 +52,6 @@ def graph_spade(decoder: nn.Module) -> list[dict[str, Any]]:
             if ok:
                 blk.gb[i] = GraphConv2d(gb)
             rows.append({"module": f"{name}.gb.{i}", "became": "GraphConv2d" if ok else "", "reason": why})
-        blk.skip_in_conv = isinstance(blk.conv_1, GraphConv2d) and (
-            not blk.fold_shortcut or isinstance(blk.conv_s, GraphConv2d))
     return rows
 
 

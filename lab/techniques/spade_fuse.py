@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lab.runtime.conv_graphs import GraphConv2d
 from lab.techniques.nearest_conv import NearestConv
 from lab.errors import InputError
 from lab.models.ditto import SPADE, SPADEDecoder, SPADEResnetBlock
@@ -72,7 +73,10 @@ def _plain(conv: nn.Module) -> nn.Module:
 class FusedBlock(nn.Module):
     """One SPADE resnet block reading its norms' hidden maps from a shared tensor."""
 
-    skip_in_conv = False   # lab.techniques.graph_conv: conv_1 (and a folded conv_s) add their skip in the epilogue
+    @property
+    def skip_in_conv(self) -> bool:
+        """conv_1 adds the block's skip in its epilogue (a graph conv: lab.techniques.graph_conv)."""
+        return isinstance(self.conv_1, GraphConv2d)
 
     def __init__(self, blk: SPADEResnetBlock, fold_shortcut: bool = False):
         super().__init__()
@@ -103,7 +107,7 @@ class FusedBlock(nn.Module):
         if self.fold_shortcut:
             gamma, beta_s = self.gb[0](hiddens[0]).split(self.split_s, dim=1)
             m = nx * (1 + gamma)
-            xs = self.conv_s(m, residual=beta_s) if self.skip_in_conv else self.conv_s(m) + beta_s
+            xs = self.conv_s(m, residual=beta_s) if isinstance(self.conv_s, GraphConv2d) else self.conv_s(m) + beta_s
             j = 1
         elif self.learned_shortcut:
             xs = self.conv_s(self._mod(nx, 0, hiddens[0]))
