@@ -189,3 +189,27 @@ def test_exact_preset_computes_the_upstream_preset():
     eng = P.reconfigure(eng, **exact.changes())
     out = P.run(eng, avatar, a[:int(sr * 0.8)], sr, keep_faces=True)
     assert cosine(out.latents, ref.latents) > 0.9999
+
+
+def test_fp8_linear_runs_true_fp8_gemms_compiled_in_the_graph_runner():
+    """`fp8_linear` on an FP8 GPU: real `_scaled_mm` layers (not emulated) in the exact stack's compiled CUDA-graph
+    runner, close to the fp16 eager UNet and equal to its own eager FP8 model."""
+    from lab.pipelines import latentsync as P
+    from lab.pipelines.latentsync.config import EXACT_TECHNIQUES
+    from lab.techniques import fp8, fp8_static
+
+    if not fp8.fp8_supported("cuda")[0]:
+        pytest.skip(fp8.fp8_supported("cuda")[1])
+    cfg = P.Config(size="tiny", mode="ddim2", block=16, techniques=EXACT_TECHNIQUES)
+    eng = P.build(cfg, "cuda")
+    ex = sampling.guided_example(eng.unet.model, 16, (8, 8), "cuda", torch.float16, seed=3)
+    with torch.inference_mode():
+        ref = eng.unet.model(*ex).float()
+    q = P.reconfigure(eng, techniques=EXACT_TECHNIQUES + ("fp8_linear",), runtime="compile+graph")
+    twins = [m for m in q.unet.model.modules() if isinstance(m, fp8.FP8Linear)]
+    assert twins and not any(t.emulate for t in twins) and fp8_static.rewritten(q.unet.model)
+    with torch.inference_mode():
+        eager = P.eager_unet(q)(*ex).float()
+        out = q.unet_fn(*ex).float()
+    assert 0.99 < cosine(eager, ref) < 1.0
+    assert cosine(out, eager) > 0.9999

@@ -18,6 +18,7 @@ Steps (each returns table rows; the notebook shows them, `run_all` runs them hea
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -44,9 +45,8 @@ WRITEUP = {"eager_s_per_s": 41.065, "optimized_s_per_s": 27.702, "faster_pct": 3
            "clip_faster_pct": {"exact20_fast": 56.17, "12": 65.74, "8": 71.76, "4": 78.38}}
 # upstream's own UNet3D on our H200 (random weights, fp16, guided 2 × 16 frames at 64² latents)
 ANCHOR_H200 = {"eager_ms_per_step": 175.5, "compile_ms_per_step": 119.9, "vae_s_per_s": 0.62}
-# for run_all's deadline: seconds at full size on an H200 (run_07_levers: UNet compile 85 s; run_07_deepcache_fast: the modes
-# with the feature cache's two compiled step runners 97 s, 63 of it building them; run_07_vae_encoder: the VAE step with both
-# compiled runners 44 s; run_07_loop_fp8: FP8 eager + its compiled build 240 s)
+# for run_all's deadline: seconds at full size on an H200 (run_07_levers: UNet compile 85 s; run_07_deepcache_fast: the modes with the
+# feature cache's two compiled step runners 97 s, 63 building them; run_07_vae_encoder: the VAE step's compiled runners 44 s; FP8 ~260)
 ESTIMATE_S = {"attention": 40, "compile": 120, "vae_compile": 50, "modes": 100, "loop": 15, "memory": 100, "fp8": 260,
               "jobs": 180}   # jobs (run_07_jobs): 151 s, a new process's cold UNet + VAE compiles and a 5-GB checkpoint
 # exact switches of the model, in the order the waterfall adds them (each alone, then together)
@@ -685,64 +685,64 @@ def best_runner(ctx: Context) -> tuple[str, Any]:
 
 
 def fp8_linear(ctx: Context) -> list[dict]:
-    """Approximate, beyond the write-up: the UNet's Linear layers (attention projections, GEGLU, motion
-    projections: ~58 % of its FLOPs) as FP8 e4m3 GEMMs with dynamic activation scales, eager, against
-    eager fp16 on the same input. Convolutions stay fp16. Needs a GPU with FP8 tensor cores."""
-    from lab.techniques.fp8 import fp8_supported, quantize_module
+    """Approximate, beyond the write-up: the UNet's Linear layers (~58 % of its FLOPs) as FP8 e4m3 GEMMs, eager vs eager
+    fp16 on one input, with `fp8_linear`'s static activation scales (the engine's calibration calls) and with dynamic
+    ones (an amax per call); then the static form compiled on the fastest exact runner's stack. Convs stay fp16."""
+    from lab.models.latentsync import fuse_qkv
+    from lab.pipelines.latentsync.engine import fp8_calibration
+    from lab.techniques import fp8, fp8_static
     from lab.timing import bench
 
-    ok, why = fp8_supported(ctx.dev)
-    if not ok:
-        rows = [{"variant": "FP8 linear layers (eager)", "status": f"unavailable: {why}"}]
-        ctx.res.tables["fp8_linear"] = rows
-        return rows
-    from lab.models.latentsync import fuse_qkv
-
-    eng, prof = ctx.engine, ctx.prof
-    model = fuse_qkv(eng.unet.model, False)  # the quantized copy's Linear layers must be the ones called
-    ex = sampling.guided_example(model, prof.block, (eng.cfg.face // 8,) * 2, ctx.dev, eng.dtype, seed=ctx.seed)
+    ok, why = fp8.fp8_supported(ctx.dev)
+    rows, eng, prof = [{"variant": "FP8 linear layers (eager)", "status": f"unavailable: {why}"}], ctx.engine, ctx.prof
     try:
-        q, report = quantize_module(model, types=(torch.nn.Linear,), calibration=ex, mode="scaled_mm", skip=None,
-                                    activation="dynamic", tune=False)
+        if not ok:
+            return rows
+        model = fuse_qkv(eng.unet.model, False)  # the copies' Linear layers must be the ones called
+        ex = sampling.guided_example(model, prof.block, (eng.cfg.face // 8,) * 2, ctx.dev, eng.dtype, seed=ctx.seed)
+        static = copy.deepcopy(model)
+        fp8_static.fp8_rewrite(static, fp8_static.calibrate(model, fp8_calibration(eng)))
+        dynamic, report = fp8.quantize_module(model, types=(torch.nn.Linear,), calibration=ex, mode="scaled_mm",
+                                              skip=None, activation="dynamic", tune=False)
         with torch.inference_mode():
-            ref, out = model(*ex).float(), q(*ex).float()
-        base = bench(model, *ex, warmup=prof.warmup, iters=prof.iters, device=ctx.dev)
-        fast = bench(q, *ex, warmup=prof.warmup, iters=prof.iters, device=ctx.dev)
-        rows = [{"variant": f"eager {prof.dtype}", "ms_per_step": base.median_s * 1e3, "speedup": 1.0, "cosine_vs_eager": 1.0,
-                 "status": "ok"},
-                {"variant": f"FP8 linear layers (eager, {report.n_layers} layers, paths {report.paths()})",
-                 "ms_per_step": fast.median_s * 1e3, "speedup": base.median_s / fast.median_s,
-                 "cosine_vs_eager": metrics.cosine(out, ref), "runs": fast.iters, "status": "ok"}]
+            ref = model(*ex).float()
+        rows = []
+        for label, q in ((f"eager {prof.dtype}", model), ("static activation scales (fp8_linear)", static),
+                         (f"dynamic activation scales, {report.n_layers} layers", dynamic)):
+            with torch.inference_mode():
+                out = q(*ex).float()
+            t = bench(q, *ex, warmup=prof.warmup, iters=prof.iters, device=ctx.dev)
+            rows.append({"variant": label if q is model else f"FP8 linear layers, eager, {label}", "runs": t.iters,
+                         "ms_per_step": t.median_s * 1e3, "speedup": rows[0]["ms_per_step"] / (t.median_s * 1e3)
+                         if rows else 1.0, "cosine_vs_eager": metrics.cosine(out, ref), "status": "ok"})
         ctx.res.tables["fp8_linear"] = rows
         ctx.partial()
-        rows += _fp8_compiled(ctx, q, ex, ref)
-        del q
+        fp8_static.fused_qkv(static, "fused_qkv" in best_runner(ctx)[0])   # one FP8 GEMM where the runner has one
+        rows += _fp8_compiled(ctx, static, ex, ref)
     except Exception as e:  # reported, not fatal: the exact path does not depend on it
         rows = [{"variant": "FP8 linear layers (eager)", "status": f"failed: {type(e).__name__}: {str(e)[:200]}"}]
-    ctx.res.tables["fp8_linear"] = rows
-    ctx.partial()
+    finally:
+        ctx.res.tables["fp8_linear"] = rows
+        ctx.partial()
     return rows
 
 
 def _fp8_compiled(ctx: Context, q: torch.nn.Module, ex: tuple, ref: torch.Tensor) -> list[dict]:
-    """The FP8 copy on the fastest exact runner's stack (its layout, guided shortcuts and attention kernels),
-    compiled and captured in a CUDA graph, against that runner on the same inputs (in eager the dynamic
-    activation scales cost more than FP8 saves; compiled, inductor can fuse their reductions and casts).
-    The fused-QKV lever is not applied (q, k, v stay three FP8 GEMMs). GPU only; reported, never fatal."""
+    """The static FP8 copy on the fastest exact runner's stack (its layout, guided shortcuts, fused QKV as one FP8
+    GEMM, attention kernels), compiled and captured in a CUDA graph, against that runner on the same inputs: with
+    static scales each cast is a pointwise op inductor fuses into the producer. GPU only; reported, never fatal."""
     from lab.models.latentsync import set_attention_kernels
     from lab.timing import bench
 
     step, runner = best_runner(ctx)
     if runner is None or "compile" not in step:
         return [{"variant": "FP8 linear layers, compiled + CUDA graph", "status": "skipped: no compiled exact runner in this run"}]
-    prof, eng = ctx.prof, ctx.engine
-    hw = eng.cfg.face // 8
+    prof, eng, hw = ctx.prof, ctx.engine, ctx.engine.cfg.face // 8
     ex2 = sampling.guided_example(eng.unet.model, prof.block, (hw, hw), ctx.dev, eng.dtype, seed=ctx.seed + 1)
-    if "channels_last" in step:
-        q.to(memory_format=torch.channels_last)
+    q.to(memory_format=torch.channels_last if "channels_last" in step else torch.preserve_format)
     set_attention_kernels(q, per_shape=ctx.runner_kernels.get(step) or {}, latent=hw)
     target = sampling.GuidedShortcuts(q) if "guided_shortcuts" in step else q
-    label = f"FP8 linear layers, compile + CUDA graph ({step.split(' + ', 1)[-1]}, no fused QKV)"
+    label = f"FP8 linear layers (static scales), compile + CUDA graph ({step.split(' + ', 1)[-1]})"
     try:
         t0 = time.perf_counter()
         comp = _build_runner(target, "compile", ex, eng.dtype)

@@ -213,7 +213,7 @@ class Attention(nn.Module):
         self.kernel: str | None = None   # the kernel spec of this module (set_attention_kernels), else SDPA's choice
         self.backend: str | None = None  # … parsed: one SDPA backend, and whether the head dim is padded
         self.pad = False
-        self.qkv: torch.Tensor | None = None  # (3·dim, dim) self-attention weights in one GEMM (fuse_qkv)
+        self.qkv: Any = None  # (3·dim, dim) self-attention weights in one GEMM (fuse_qkv), or a layer computing it
 
     def set_kernel(self, spec: str | None) -> None:
         self.backend, self.pad = parse_kernel(spec)
@@ -231,7 +231,7 @@ class Attention(nn.Module):
 
     def _attend(self, x: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
         if context is None and self.qkv is not None:
-            q, k, v = F.linear(x, self.qkv).chunk(3, dim=-1)
+            q, k, v = (F.linear(x, self.qkv) if isinstance(self.qkv, torch.Tensor) else self.qkv(x)).chunk(3, dim=-1)
         else:
             c = x if context is None else context
             q, k, v = self.to_q(x), self.to_k(c), self.to_v(c)

@@ -28,6 +28,11 @@ declare("pdl", FAMILY, True, "The loop runner's Triton kernels (inductor's and t
         where="lab.runtime.pdl")
 declare("cache_encodes", FAMILY, True, "Both VAE encodes of a source frame kept (the posterior's mean and std) when the "
         "video loops under longer audio; the posterior sample is drawn as before.", where=f"{HERE}.stream.encode")
+declare("fp8_linear", FAMILY, False, "The UNet's Linear layers (attention projections, GEGLU, the motion modules' "
+        "projections) as FP8 e4m3 GEMMs (torch._scaled_mm, one weight scale per tensor) with static activation scales "
+        "calibrated when the engine is built (guided calls spread over the schedule, the bundled sentence through the "
+        "engine's Whisper); a fused QKV stays one GEMM. Approximate. Needs FP8 tensor cores on a GPU; a CPU emulates "
+        "the FP8 arithmetic.", where="lab.techniques.fp8_static")
 declare("vae_runtime", FAMILY, True, "The SD-VAE's decode, and both encodes of a block as one call of 2 × block images, "
         "on the same runtime as the UNet (a short last block padded: the VAE works image by image).",
         where=f"{HERE}.engine")

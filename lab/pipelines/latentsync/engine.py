@@ -13,15 +13,20 @@ import torch
 
 from lab.errors import InputError, WeightsError
 from lab.pipelines.latentsync import sampling
-from lab.pipelines.latentsync.config import DTYPES, FAMILY, WEIGHT_FILES, WEIGHT_SIGNS, Config, temporal_kernels
+from lab.pipelines.latentsync.config import (DTYPES, FAMILY, SAMPLE_RATE, WEIGHT_FILES, WEIGHT_SIGNS, Config,
+                                             temporal_kernels)
 from lab.pipelines.weights import matching_component, per_component
 from lab.techniques import check as check_techniques
 
 # the techniques that change what the UNet's runner computes with (a change rebuilds it)
 UNET_TECHNIQUES = ("channels_last", "guided_shortcuts", "fused_qkv", "fused_norms", "folded_upsamplers", "pdl",
-                   "triton_temporal_attention")
+                   "triton_temporal_attention", "fp8_linear")
 # the techniques that rewrite the networks themselves (memory format, modules, kernels)
-NETWORK_TECHNIQUES = ("channels_last", "fused_qkv", "fused_norms", "folded_upsamplers", "triton_temporal_attention")
+NETWORK_TECHNIQUES = ("channels_last", "fused_qkv", "fused_norms", "folded_upsamplers", "triton_temporal_attention",
+                      "fp8_linear")
+# the timesteps an FP8 engine's static activation scales are calibrated at: spread over the 1000-step schedule, so
+# each layer's range covers the whole denoising (a range the calibration never saw saturates)
+CALIBRATION_STEPS = (981, 741, 501, 261, 21)
 FIXED = ("size", "weights", "seed", "dtype")   # what the networks were built for: reconfigure refuses them
 
 
@@ -147,14 +152,18 @@ def _channels_last(m: torch.nn.Module) -> bool:
 def _apply_model(engine: Engine) -> None:
     """The networks rewritten to the techniques (each idempotent: one already on or off is left as it is)."""
     from lab.models.latentsync import fuse_qkv, set_attention_kernels
-    from lab.techniques import block_norm, nearest_conv, short_attention
+    from lab.techniques import block_norm, fp8_static, nearest_conv, short_attention
 
     cfg, model = engine.cfg, engine.unet.model
+    fp8 = _has(cfg, "fp8_linear")
+    if not fp8:
+        fp8_static.plain_layers(model)
     cl = _has(cfg, "channels_last")
     for net in (model, engine.vae.model):
         if _channels_last(net) != cl:
             net.to(memory_format=torch.channels_last if cl else torch.contiguous_format)
-    fuse_qkv(model, _has(cfg, "fused_qkv"))
+    if not fp8_static.rewritten(model):   # FP8 layers are calibrated on three q, k, v GEMMs, then fused below
+        fuse_qkv(model, _has(cfg, "fused_qkv") and not fp8)
     if _has(cfg, "fused_norms"):
         block_norm.fuse_block_norms(model)
         block_norm.set_triton(model, True)
@@ -167,6 +176,31 @@ def _apply_model(engine: Engine) -> None:
     kernels = {**(temporal_kernels(cfg.size) if _has(cfg, "triton_temporal_attention") else {}),
                **(cfg.attention_kernels or {})}
     set_attention_kernels(model, per_shape=kernels or None, latent=cfg.face // 8)
+    if fp8 and not fp8_static.rewritten(model):
+        fp8_static.fp8_rewrite(model, fp8_static.calibrate(model, fp8_calibration(engine)))
+    if fp8:
+        fp8_static.fused_qkv(model, _has(cfg, "fused_qkv"))
+
+
+def fp8_calibration(engine: Engine) -> list[tuple[torch.Tensor, ...]]:
+    """The calls `fp8_linear`'s static activation scales are measured on: one guided call at the block shape per
+    timestep of CALIBRATION_STEPS, seeded latents and conditioning, and the bundled sentence's audio features through
+    the engine's own Whisper, a block of frames per call walking through the sentence."""
+    from lab import data
+    from lab.pipelines.latentsync.audio import audio_features
+
+    cfg, model, dev = engine.cfg, engine.unet.model, engine.device
+    sentence, _ = data.default_audio(SAMPLE_RATE)
+    with torch.inference_mode():
+        feats = audio_features(engine.whisper, sentence, cfg.fps).to(dev, engine.dtype)
+    calls = []
+    for i, t in enumerate(CALIBRATION_STEPS):
+        x, _, _ = sampling.example_inputs(model, 1, cfg.block, (cfg.face // 8,) * 2, dev, engine.dtype,
+                                          seed=cfg.seed + 1 + i)
+        audio = feats[torch.arange(i * cfg.block, (i + 1) * cfg.block, device=dev) % len(feats)]
+        calls.append((torch.cat([x, x]), torch.full((2,), t, dtype=torch.long, device=dev),
+                      torch.cat([torch.zeros_like(audio), audio])))
+    return calls
 
 
 def _unet_key(cfg: Config) -> tuple:

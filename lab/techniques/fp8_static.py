@@ -1,0 +1,149 @@
+"""FP8 layers with static activation scales, calibrated over a set of calls and rewritten into a network in place.
+
+    amax = calibrate(model, batches)          # each layer's input range over every call
+    rows = fp8_rewrite(model, amax)           # in place: those layers as FP8 GEMMs with static scales
+    fused_qkv(model, True)                    # a self-attention's q, k, v as one FP8 GEMM
+    plain_layers(model)                       # undone: the float layers back, unchanged
+
+Why static: a dynamic activation scale is an amax reduction over each input before its cast, one more pass and a
+dependency per layer, and it measured slower than fp16 on LatentSync's UNet even compiled (0.95×). A static scale
+makes the cast a pointwise op that torch.compile fuses into the producer's kernel (the norm, the GEGLU gate): the
+producer writes FP8 directly, half the bytes of fp16. The price is range: an input louder than the calibration
+saturates (clamped to ±448, never NaN), so the calibration set must span the calls the network sees.
+
+Each FP8 layer keeps its float layer (unregistered: the state dict is the FP8 one's), so `plain_layers` gives the
+network back exactly as it was, and an engine that keeps one copy of the network per form can move between them.
+On a CPU the FP8 GEMM is emulated in float32 from the FP8 operands (the same numbers, slowly): tests and smoke runs
+see the approximate function the GPU computes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from lab.errors import BackendUnavailable, InputError
+from lab.techniques import fp8
+
+SCHEME = "per_tensor"   # one weight scale per tensor: the cuBLASLt FP8 GEMM (per-channel takes a slower row-wise kernel)
+
+
+def emulated(device: torch.device | str) -> bool:
+    """Whether FP8 GEMMs on `device` are emulated (a CPU); a GPU without FP8 tensor cores is refused."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return True
+    ok, why = fp8.fp8_supported(dev)
+    if not ok:
+        raise BackendUnavailable(f"FP8 linear layers need FP8 tensor cores: {why}")
+    return False
+
+
+def calibrate(model: nn.Module, batches: Iterable[tuple], types: tuple[type, ...] = (nn.Linear,),
+              progress: bool = False) -> dict[str, float]:
+    """The input amax of each layer of `types` that `model(*batch)` calls, the largest over every batch (name →
+    amax). A layer whose inputs were all zero, or not finite, is refused by name: its static scale would be
+    meaningless."""
+    from lab.progress import tqdm
+
+    batches = list(batches)
+    if not batches:
+        raise InputError("calibrate needs at least one batch of the model's inputs (a tuple of tensors)")
+    names = {m: n for n, m in model.named_modules() if isinstance(m, types) and not isinstance(m, fp8._FP8Layer)}
+    if not names:
+        raise InputError(f"the model has no {'/'.join(t.__name__ for t in types)} layer to calibrate")
+    amax: dict[str, float] = {}
+    for args in tqdm(batches, desc="fp8 calibrate", disable=not progress, leave=False):
+        if not isinstance(args, (tuple, list)):
+            raise InputError(f"each calibration batch must be a tuple of the model's inputs, got {type(args).__name__}")
+        for name, info in fp8._record(model, names, tuple(args)).items():
+            a, prev = info["amax"], amax.get(name, 0.0)
+            # a non-finite range sticks (max() would drop a NaN): the layer is refused below
+            amax[name] = prev if not math.isfinite(prev) else a if not math.isfinite(a) else max(prev, a)
+    bad = {n: a for n, a in amax.items() if not 0 < a < math.inf}
+    if bad:
+        name, a = next(iter(bad.items()))
+        raise InputError(f"calibration gave layer {name!r} an input amax of {a} ({len(bad)} layer(s) like it): a "
+                         f"static FP8 scale needs a finite, non-zero range; calibrate on inputs that reach it")
+    return amax
+
+
+def fp8_rewrite(model: nn.Module, amax: dict[str, float], scheme: str = SCHEME,
+                emulate: bool | None = None) -> list[dict[str, Any]]:
+    """Replace each layer named in `amax` by its FP8 twin (static activation scale amax/448), in place; one row per
+    layer (its shape, amax, weight error, or why it stayed float). Layers already FP8 are left as they are."""
+    rows: list[dict[str, Any]] = []
+    for name, a in amax.items():
+        mod = model.get_submodule(name)
+        if isinstance(mod, fp8._FP8Layer):
+            continue
+        if not isinstance(mod, nn.Linear):
+            raise InputError(f"fp8_rewrite: {name!r} is a {type(mod).__name__}; it rewrites nn.Linear layers")
+        ok, why = fp8.gemm_eligible(mod)
+        row = {"layer": name, "in": mod.in_features, "out": mod.out_features, "amax": a}
+        if not ok:
+            rows.append({**row, "fp8": False, "reason": why})
+            continue
+        emu = emulated(mod.weight.device) if emulate is None else emulate
+        q = fp8.FP8Linear.from_float(mod, scheme, "gemm", "static", a, emu)
+        object.__setattr__(q, "plain", mod)
+        fp8._set_module(model, name, q)
+        rel, _ = q.weight_error(mod.weight)
+        rows.append({**row, "fp8": True, "weight_rel_err": rel, "reason": ""})
+    return rows
+
+
+def rewritten(model: nn.Module) -> bool:
+    """Whether any layer of `model` is an FP8 twin this module made."""
+    return any(hasattr(m, "plain") for m in model.modules() if isinstance(m, fp8._FP8Layer))
+
+
+def _self_attentions(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if all(hasattr(m, a) for a in ("to_q", "to_k", "to_v", "qkv"))]
+
+
+def fused_qkv(model: nn.Module, on: bool) -> int:
+    """Each attention whose q, k, v projections are FP8 twins with one input (a self-attention: equal calibrated
+    ranges) gets them as one FP8 GEMM of 3× the width in its `qkv` (one cast and one launch instead of three); off:
+    `qkv` cleared. The attention calls `qkv` when it is set. Returns how many attentions were fused."""
+    n = 0
+    for att in _self_attentions(model):
+        if not on:
+            if isinstance(att.qkv, fp8._FP8Layer):
+                att.qkv = None
+            continue
+        parts = [att.to_q, att.to_k, att.to_v]
+        if isinstance(att.qkv, fp8._FP8Layer) or not all(isinstance(p, fp8.FP8Linear) and hasattr(p, "plain")
+                                                          for p in parts):
+            continue
+        if len({float(p.a_scale) for p in parts}) != 1 or parts[1].in_features != parts[0].in_features:
+            continue   # a cross-attention: k and v read the context, not the input q reads
+        plain = [p.plain for p in parts]
+        one = nn.Linear(plain[0].in_features, sum(p.out_features for p in plain), bias=False,
+                        device=plain[0].weight.device, dtype=plain[0].weight.dtype)
+        one.weight.data = torch.cat([p.weight.data for p in plain])
+        q = fp8.FP8Linear.from_float(one, parts[0].scheme, "gemm", "static",
+                                     float(parts[0].a_scale) * fp8.E4M3_MAX, parts[0].emulate)
+        object.__setattr__(att, "qkv", q)   # unregistered: to_q / to_k / to_v keep the state dict's keys
+        n += 1
+    return n
+
+
+def plain_layers(model: nn.Module) -> int:
+    """Undo `fp8_rewrite` (and the fused FP8 q, k, v): every FP8 twin replaced by the float layer it kept."""
+    fused_qkv(model, False)
+    twins = [(n, m) for n, m in model.named_modules() if isinstance(m, fp8._FP8Layer) and hasattr(m, "plain")]
+    for name, m in twins:
+        fp8._set_module(model, name, m.plain)
+    return len(twins)
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """How many layers went FP8, how many stayed float (with the first reason), the amax range."""
+    on = [r for r in rows if r["fp8"]]
+    off = [r for r in rows if not r["fp8"]]
+    amax = [r["amax"] for r in on]
+    return {"fp8_layers": len(on), "float_layers": len(off), "first_reason": off[0]["reason"] if off else "",
+            "amax_min": min(amax) if amax else None, "amax_max": max(amax) if amax else None}

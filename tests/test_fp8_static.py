@@ -1,0 +1,175 @@
+"""FP8 layers with static activation scales: calibration over a set, the in-place rewrite and its undo, the fused
+FP8 q, k, v, and LatentSync's `fp8_linear` technique built on them (CPU: the FP8 GEMMs emulated from FP8 operands)."""
+import pytest
+import torch
+from torch import nn
+
+from lab import data
+from lab.errors import BackendUnavailable, InputError
+from lab.models.latentsync import Attention
+from lab.techniques import fp8, fp8_static
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Two(nn.Module):
+    def __init__(self, k: int = 32, n: int = 48):
+        super().__init__()
+        self.a, self.b = nn.Linear(k, n), nn.Linear(n, 16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _batches(k=32, n=3):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(5, k, generator=g) * (i + 1),) for i in range(n)]
+
+
+def test_calibrate_takes_the_largest_input_of_every_batch_and_refuses_what_it_cannot_scale():
+    torch.manual_seed(0)
+    m, batches = Two(), _batches()
+    amax = fp8_static.calibrate(m, batches)
+    assert set(amax) == {"a", "b"}
+    assert amax["a"] == pytest.approx(max(float(x.abs().max()) for (x,) in batches))
+    with torch.no_grad():
+        assert amax["b"] == pytest.approx(max(float(torch.relu(m.a(x)).abs().max()) for (x,) in batches))
+    with pytest.raises(InputError, match="at least one batch"):
+        fp8_static.calibrate(m, [])
+    with pytest.raises(InputError, match="tuple of the model's inputs"):
+        fp8_static.calibrate(m, [torch.ones(2, 32)])
+    with pytest.raises(InputError, match="layer 'a'.*amax of 0.0"):
+        fp8_static.calibrate(m, [(torch.zeros(5, 32),)])
+    with pytest.raises(InputError, match="layer 'a'.*amax of nan"):
+        fp8_static.calibrate(m, [(torch.full((5, 32), float("nan")),)])
+    with pytest.raises(InputError, match="no Linear layer"):
+        fp8_static.calibrate(nn.ReLU(), batches)
+
+
+def test_rewrite_computes_the_static_fp8_layer_and_the_undo_gives_the_float_layers_back():
+    torch.manual_seed(0)
+    m, batches = Two(), _batches()
+    a, b = m.a, m.b
+    x = batches[1][0]
+    with torch.no_grad():
+        ref = m(x)
+    amax = fp8_static.calibrate(m, batches)
+    rows = fp8_static.fp8_rewrite(m, amax, emulate=True)
+    assert [r["layer"] for r in rows] == ["a", "b"] and all(r["fp8"] and r["weight_rel_err"] > 0 for r in rows)
+    assert isinstance(m.a, fp8.FP8Linear) and m.a.activation == "static" and fp8_static.rewritten(m)
+    assert float(m.a.a_scale) == pytest.approx(amax["a"] / fp8.E4M3_MAX)
+    assert "plain" not in dict(m.a.named_modules()) and not any("plain" in k for k in m.state_dict())
+    twin = fp8.FP8Linear.from_float(a, "per_tensor", "gemm", "static", amax["a"], emulate=True)
+    with torch.no_grad():
+        torch.testing.assert_close(m.a(x), twin(x), rtol=0, atol=0)   # exactly the static FP8 layer
+        out = m(x)
+    assert 0 < float((out - ref).norm() / ref.norm()) < 0.1    # approximate: e4m3 keeps 3 mantissa bits
+    assert fp8_static.fp8_rewrite(m, amax) == []                  # already FP8: left as it is
+    assert fp8_static.plain_layers(m) == 2 and m.a is a and m.b is b and not fp8_static.rewritten(m)
+    with torch.no_grad():
+        assert torch.equal(m(x), ref)
+    s = fp8_static.summary(rows)
+    assert s["fp8_layers"] == 2 and s["float_layers"] == 0 and s["amax_max"] == max(amax.values())
+
+
+def test_a_layer_off_the_fp8_gemm_shapes_stays_float_with_its_reason():
+    m = Two(k=24)   # K = 24 is not a multiple of 16
+    rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, _batches(24)), emulate=True)
+    assert not rows[0]["fp8"] and "multiples of 16" in rows[0]["reason"] and isinstance(m.a, nn.Linear)
+    assert rows[1]["fp8"] and fp8_static.summary(rows)["first_reason"] == rows[0]["reason"]
+    with pytest.raises(InputError, match="rewrites nn.Linear"):
+        fp8_static.fp8_rewrite(nn.Sequential(nn.Conv2d(16, 16, 1)), {"0": 1.0})
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_refused_up_front(monkeypatch):
+    assert fp8_static.emulated("cpu")
+    monkeypatch.setattr(fp8, "fp8_supported", lambda dev: (False, "compute capability 8.0 < 8.9"))
+    with pytest.raises(BackendUnavailable, match="FP8 tensor cores: compute capability 8.0"):
+        fp8_static.emulated("cuda")
+
+
+def test_self_attention_q_k_v_fuse_into_one_fp8_gemm_and_cross_attention_does_not():
+    torch.manual_seed(0)
+    att, cross = Attention(32, 2), Attention(32, 2, kv_dim=48)
+    x, ctx = torch.randn(2, 6, 32), torch.randn(2, 5, 48)
+    root = nn.ModuleDict({"s": att, "c": cross})
+    root.forward = lambda x, c: (att(x), cross(x, c))
+    amax = fp8_static.calibrate(root, [(x, ctx)])
+    fp8_static.fp8_rewrite(root, amax, emulate=True)
+    with torch.no_grad():
+        three = att(x)
+    assert fp8_static.fused_qkv(root, True) == 1
+    assert isinstance(att.qkv, fp8.FP8Linear) and att.qkv.out_features == 96 and cross.qkv is None
+    assert "qkv" not in dict(att.named_children())               # unregistered: the state dict keeps to_q / to_k / to_v
+    assert fp8_static.fused_qkv(root, True) == 0                 # idempotent
+    with torch.no_grad():
+        one = att(x)
+    # one weight scale for the three (per tensor): close to the three GEMMs, not bit-equal
+    assert float((one - three).norm() / three.norm()) < 0.05
+    assert fp8_static.plain_layers(root) == 8 and att.qkv is None and isinstance(att.to_q, nn.Linear)
+
+
+# ----------------------------------------------------------------------------- LatentSync's fp8_linear
+
+
+@pytest.fixture(scope="module")
+def ls():
+    from lab.pipelines import latentsync as P
+
+    return P, P.build(P.Config(size="tiny", mode="ddim2", block=4))
+
+
+def test_latentsync_fp8_linear_is_close_to_exact_and_reconfiguring_back_restores_it(ls):
+    from lab.avatar import avatar_loop
+    from lab.models.latentsync import Attention as Att
+
+    P, engine = ls
+    a, sr = data.default_audio()
+    avatar = P.prepare(engine, avatar_loop(3, (128, 192)))
+    ref = P.run(engine, avatar, a[:int(sr * 0.4)], sr, max_frames=4, keep_faces=True)
+    eng = P.reconfigure(engine, techniques=("guided_shortcuts", "fused_qkv", "fp8_linear"))
+    model = eng.unet.model
+    lin = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    twins = [m for m in model.modules() if isinstance(m, fp8.FP8Linear)]
+    assert twins and not lin and all(t.activation == "static" and t.emulate for t in twins)
+    fused = [m for m in model.modules() if isinstance(m, Att) and isinstance(m.qkv, fp8.FP8Linear)]
+    assert fused and all(m.qkv.out_features == 3 * m.to_q.out_features for m in fused)
+    assert engine.unet.model is not model and not fp8_static.rewritten(engine.unet.model)
+    rep = P.run(eng, avatar, a[:int(sr * 0.4)], sr, max_frames=4, keep_faces=True)
+    cos = torch.nn.functional.cosine_similarity(rep.latents.flatten().double(), ref.latents.flatten().double(), dim=0)
+    assert 0.99 < float(cos) < 1.0                                   # approximate, and close
+    assert (rep.faces.int() - ref.faces.int()).abs().max() > 0
+    # the calibration saw the guided calls at every timestep of CALIBRATION_STEPS with the sentence's features
+    from lab.pipelines.latentsync.engine import CALIBRATION_STEPS, fp8_calibration
+
+    calls = fp8_calibration(eng)
+    assert [int(c[1][0]) for c in calls] == list(CALIBRATION_STEPS)
+    assert all(torch.equal(c[2][:4], torch.zeros_like(c[2][:4])) and c[2][4:].abs().max() > 0 for c in calls)
+    back = P.reconfigure(eng, techniques=("guided_shortcuts", "fused_qkv"))
+    assert not fp8_static.rewritten(back.unet.model)
+    again = P.run(back, avatar, a[:int(sr * 0.4)], sr, max_frames=4, keep_faces=True)
+    torch.testing.assert_close(again.latents, ref.latents, rtol=1e-4, atol=1e-4)
+
+
+def test_latentsync_lists_fp8_linear_as_approximate():
+    from lab.techniques import registry
+
+    t = registry("latentsync")["fp8_linear"]
+    assert not t.exact and t.where == "lab.techniques.fp8_static"
+
+
+def test_notebook_step_compares_static_and_dynamic_scales_and_says_when_fp8_is_missing(tmp_path, monkeypatch):
+    from lab.experiments import latentsync as L
+
+    ctx = L.setup("cpu", quick=True, out_dir=str(tmp_path / "run"))
+    rows = L.fp8_linear(ctx)
+    assert rows[0]["status"].startswith("unavailable: device is cpu") and ctx.res.tables["fp8_linear"] == rows
+    # as on an FP8 GPU (here: the static copy emulated, the dynamic one weight-only): three eager rows, then the
+    # compiled comparison, skipped without a compiled exact runner
+    monkeypatch.setattr(fp8, "fp8_supported", lambda dev=None: (True, "test"))
+    rows = L.fp8_linear(ctx)
+    assert [r["variant"].split(",")[0] for r in rows[:3]] == ["eager fp32", "FP8 linear layers", "FP8 linear layers"]
+    assert "static activation scales (fp8_linear)" in rows[1]["variant"] and "dynamic" in rows[2]["variant"]
+    assert all(r["status"] == "ok" and r["ms_per_step"] > 0 for r in rows[:3]) and rows[0]["speedup"] == 1.0
+    assert 0.99 < rows[1]["cosine_vs_eager"] < 1.0
+    assert rows[3]["status"].startswith("skipped: no compiled exact runner")
