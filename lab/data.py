@@ -89,8 +89,17 @@ def resample(x: np.ndarray, orig_sr: int, new_sr: int) -> np.ndarray:
 
 
 def default_audio(sr: int | None = None) -> tuple[np.ndarray, int]:
-    """The bundled ~10 s news-anchor sentence (espeak-ng, 24 kHz; see data/README.md)."""
-    return load_audio(DEFAULT_AUDIO, sr=sr)
+    """The bundled ~10 s news-anchor sentence (espeak-ng, 24 kHz; see data/README.md). A host without soundfile (a
+    bare GPU machine) still reads it: the file is a plain 16-bit PCM WAV."""
+    try:
+        return load_audio(DEFAULT_AUDIO, sr=sr)
+    except ImportError:
+        from scipy.io import wavfile
+
+        rate, pcm = wavfile.read(DEFAULT_AUDIO)
+        x = pcm.astype(np.float32) / (32768.0 if pcm.dtype == np.int16 else 1.0)
+        mono = (x if x.ndim == 1 else x.mean(1)).astype(np.float32)
+        return (resample(mono, rate, sr), int(sr)) if sr is not None and sr != rate else (mono, int(rate))
 
 
 def default_avatar() -> np.ndarray:

@@ -193,22 +193,24 @@ def newest(rows: Iterable[Row], notebook: str | None = None, machine: str | None
 # a family's module or package): a change to any of these after a row's commit makes it stale
 _MUSETALK = ("lab/pipelines/musetalk*", "lab/avatar.py", "lab/models/musetalk.py", "lab/models/vae.py", "lab/models/whisper.py",
              "lab/models/face.py", "lab/techniques/group_norm.py", "lab/techniques/subpixel.py",
-             "lab/techniques/stride.py", "lab/video.py", "lab/audio.py")
+             "lab/techniques/stride.py", "lab/techniques/graph_conv.py", "lab/runtime/conv_graphs.py",
+             "lab/runtime/cudnn_graph.py", "lab/video.py", "lab/audio.py")
 _DITTO = ("lab/pipelines/ditto*", "lab/models/ditto.py", "lab/models/face.py", "lab/techniques/channel_pad.py",
           "lab/techniques/fft_conv.py", "lab/techniques/nearest_conv.py", "lab/techniques/putback.py",
           "lab/techniques/silence.py", "lab/techniques/spade_fuse.py", "lab/techniques/spectral_fold.py",
           "lab/techniques/stride.py", "lab/techniques/tap_conv.py", "lab/techniques/tf32x3.py", "lab/runtime/*",
-          "lab/video.py")
+          "lab/techniques/graph_conv.py", "lab/techniques/fp8.py", "lab/techniques/fp8_static.py", "lab/video.py")
 _LATENTSYNC = ("lab/pipelines/latentsync*", "lab/models/latentsync.py",
                "lab/models/vae.py", "lab/models/whisper.py", "lab/models/face.py", "lab/techniques/block_norm.py",
                "lab/techniques/short_attention.py", "lab/techniques/nearest_conv.py", "lab/techniques/fp8.py",
-               "lab/runtime/*")
+               "lab/techniques/fp8_static.py", "lab/runtime/*")
 FAMILY_CODE: dict[str, tuple[str, ...]] = {
     "00": ("lab/experiments/environment.py", "lab/timing.py", "lab/env.py"),
     "01": ("lab/experiments/profiling.py", "lab/experiments/encoder.py") + _MUSETALK,
     "02": ("lab/experiments/decoders.py", "lab/models/vae.py", "lab/techniques/subpixel.py",
-           "lab/techniques/group_norm.py"),
-    "03": ("lab/experiments/fp8.py", "lab/techniques/fp8*.py", "lab/models/vae.py", "lab/models/musetalk.py"),
+           "lab/techniques/group_norm.py", "lab/runtime/conv_graphs.py", "lab/runtime/cudnn_graph.py"),
+    "03": ("lab/experiments/fp8.py", "lab/techniques/fp8.py", "lab/techniques/fp8_mixed.py", "lab/techniques/fp8_triton.py",
+           "lab/runtime/cudnn_graph.py", "lab/models/vae.py", "lab/models/musetalk.py"),
     "04": ("lab/experiments/backends.py", "lab/runtime/*", "lab/models/vae.py", "lab/models/musetalk.py"),
     "05": ("lab/experiments/stride.py",) + _MUSETALK,
     "06": ("lab/experiments/ditto.py", "lab/experiments/ditto_variants.py") + _DITTO,

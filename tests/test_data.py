@@ -1,3 +1,5 @@
+import sys
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -359,3 +361,14 @@ def test_a_large_source_is_scaled_down_once_for_the_tiny_ditto_profile(tmp_path,
     assert max(got.shape[1:3]) <= dx.TINY_SOURCE_SIDE and "2000×3000 scaled to" in capsys.readouterr().out
     full = dx.replace(tiny, size="full")
     assert dx._source_for(full, str(tmp_path / "huge.png")) == str(tmp_path / "huge.png")   # the full profile keeps it
+
+
+def test_the_bundled_sentence_reads_the_same_without_soundfile(monkeypatch):
+    a, sr = data.default_audio(16000)
+    monkeypatch.setitem(sys.modules, "soundfile", None)   # `import soundfile` raises ImportError
+    with pytest.raises(ImportError):
+        data.load_audio(data.DEFAULT_AUDIO)
+    b, sr2 = data.default_audio(16000)
+    assert sr2 == sr == 16000 and np.array_equal(a, b)
+    c, sr3 = data.default_audio()
+    assert sr3 == 24000 and c.dtype == np.float32 and len(c) > 9 * sr3

@@ -77,8 +77,8 @@ def test_a_layer_off_the_fp8_gemm_shapes_stays_float_with_its_reason():
     rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, _batches(24)), emulate=True)
     assert not rows[0]["fp8"] and "multiples of 16" in rows[0]["reason"] and isinstance(m.a, nn.Linear)
     assert rows[1]["fp8"] and fp8_static.summary(rows)["first_reason"] == rows[0]["reason"]
-    with pytest.raises(InputError, match="rewrites nn.Linear"):
-        fp8_static.fp8_rewrite(nn.Sequential(nn.Conv2d(16, 16, 1)), {"0": 1.0})
+    with pytest.raises(InputError, match="rewrites nn.Linear and nn.Conv2d"):
+        fp8_static.fp8_rewrite(nn.Sequential(nn.ReLU()), {"0": 1.0})
 
 
 def test_a_gpu_without_fp8_tensor_cores_is_refused_up_front(monkeypatch):
@@ -173,3 +173,108 @@ def test_notebook_step_compares_static_and_dynamic_scales_and_says_when_fp8_is_m
     assert all(r["status"] == "ok" and r["ms_per_step"] > 0 for r in rows[:3]) and rows[0]["speedup"] == 1.0
     assert 0.99 < rows[1]["cosine_vs_eager"] < 1.0
     assert rows[3]["status"].startswith("skipped: no compiled exact runner")
+
+
+def test_convs_take_per_channel_weight_scales_and_the_ones_off_the_fp8_shapes_stay_float():
+    torch.manual_seed(0)
+
+    class Sub(nn.Conv2d):
+        pass
+
+    m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.LeakyReLU(0.2), nn.Conv2d(32, 8, 3, padding=1),
+                      nn.Conv2d(8, 16, 1), Sub(16, 16, 1))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 16, 12, 12, generator=g),) for _ in range(2)]
+    x = batches[0][0]
+    with torch.no_grad():
+        ref = m[:2](x)
+    rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, batches, types=(nn.Conv2d,)), emulate=True)
+    by = {r["layer"]: r for r in rows}
+    assert by["0"]["fp8"] and by["0"]["path"] == "im2col" and by["0"]["kind"] == "Conv2d"
+    assert not by["2"]["fp8"] and "multiples of 16" in by["2"]["reason"]        # 8 output channels
+    assert not by["3"]["fp8"] and "multiples of 16" in by["3"]["reason"]        # 8 input channels
+    assert not by["4"]["fp8"] and "not a plain Conv2d" in by["4"]["reason"]
+    q = m[0]
+    assert isinstance(q, fp8.FP8Conv2d) and q.scheme == "per_channel" and q.w_scale.shape == (32,)
+    with torch.no_grad():
+        out = m[:2](x)
+    assert 0 < float((out - ref).norm() / ref.norm()) < 0.1
+    assert fp8_static.plain_layers(m) == 1 and type(m[0]) is nn.Conv2d
+
+
+def test_a_gpu_without_cudnn_fp8_convs_is_refused_for_convs_only(monkeypatch):
+    from lab.runtime import cudnn_graph
+
+    monkeypatch.setattr(fp8, "fp8_supported", lambda dev: (True, "test"))
+    monkeypatch.setattr(cudnn_graph, "available", lambda dev, io="fp16": (False, "nvidia-cudnn-frontend not installed"))
+    assert fp8_static.emulated("cuda") is False
+    with pytest.raises(BackendUnavailable, match="cuDNN's graph API: nvidia-cudnn-frontend not installed"):
+        fp8_static.emulated("cuda", convs=True)
+
+
+# ----------------------------------------------------------------------------- Ditto's fp8_conv
+
+
+@pytest.fixture(scope="module")
+def ditto():
+    from lab.pipelines import Encode
+    from lab.pipelines import ditto as P
+
+    cfg = P.Config(size="tiny", precision="fp32", batch_size=4, frame_size=(128, 192), sampling_steps=2,
+                   encode=Encode(writer="null"), techniques=("batch_cfg", "vram_pool", "gpu_putback", "fold_spectral_norm",
+                                                             "fuse_spade", "lowres_seg", "fold_shortcut"))
+    eng = P.build(cfg, "cpu")
+    return P, eng, P.prepare(eng)
+
+
+def test_ditto_fp8_conv_runs_the_decoder_convs_in_fp8_calibrated_on_the_warped_features(ditto):
+    from lab.metrics import psnr
+    from lab.pipelines.ditto.engine import CALIBRATION_FRAMES, fp8_calibration
+
+    P, engine, avatar = ditto
+    a, sr = data.default_audio(16000)
+    a = a[:int(0.8 * sr)]
+    ref = P.run(engine, avatar, a, sr, keep_faces=True)
+    eng = P.reconfigure(engine, techniques=engine.cfg.techniques + ("fp8_conv",))
+    rep = P.run(eng, avatar, a, sr, keep_faces=True)
+    decs = [v for k, v in engine.variants.items() if k[:2] == ("module", "decoder") and k[-4]]
+    assert len(decs) == 1
+    twins = [m for m in decs[0].modules() if isinstance(m, fp8.FP8Conv2d)]
+    assert twins and all(t.activation == "static" and t.scheme == "per_channel" and t.emulate for t in twins)
+    assert type(decs[0].conv_img[0]) is nn.Conv2d                  # 12 output channels: not an FP8 shape
+    p = psnr(rep.faces.float() / 255, ref.faces.float() / 255)
+    assert 20 < p < 100                                             # approximate (random weights: a bound, no finding)
+    calls = fp8_calibration(engine, "fp32", ())
+    assert len(calls) == -(-CALIBRATION_FRAMES // 4) and calls[0][0].shape[0] == 4
+    assert float(calls[0][0].std()) > 0
+
+
+def test_ditto_fp8_conv_is_refused_without_its_requirements_or_beside_graph_convs(ditto):
+    from types import SimpleNamespace
+
+    from lab.pipelines.ditto.engine import _fp8_decoder
+
+    P, engine, _ = ditto
+    with pytest.raises(InputError, match=r"'fp8_conv' needs \['fuse_spade'\]"):
+        P.reconfigure(engine, techniques=("fold_spectral_norm", "fp8_conv"))
+    with pytest.raises(InputError, match=r"'fp8_conv' cannot be combined with \['graph_conv'\]"):
+        P.reconfigure(engine, techniques=engine.cfg.techniques + ("graph_conv", "fp8_conv"))
+    gpu = SimpleNamespace(device=torch.device("cuda"))
+    with pytest.raises(InputError, match="precision='fp16', got 'autocast'"):
+        _fp8_decoder(gpu, nn.Identity(), "autocast", ())
+
+
+def test_notebook_06_never_builds_its_exact_rows_on_an_approximate_renderer():
+    from types import SimpleNamespace
+
+    from lab.experiments import ditto as X
+    from lab.experiments.ditto_variants import BEST, VARIANT_TEXT, VARIANTS, exact
+
+    assert exact(BEST) and exact(BEST + "+gconv") and not exact(BEST + "+fp8")
+    assert set(VARIANT_TEXT) == set(VARIANTS)
+    rows = [{"variant": v, "batch": 16, "fps": fps, "status": "ok"} for v, fps in
+            ((BEST, 400.0), (BEST + "+fp8", 450.0), (BEST + "+gconv", 410.0))]
+    ctx = SimpleNamespace(res=SimpleNamespace(tables={"renderer": rows}, params={}), prof=SimpleNamespace(batch=16))
+    assert X.best_variant(ctx)[0] == BEST + "+gconv"
+    rows[2]["status"] = "failed"
+    assert X.best_variant(ctx)[0] == BEST

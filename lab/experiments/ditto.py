@@ -33,7 +33,7 @@ from lab.experiments import inputs
 from lab.experiments.common import markdown, notebook_path, run_steps
 from lab.progress import step as progress_step
 from lab.experiments.ditto_variants import (AGREEMENT_VARIANTS, CL, FOLD, FULL_VARIANTS, VARIANT_TEXT, VARIANTS,
-                                            _compiles, _graphs, with_renderer, with_techniques)
+                                            _compiles, _graphs, exact, with_renderer, with_techniques)
 from lab.models import ditto as D
 from lab.pipelines import Encode, preset
 from lab.pipelines import ditto as P
@@ -147,16 +147,7 @@ def speech_with_pauses(seconds: float, pauses: tuple[tuple[float, float], ...]) 
     """The bundled sentence at 16 kHz, looped to `seconds`, with digital silence in each (start, end) span."""
     from lab import data
 
-    try:
-        a, sr = data.default_audio(16000)
-    except ImportError:  # a host without soundfile: the bundled file is a plain PCM WAV
-        from scipy.io import wavfile
-
-        from lab.audio import resample
-
-        sr0, pcm = wavfile.read(data.DEFAULT_AUDIO)
-        x = pcm.astype(np.float32) / (32768.0 if pcm.dtype == np.int16 else 1.0)
-        a, sr = resample(x if x.ndim == 1 else x.mean(1), sr0, 16000, backend="torchaudio_cpu"), 16000
+    a, sr = data.default_audio(16000)
     out = np.resize(a, int(seconds * sr)).astype(np.float32)
     for s, e in pauses:
         out[int(s * sr):int(e * sr)] = 0
@@ -321,6 +312,7 @@ def best_variant(ctx: Context) -> tuple[str, int, dict]:
     forced = ctx.res.params.get("renderer")
     if forced:   # headless `--renderer`: the end-to-end rows use this variant without the renderer table
         return forced, ctx.prof.batch, next((r for r in ok if r["variant"] == forced and r["batch"] == ctx.prof.batch), {})
+    ok = [r for r in ok if exact(r["variant"])]   # an approximate variant is never what the exact rows build on
     if not ok:
         return "upstream", ctx.prof.batch, {}
     best = max(ok, key=lambda r: r["fps"])

@@ -39,7 +39,18 @@ VARIANTS = {
     BEST: _variant("fp16", CG, FOLD, PAD, FUSE, FFT, TAP, MIX, LOWSEG, SC),
     "compile+graph+pad8+fuse+fft+tap+mix+cl3d": _variant("fp16", CG, FOLD, PAD, CL3D, FUSE, FFT, TAP, MIX),
     "compile+graph+pad8+fuse+fft+cl": _variant("fp16", CG, FOLD, CL, PAD, FUSE, FFT),
+    BEST + "+gconv": _variant("fp16", CG, FOLD, PAD, FUSE, FFT, TAP, MIX, LOWSEG, SC, "graph_conv"),
+    BEST + "+fp8": _variant("fp16", CG, FOLD, PAD, FUSE, FFT, TAP, MIX, LOWSEG, SC, "fp8_conv"),
 }
+
+
+def exact(name: str) -> bool:
+    """Whether a variant computes upstream's function (every technique of it exact): the others are never the
+    'best' renderer the exact rows build on."""
+    from lab.techniques import registry
+
+    known = registry("ditto")
+    return all(known[t].exact for t in VARIANTS[name]["techniques"])
 
 
 def _compiles(v: dict) -> bool:
@@ -89,6 +100,11 @@ VARIANT_TEXT = {
                                                       "norm's β conv (fin − fout of its channels never computed)",
     "compile+graph+pad8+fuse+fft+tap+mix+cl3d": "the same with the dense motion's 3-D convs channels-last (NDHWC)",
     "compile+graph+pad8+fuse+fft+cl": "compile+graph+pad8+fuse+fft with the decoder's 2-D convs channels-last",
+    BEST + "+gconv": "the exact preset's renderer with the merged decoder's convs as cuDNN graph convs, each block's "
+                     "skip add in its last conv's epilogue (lab.runtime.conv_graphs; the same function)",
+    BEST + "+fp8": "approximate: the exact preset's renderer with the merged decoder's convs in cuDNN FP8, static "
+                   "activation scales (lab.techniques.fp8_static); its PSNR is a bound on the arithmetic with random "
+                   "weights, never the best exact renderer",
 }
 
 
@@ -99,7 +115,7 @@ VARIANT_TEXT = {
 FULL_VARIANTS = ["upstream", "fp16+fold-nchw", "fp16+fold+graph", "fp16+pad8+graph", "fp16+pad8+fuse+graph",
                  "fp16+pad8+fuse+fft+graph", "compile+graph", "compile+graph+pad8+fuse", "compile+graph+pad8+fuse+fft",
                  "compile+graph+pad8+fuse+fft+tap", "compile+graph+pad8+fuse+fft+tap+mix",
-                 "compile+graph+pad8+fuse+fft+tap+mix+lowseg", "compile+graph+pad8+fuse+fft+tap+mix+lowseg+sc"]
+                 "compile+graph+pad8+fuse+fft+tap+mix+lowseg", BEST, BEST + "+gconv", BEST + "+fp8"]
 
 
 # the renderer variants held against upstream's code (lab.parity.ditto.renderer_agreement): upstream's runtime,

@@ -1,20 +1,25 @@
 """FP8 layers with static activation scales, calibrated over a set of calls and rewritten into a network in place.
 
     amax = calibrate(model, batches)          # each layer's input range over every call
-    rows = fp8_rewrite(model, amax)           # in place: those layers as FP8 GEMMs with static scales
+    rows = fp8_rewrite(model, amax)           # in place: those layers as FP8 GEMMs / convs with static scales
     fused_qkv(model, True)                    # a self-attention's q, k, v as one FP8 GEMM
     plain_layers(model)                       # undone: the float layers back, unchanged
 
 Why static: a dynamic activation scale is an amax reduction over each input before its cast, one more pass and a
 dependency per layer, and it measured slower than fp16 on LatentSync's UNet even compiled (0.95×). A static scale
-makes the cast a pointwise op that torch.compile fuses into the producer's kernel (the norm, the GEGLU gate): the
-producer writes FP8 directly, half the bytes of fp16. The price is range: an input louder than the calibration
-saturates (clamped to ±448, never NaN), so the calibration set must span the calls the network sees.
+makes the cast a pointwise op that torch.compile fuses into the producer's kernel (the norm, the GEGLU gate, the
+SPADE modulation): the producer writes FP8 directly, half the bytes of fp16. The price is range: an input louder
+than the calibration saturates (clamped to ±448, never NaN), so the calibration set must span the calls the network
+sees.
+
+Linear layers run `torch._scaled_mm` with one weight scale per tensor (cuBLASLt's FP8 GEMM; per-channel scales take a
+slower row-wise kernel). Convolutions run cuDNN's FP8 convolution (`lab.runtime.cudnn_graph`) with one weight scale
+per output channel: the descale is a vector multiply in the conv's epilogue either way, so it costs nothing.
 
 Each FP8 layer keeps its float layer (unregistered: the state dict is the FP8 one's), so `plain_layers` gives the
 network back exactly as it was, and an engine that keeps one copy of the network per form can move between them.
-On a CPU the FP8 GEMM is emulated in float32 from the FP8 operands (the same numbers, slowly): tests and smoke runs
-see the approximate function the GPU computes.
+On a CPU the FP8 arithmetic is emulated in float32 from the FP8 operands (the same numbers, slowly; convolutions as
+an im2col GEMM): tests and smoke runs see the approximate function the GPU computes.
 """
 from __future__ import annotations
 
@@ -25,20 +30,35 @@ import torch
 from torch import nn
 
 from lab.errors import BackendUnavailable, InputError
+from lab.runtime import cudnn_graph
 from lab.techniques import fp8
 
-SCHEME = "per_tensor"   # one weight scale per tensor: the cuBLASLt FP8 GEMM (per-channel takes a slower row-wise kernel)
+SCHEMES = {nn.Linear: "per_tensor", nn.Conv2d: "per_channel"}   # see the module docstring
 
 
-def emulated(device: torch.device | str) -> bool:
-    """Whether FP8 GEMMs on `device` are emulated (a CPU); a GPU without FP8 tensor cores is refused."""
+def emulated(device: torch.device | str, convs: bool = False) -> bool:
+    """Whether FP8 layers on `device` are emulated (a CPU); a GPU without FP8 tensor cores (or, for `convs`, without
+    cuDNN's FP8 convolutions through the frontend wheel) is refused, naming what is missing."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return True
     ok, why = fp8.fp8_supported(dev)
     if not ok:
-        raise BackendUnavailable(f"FP8 linear layers need FP8 tensor cores: {why}")
+        raise BackendUnavailable(f"FP8 layers need FP8 tensor cores: {why}")
+    if convs:
+        ok, why = cudnn_graph.available(dev, "fp8")
+        if not ok:
+            raise BackendUnavailable(f"FP8 convolutions run on cuDNN's graph API: {why}")
     return False
+
+
+def conv_eligible(conv: nn.Conv2d) -> tuple[bool, str]:
+    """Whether a conv maps onto cuDNN's FP8 convolution: a dense conv with zero padding whose channel counts are
+    multiples of 16 (the FP8 tensor cores' K granularity in the channels-last layout)."""
+    ok, why = fp8.gemm_eligible(conv)
+    if ok and (conv.in_channels % 16 or conv.out_channels % 16):
+        ok, why = False, f"{conv.in_channels} → {conv.out_channels} channels (FP8 convs take multiples of 16)"
+    return ok, why
 
 
 def calibrate(model: nn.Module, batches: Iterable[tuple], types: tuple[type, ...] = (nn.Linear,),
@@ -70,28 +90,34 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], types: tuple[type, ...
     return amax
 
 
-def fp8_rewrite(model: nn.Module, amax: dict[str, float], scheme: str = SCHEME,
-                emulate: bool | None = None) -> list[dict[str, Any]]:
-    """Replace each layer named in `amax` by its FP8 twin (static activation scale amax/448), in place; one row per
-    layer (its shape, amax, weight error, or why it stayed float). Layers already FP8 are left as they are."""
+def fp8_rewrite(model: nn.Module, amax: dict[str, float], emulate: bool | None = None) -> list[dict[str, Any]]:
+    """Replace each Linear / Conv2d named in `amax` by its FP8 twin (static activation scale amax/448), in place; one
+    row per layer (its shape, amax, weight error, or why it stayed float). Layers already FP8 are left as they are."""
     rows: list[dict[str, Any]] = []
     for name, a in amax.items():
         mod = model.get_submodule(name)
         if isinstance(mod, fp8._FP8Layer):
             continue
-        if not isinstance(mod, nn.Linear):
-            raise InputError(f"fp8_rewrite: {name!r} is a {type(mod).__name__}; it rewrites nn.Linear layers")
-        ok, why = fp8.gemm_eligible(mod)
-        row = {"layer": name, "in": mod.in_features, "out": mod.out_features, "amax": a}
+        if not isinstance(mod, tuple(SCHEMES)):
+            raise InputError(f"fp8_rewrite: {name!r} is a {type(mod).__name__}; it rewrites nn.Linear and nn.Conv2d")
+        conv = isinstance(mod, nn.Conv2d)
+        ok, why = conv_eligible(mod) if conv else fp8.gemm_eligible(mod)
+        if type(mod) not in SCHEMES:   # a subclass computes something else around its weight
+            ok, why = False, f"a {type(mod).__name__}, not a plain {'Conv2d' if conv else 'Linear'}"
+        shape = (mod.in_channels, mod.out_channels) if conv else (mod.in_features, mod.out_features)
+        row = {"layer": name, "kind": type(mod).__name__, "in": shape[0], "out": shape[1], "amax": a}
         if not ok:
             rows.append({**row, "fp8": False, "reason": why})
             continue
-        emu = emulated(mod.weight.device) if emulate is None else emulate
-        q = fp8.FP8Linear.from_float(mod, scheme, "gemm", "static", a, emu)
+        emu = emulated(mod.weight.device, conv) if emulate is None else emulate
+        if conv:
+            q = fp8.FP8Conv2d.from_float(mod, SCHEMES[nn.Conv2d], "im2col" if emu else "cudnn", "static", a, emu)
+        else:
+            q = fp8.FP8Linear.from_float(mod, SCHEMES[nn.Linear], "gemm", "static", a, emu)
         object.__setattr__(q, "plain", mod)
         fp8._set_module(model, name, q)
         rel, _ = q.weight_error(mod.weight)
-        rows.append({**row, "fp8": True, "weight_rel_err": rel, "reason": ""})
+        rows.append({**row, "fp8": True, "path": q.path, "weight_rel_err": rel, "reason": ""})
     return rows
 
 
@@ -124,7 +150,7 @@ def fused_qkv(model: nn.Module, on: bool) -> int:
         one = nn.Linear(plain[0].in_features, sum(p.out_features for p in plain), bias=False,
                         device=plain[0].weight.device, dtype=plain[0].weight.dtype)
         one.weight.data = torch.cat([p.weight.data for p in plain])
-        q = fp8.FP8Linear.from_float(one, parts[0].scheme, "gemm", "static",
+        q = fp8.FP8Linear.from_float(one, SCHEMES[nn.Linear], "gemm", "static",
                                      float(parts[0].a_scale) * fp8.E4M3_MAX, parts[0].emulate)
         object.__setattr__(att, "qkv", q)   # unregistered: to_q / to_k / to_v keep the state dict's keys
         n += 1

@@ -31,7 +31,7 @@ CROP_VY = -0.125          # crop centre moved up by this fraction of the side
 LIP_KP = (6, 12, 14, 17, 19, 20)   # keypoints the RMS demo drive moves
 # the techniques that change the renderer's modules (each combination is its own cached copy of warp + decoder)
 RENDERER_TECHNIQUES = ("fold_spectral_norm", "channels_last", "pad_channels", "channels_last_3d", "fuse_spade",
-                       "lowres_seg", "fold_shortcut", "fft_mask", "tap_occlusion", "fused_mix", "graph_conv")
+                       "lowres_seg", "fold_shortcut", "fft_mask", "tap_occlusion", "fused_mix", "graph_conv", "fp8_conv")
 
 _HERE = "lab.pipelines.ditto"
 for _name, _exact, _doc, _req, _conf in (
@@ -65,6 +65,12 @@ for _name, _exact, _doc, _req, _conf in (
      "cores; norms, the guidance mix and the DDIM update in fp32). Approximate.", (), ("motion_tf32x3",)),
 ):
     declare(_name, FAMILY, _exact, _doc, _req, _conf, where=_HERE)
+declare("fp8_conv", FAMILY, False, "The merged SPADE decoder's convolutions as cuDNN FP8 e4m3 convolutions: one weight "
+        "scale per output channel and static activation scales calibrated when the decoder is built (the warp "
+        "network's features for the bundled avatar driven by the bundled sentence), the descale and bias in each "
+        "conv's epilogue; convs off the FP8 shapes (the 3-channel image conv) stay fp16. Approximate. Needs FP8 "
+        "tensor cores and the cuDNN frontend on a GPU; a CPU emulates the FP8 arithmetic.", requires=("fuse_spade",),
+        conflicts=("graph_conv",), where="lab.techniques.fp8_static")
 
 
 @dataclass

@@ -90,8 +90,9 @@ def _module(engine: Engine, name: str, precision: str, switches: tuple[str, ...]
     fold, cl, pad, cl3d = "fold_spectral_norm" in s, "channels_last" in s, "pad_channels" in s, "channels_last_3d" in s
     fuse = "fuse_spade" in s and dec
     lowres, shortcut, graph = fuse and "lowres_seg" in s, fuse and "fold_shortcut" in s, fuse and "graph_conv" in s
+    fp8 = fuse and "fp8_conv" in s
     fft, tap, mix = ("fft_mask" in s and warp), ("tap_occlusion" in s and warp), ("fused_mix" in s and warp)
-    key = ("module", name, precision, fold, cl, pad, cl3d, fuse, lowres, shortcut, graph, tap, mix, fft)
+    key = ("module", name, precision, fold, cl, pad, cl3d, fuse, lowres, shortcut, graph, fp8, tap, mix, fft)
     if key not in engine.variants:
         m = engine.nets[name]
         if fold or precision == "fp16" or cl or pad or cl3d or fuse or fft or tap or mix:
@@ -128,8 +129,47 @@ def _module(engine: Engine, name: str, precision: str, switches: tuple[str, ...]
                 from lab.techniques.graph_conv import graph_spade
 
                 graph_spade(m)
+            if fp8:     # last: the scales are measured on the decoder as it runs
+                _fp8_decoder(engine, m, precision, switches)
         engine.variants[key] = m
     return engine.variants[key]
+
+
+CALIBRATION_FRAMES = 48   # ~2 s of the bundled sentence: closed, opening and open mouths
+
+
+def _fp8_decoder(engine: Engine, dec: torch.nn.Module, precision: str, switches: tuple[str, ...] | frozenset) -> None:
+    """`fp8_conv`: the decoder's convs as FP8 convs (in place), their static scales calibrated on `fp8_calibration`."""
+    from lab.techniques import fp8_static
+
+    if engine.device.type == "cuda" and precision != "fp16":
+        raise InputError(f"fp8_conv runs the decoder's convs in FP8 with fp16 around them: it needs "
+                         f"precision='fp16', got {precision!r}")
+    fp8_static.emulated(engine.device, convs=True)   # BackendUnavailable before any work where FP8 cannot run
+    batches = fp8_calibration(engine, precision, switches)
+    fp8_static.fp8_rewrite(dec, fp8_static.calibrate(dec, batches, types=(torch.nn.Conv2d,)))
+
+
+def fp8_calibration(engine: Engine, precision: str, switches: tuple[str, ...] | frozenset) -> list[tuple[torch.Tensor]]:
+    """The decoder inputs `fp8_conv`'s static scales are measured on: the warp network's features (at `precision`,
+    with the warp techniques of `switches`) for the bundled avatar driven by the bundled sentence, its lips opened by
+    each frame's loudness (`rms_motion`), CALIBRATION_FRAMES frames in renderer batches."""
+    import numpy as np
+
+    from lab import data
+    from lab.pipelines.ditto.avatar import _gather_fs, prepare
+    from lab.pipelines.ditto.stream import driving_keypoints, rms_motion
+
+    avatar = prepare(engine)
+    sentence, _ = data.default_audio(D.AUDIO_SR)
+    src = np.zeros(CALIBRATION_FRAMES, dtype=np.int64)
+    kp_d = driving_keypoints(engine, avatar, rms_motion(engine, avatar, sentence, len(src)), src)
+    warp = _module(engine, "warp_network", precision, tuple(t for t in switches if t != "channels_last"))
+    dt, b = _in_dtype(engine), max(1, engine.cfg.batch_size)
+    kp_s = avatar.kp_s[torch.as_tensor(src, device=avatar.kp_s.device)]
+    with torch.no_grad():
+        return [(warp(_gather_fs(engine, avatar, src[i:i + b]), kp_s[i:i + b].to(dt), kp_d[i:i + b].to(dt)),)
+                for i in range(0, len(src), b)]
 
 
 def stage_fn(engine: Engine, kind: str, batch: int):
