@@ -13,7 +13,10 @@ capture, autotuning).
 
 The report gives each side's median FPS with its min–max, the per-pair ratio B/A (median and spread)
 and the verdict by the rules of lab.claims: B beats A when the median of ≥ 3 paired ratios clears 1
-(or `target`); a switch that changes the batch or the precision is named beside the ratio.
+(or `target`); a switch that changes the batch or the precision is named beside the ratio. Beside the
+speed, how far B's output is from A's: one more untimed run per side, PSNR and SSIM of B's composited
+frames against A's on AGREEMENT_FRAMES frames spread over the run — the quality figure an approximate
+switch is adopted with (on seeded random weights a bound on the arithmetic, and the report says so).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from lab.errors import InputError
 FIXED = ("size", "weights", "seed")          # what the networks were built for: one engine cannot switch these
 SIDE_KEYS = ("preset", "add", "drop")
 BATCH_FIELDS = ("batch_size", "batch", "block")
+AGREEMENT_FRAMES = 16                          # frames of each side's output kept for PSNR / SSIM
 PRECISION_FIELDS = ("dtype", "precision")
 
 
@@ -163,6 +167,7 @@ class ABReport:
     target: float = 1.0
     different_work: str = ""             # the switch changes batch or precision: named beside the ratio
     process: str = field(default_factory=lambda: str(os.getpid()))
+    agreement: dict[str, Any] = field(default_factory=dict)   # B's output vs A's: frames, psnr_db, ssim, random
 
     def side(self, which: str) -> claims.Measurement:
         fps = self.fps_a if which == "A" else self.fps_b
@@ -192,7 +197,16 @@ class ABReport:
         head = (f"**{self.family}: A/B over {len(self.fps_a)} pairs, {self.frames} frames each, on {self.device}**, "
                 f"one engine, runs alternating {' '.join(self.order[:6])}{' …' if len(self.order) > 6 else ''}")
         return "\n\n".join([head, claims.markdown(self.rows(), ("side", "configuration", "FPS")),
-                            f"B beats A (paired ratio ≥ {self.target:g}): {self.verdict.text}"])
+                            f"B beats A (paired ratio ≥ {self.target:g}): {self.verdict.text}"]
+                           + ([self.agreement_text()] if self.agreement else []))
+
+    def agreement_text(self) -> str:
+        g = self.agreement
+        if "error" in g:
+            return f"B's output vs A's: not compared ({g['error']})"
+        bound = "; seeded random weights: a bound on the arithmetic, not a quality finding" if g["random"] else ""
+        return (f"B's output vs A's: PSNR {g['psnr_db']:.2f} dB, SSIM {g['ssim']:.4f} over {g['frames']} of "
+                f"{g['of']} frames (whole composited frames, one untimed run per side){bound}")
 
     def to_dict(self) -> dict[str, Any]:
         a, b, r, v = self.side("A"), self.side("B"), self.ratio, self.verdict
@@ -227,10 +241,11 @@ def _work(cfg_a: Any, cfg_b: Any) -> str:
 def ab(family: str, a: Mapping[str, Any], b: Mapping[str, Any], pairs: int = 5, device: Any = "auto",
        frames: int = 250, *, common: Mapping[str, Any] | None = None, target: float = 1.0, warmup: bool = True,
        source: Any = None, audio: tuple[Any, int] | None = None, api: Any = None,
-       log: Callable[[str], None] | None = None) -> ABReport:
+       log: Callable[[str], None] | None = None, agreement: bool = True) -> ABReport:
     """Run A, B, A, B … `pairs` times on one built engine (reconfigured between runs) and report each side's
     median FPS with its spread, the per-pair ratio B/A and the verdict. `common`: Config values for both
-    sides (e.g. size="tiny"). `api`: an object with `config` and `pipeline` (default lab.pipelines)."""
+    sides (e.g. size="tiny"). `api`: an object with `config` and `pipeline` (default lab.pipelines). `agreement`:
+    after the pairs, one untimed run per side to compare B's output with A's (PSNR, SSIM)."""
     if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < claims.MIN_REPEATS:
         raise InputError(f"pairs must be a whole number ≥ {claims.MIN_REPEATS} (a verdict needs the median of "
                          f"≥ {claims.MIN_REPEATS} repeats), got {pairs!r}")
@@ -285,4 +300,44 @@ def ab(family: str, a: Mapping[str, Any], b: Mapping[str, Any], pairs: int = 5, 
             (rep.wall_a if side == "A" else rep.wall_b).append(wall)
             rep.order.append(side)
             say(f"pair {i + 1}/{pairs} {side}: {r.fps:.1f} FPS")
+    if agreement:
+        kept = {}
+        for side in ("A", "B"):
+            switch(side)
+            say(f"output of {side}: one untimed run, {AGREEMENT_FRAMES} frames kept")
+            kept[side] = _kept_frames(P, engine, avatar, wav, sr, frames)
+        try:
+            rep.agreement = _agreement(kept["A"], kept["B"], getattr(engine, "weights", {}))
+        except InputError as e:   # the timing stands; the outputs cannot be set side by side
+            rep.agreement = {"error": str(e)}
     return rep
+
+
+def _kept_frames(P: Any, engine: Any, avatar: Any, wav: Any, sr: int, frames: int) -> tuple[Any, int]:
+    """One run with a sink that copies AGREEMENT_FRAMES frames spread over the first `frames` (a sink's batch is
+    only valid during the call); also how many frames the run gave."""
+    import numpy as np
+
+    want = set(np.linspace(0, frames - 1, min(AGREEMENT_FRAMES, frames)).round().astype(int).tolist())
+    kept: list[Any] = []
+    seen = 0
+
+    def sink(batch: Any) -> None:
+        nonlocal seen
+        b = np.asarray(batch)
+        kept.extend(np.array(b[j]) for j in range(len(b)) if seen + j in want)
+        seen += len(b)
+
+    P.run(engine, avatar, wav, sr, sink=sink)
+    return (np.stack(kept) if kept else np.zeros((0,), np.uint8)), seen
+
+
+def _agreement(a: tuple[Any, int], b: tuple[Any, int], weights: Mapping[str, Any]) -> dict[str, Any]:
+    from lab import metrics
+
+    (a, n), (b, _) = a, b
+    if a.shape != b.shape or not len(a):
+        raise InputError(f"A's and B's outputs differ in shape ({a.shape} vs {b.shape}): the switch changes what is "
+                         f"rendered, not how; compare their outputs by hand")
+    return {"frames": len(a), "of": n, "psnr_db": metrics.psnr(a, b, data_range=255),
+            "ssim": metrics.ssim(a, b, data_range=255), "random": any("random" in str(v) for v in weights.values())}

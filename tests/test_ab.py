@@ -57,10 +57,21 @@ class FakePipeline:
     def prepare(self, engine, source=None):
         return "avatar"
 
-    def run(self, engine, avatar, audio, sr):
+    def run(self, engine, avatar, audio, sr, sink=None):
+        if sink is not None:   # the agreement run: 25 frames in batches of 4, each side's own picture
+            self.calls.append(("out", engine.cfg.techniques))
+            frames = self.frames(engine.cfg.techniques)
+            for i in range(0, len(frames), 4):
+                sink(frames[i:i + 4])
+            return types.SimpleNamespace(fps=1.0, wall_s=1.0)
         self.calls.append(("run", engine.cfg.techniques))
         fps = self.speeds[engine.cfg.techniques].pop(0)
         return types.SimpleNamespace(fps=fps, wall_s=10.0 / fps)
+
+    def frames(self, techniques):
+        x = np.full((25, 16, 16, 3), 128, np.uint8)
+        x[:, :, :, 0] = np.arange(25)[:, None, None]          # each frame its own red level
+        return x + np.uint8(len(techniques))                   # a technique more: every value one up
 
 
 def _api(pipe):
@@ -163,3 +174,33 @@ def test_cli_ab_refuses_few_pairs(capsys):
 def test_parse_side_keeps_literals_together():
     assert AB.parse_side("upstream frame_size=(256, 256) size=tiny") == {
         "preset": "upstream", "frame_size": (256, 256), "size": "tiny"}
+
+
+def test_the_outputs_of_both_sides_are_compared_on_frames_spread_over_the_run():
+    exact, nofuse = ("fuse", "pad"), ("pad",)
+    pipe = FakePipeline({exact: [1.0, 100, 100, 100], nofuse: [1.0, 99, 98, 97]})
+    rep = _run(pipe, {"preset": "exact"}, {"preset": "exact", "drop": ["fuse"]}, pairs=3)
+    assert [c for c in pipe.calls if c[0] == "out"] == [("out", exact), ("out", nofuse)]   # after the pairs
+    g = rep.agreement
+    assert g["frames"] == AB.AGREEMENT_FRAMES and g["of"] == 25 and not g["random"]
+    assert g["psnr_db"] == pytest.approx(20 * np.log10(255.0))   # every value off by one
+    assert 0.99 < g["ssim"] < 1.0
+    assert "PSNR 48.13 dB" in rep.markdown() and "16 of 25 frames" in rep.markdown()
+    assert "random weights" not in rep.markdown()
+    pipe = FakePipeline({exact: [1.0, 100, 100, 100], nofuse: [1.0, 99, 98, 97]})
+    assert _run(pipe, {"preset": "exact"}, {"preset": "exact", "drop": ["fuse"]}, pairs=3, agreement=False).agreement == {}
+    assert not [c for c in pipe.calls if c[0] == "out"]
+    pipe = FakePipeline({exact: [1.0, 100, 100, 100], nofuse: [1.0, 99, 98, 97]})
+    pipe.frames = lambda t: np.zeros((25, 16 if t == exact else 8, 16, 3), np.uint8)   # B renders another size
+    rep = _run(pipe, {"preset": "exact"}, {"preset": "exact", "drop": ["fuse"]}, pairs=3)
+    assert rep.verdict.outcome and "not compared (A's and B's outputs differ in shape" in rep.markdown()
+
+
+def test_agreement_names_random_weights_and_refuses_outputs_of_other_shapes():
+    a = (np.zeros((4, 16, 16, 3), np.uint8), 10)
+    g = AB._agreement(a, (np.ones((4, 16, 16, 3), np.uint8), 10), {"unet": "random (seed 0)"})
+    assert g["random"] and g["of"] == 10
+    rep = AB.ABReport("fake", "exact", "exact -x", {}, 10, "cpu", agreement=g)
+    assert "seeded random weights: a bound on the arithmetic, not a quality finding" in rep.agreement_text()
+    with pytest.raises(InputError, match="differ in shape"):
+        AB._agreement(a, (np.zeros((4, 8, 8, 3), np.uint8), 10), {})
