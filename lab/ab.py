@@ -34,6 +34,8 @@ FIXED = ("size", "weights", "seed")          # what the networks were built for:
 SIDE_KEYS = ("preset", "add", "drop")
 BATCH_FIELDS = ("batch_size", "batch", "block")
 AGREEMENT_FRAMES = 16                          # frames of each side's output kept for PSNR / SSIM
+# the notebook whose docs page and ledger rows a family's A/B figures join
+FAMILY_NOTEBOOK = {"musetalk": "01_profiling", "ditto": "06_ditto", "latentsync": "07_latentsync"}
 PRECISION_FIELDS = ("dtype", "precision")
 
 
@@ -168,6 +170,7 @@ class ABReport:
     different_work: str = ""             # the switch changes batch or precision: named beside the ratio
     process: str = field(default_factory=lambda: str(os.getpid()))
     agreement: dict[str, Any] = field(default_factory=dict)   # B's output vs A's: frames, psnr_db, ssim, random
+    weights: str = "random"              # the engine's weights, as the ledger writes them
 
     def side(self, which: str) -> claims.Measurement:
         fps = self.fps_a if which == "A" else self.fps_b
@@ -272,6 +275,9 @@ def ab(family: str, a: Mapping[str, Any], b: Mapping[str, Any], pairs: int = 5, 
                    different_work=_work(cfg_a, cfg_b))
     say(f"{family}: building A ({rep.a}) on {device}")
     engine = P.build(cfg_a, device)
+    from lab.ledger import _weights
+
+    rep.weights = _weights(getattr(engine, "weights", {}))
     avatar = P.prepare(engine, source)
     wav, sr = audio if audio is not None else default_audio(frames, float(getattr(cfg_a, "fps", 25.0)))
     current = "A"
@@ -341,3 +347,36 @@ def _agreement(a: tuple[Any, int], b: tuple[Any, int], weights: Mapping[str, Any
                          f"rendered, not how; compare their outputs by hand")
     return {"frames": len(a), "of": n, "psnr_db": metrics.psnr(a, b, data_range=255),
             "ssim": metrics.ssim(a, b, data_range=255), "random": any("random" in str(v) for v in weights.values())}
+
+
+# ------------------------------------------------------------------ the ledger
+
+def ledger_rows(rep: ABReport, command: str) -> list[Any]:
+    """The report as ledger rows of its family's notebook (row "A/B <B> vs <A>"): the paired speed-up with its
+    spread and verdict, each side's FPS, and B's output against A's where it was compared (a bit-equal output
+    is named in the speed-up's note: an infinite PSNR is no figure)."""
+    import datetime as dt
+    import math
+
+    from lab import env
+    from lab import ledger as L
+
+    if rep.family not in FAMILY_NOTEBOOK:
+        raise InputError(f"no notebook holds {rep.family!r}'s figures; families: {sorted(FAMILY_NOTEBOOK)}")
+    base = dict(notebook=FAMILY_NOTEBOOK[rep.family], row=f"A/B {rep.b} vs {rep.a}",
+                commit=L.clean_commit(env.git_commit()), command=command, machine=env.machine_label(),
+                weights=rep.weights, date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    g = rep.agreement
+    same = bool(g) and "error" not in g and math.isinf(g["psnr_db"])
+    rows = []
+    for metric, m, unit, note in (
+            (f"B/A speed-up (paired, {rep.frames} frames)", rep.ratio, "×",
+             f"{rep.verdict.text}{'; B bit-equal to A' if same else ''}; {rep.different_work or 'same batch and precision'}"),
+            ("A FPS", rep.side("A"), "FPS", ""), ("B FPS", rep.side("B"), "FPS", "")):
+        rows.append(L.Row(metric=metric, value=float(m.value), unit=unit, spread=f"{m.lo:.4g}–{m.hi:.4g}",
+                          repeats=len(rep.fps_a), note=note, **base))
+    if g and "error" not in g and not same and math.isfinite(g["psnr_db"]):
+        frames = f"{g['frames']} of {g['of']} frames, one run per side"
+        rows += [L.Row(metric="B vs A PSNR", value=float(g["psnr_db"]), unit="dB", repeats=1, note=frames, **base),
+                 L.Row(metric="B vs A SSIM", value=float(g["ssim"]), repeats=1, note=frames, **base)]
+    return rows

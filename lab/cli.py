@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -106,12 +108,16 @@ def _ab_parser(sub: argparse._SubParsersAction) -> None:
     ab.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a Config value for both sides (e.g. size=tiny)")
     ab.add_argument("--target", type=float, default=1.0, help="the paired ratio B/A that B must clear (default 1)")
     ab.add_argument("--json", default=None, help="also write the report (runs, medians, ratios, verdict) to this JSON file")
+    ab.add_argument("--ledger", default=None, metavar="MACHINE",
+                    help="append the figures to outputs/reference/MACHINE/results.csv with this command (e.g. h200)")
 
 
 def _ab(a: argparse.Namespace) -> int:
     from lab.ab import ab, parse_side
     from lab.results import atomic_write_text
 
+    if a.ledger is not None and not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", a.ledger):
+        raise LabError(f"--ledger {a.ledger!r}: a machine folder name under outputs/reference/ (e.g. h200)")
     common = parse_side(" ".join(a.set))
     if any(k in ("preset", "add", "drop") for k in common):
         raise LabError(f"--set takes FIELD=VALUE pairs only, got {' '.join(a.set)!r}")
@@ -120,6 +126,12 @@ def _ab(a: argparse.Namespace) -> int:
     print(rep.markdown())
     if a.json:
         atomic_write_text(a.json, json.dumps(rep.to_dict(), indent=2, default=str) + "\n", overwrite=True)
+    if a.ledger:
+        from lab import ledger as L
+        from lab.ab import ledger_rows
+
+        rows = ledger_rows(rep, " ".join(["lab"] + [shlex.quote(x) for x in sys.argv[1:]]))
+        print(f"ledger: {len(rows)} rows → {L.append(L.ledger_path(a.ledger), rows)}", file=sys.stderr)
     return 0
 
 

@@ -204,3 +204,35 @@ def test_agreement_names_random_weights_and_refuses_outputs_of_other_shapes():
     assert "seeded random weights: a bound on the arithmetic, not a quality finding" in rep.agreement_text()
     with pytest.raises(InputError, match="differ in shape"):
         AB._agreement(a, (np.zeros((4, 8, 8, 3), np.uint8), 10), {})
+
+
+def test_ledger_rows_carry_the_ratio_each_side_and_the_output_drift_of_a_family_notebook(tmp_path):
+    from lab import ledger as L
+
+    exact, nofuse = ("fuse", "pad"), ("pad",)
+    pipe = FakePipeline({exact: [1.0, 100, 100, 100], nofuse: [1.0, 90, 95, 80]})
+    rep = _run(pipe, {"preset": "exact"}, {"preset": "exact", "drop": ["fuse"]}, pairs=3)
+    rep.family = "ditto"
+    rows = AB.ledger_rows(rep, "lab ab ditto --b 'exact -fuse'")
+    by = {r.metric: r for r in rows}
+    assert {r.notebook for r in rows} == {"06_ditto"} and {r.row for r in rows} == {"A/B exact −fuse vs exact"}
+    up = by["B/A speed-up (paired, 25 frames)"]
+    assert up.value == pytest.approx(0.9) and up.unit == "×" and up.spread == "0.8–0.95" and up.repeats == 3
+    assert up.note.startswith("not met") and by["B FPS"].value == 90 and by["A FPS"].spread == "100–100"
+    assert by["B vs A PSNR"].value == pytest.approx(48.13, abs=0.01) and by["B vs A PSNR"].unit == "dB"
+    assert all(r.command == "lab ab ditto --b 'exact -fuse'" and r.date for r in rows)
+    path = L.append(tmp_path / "results.csv", rows)
+    assert L.read(path) == rows                                   # the ledger reads them back as written
+    rep.agreement = {**rep.agreement, "psnr_db": float("inf"), "ssim": 1.0}   # bit-equal: named, not a figure
+    rows = AB.ledger_rows(rep, "lab ab")
+    assert "B vs A PSNR" not in {r.metric for r in rows} and "B bit-equal to A" in rows[0].note
+    rep.family = "fake"
+    with pytest.raises(InputError, match="no notebook holds 'fake'"):
+        AB.ledger_rows(rep, "lab ab")
+
+
+def test_cli_ab_refuses_a_ledger_name_that_is_no_machine_folder(capsys):
+    from lab.cli import main
+
+    assert main(["ab", "ditto", "--b", "upstream", "--device", "cpu", "--ledger", "../x"]) == 2
+    assert "a machine folder name under outputs/reference/" in capsys.readouterr().err
