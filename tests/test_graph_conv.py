@@ -170,3 +170,54 @@ def test_a_cuda_module_without_the_backend_is_refused_at_the_rewrite(monkeypatch
     with pytest.raises(BackendUnavailable, match="nvidia-cudnn-frontend"):
         gc.graph_spade(OnGpu())
     gc.require_for(nn.Conv2d(8, 8, 1))          # on the CPU: nothing to check
+
+
+def test_latentsync_resnet_blocks_hand_their_skip_to_a_graph_conv(monkeypatch):
+    """LatentSync's ResnetBlock3D gives its skip to a conv2 that adds residuals in its epilogue (fp16: the graph
+    op's torch fallback runs here), and computes the same block (bit-equal in fp32)."""
+    from lab.models.latentsync import ResnetBlock3D, tiny_config
+
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    blk = ResnetBlock3D(32, 64, cfg).eval()
+    x, temb = torch.randn(4, 32, 8, 8), torch.randn(2, cfg.time_dim)
+    with torch.no_grad():
+        ref = blk(x, temb, 2)
+    g = copy.deepcopy(blk)
+    rows = gc.graph_convs(g)
+    assert {r["module"] for r in rows if r["became"] == "GraphConv2d"} == {"conv1", "conv2", "conv_shortcut"}
+    with torch.no_grad():
+        assert torch.equal(g(x, temb, 2), ref)
+    g.half()
+    specs = []
+    real = cudnn_graph.conv2d
+    monkeypatch.setattr(cudnn_graph, "conv2d", lambda x, w, spec, **kw: specs.append(spec.epilogue) or real(x, w, spec, **kw))
+    with torch.no_grad():
+        got = g(x.half(), temb.half(), 2).float()
+    assert specs == [("bias",), ("bias",), ("bias", "add")]      # conv1, the shortcut, conv2 with the skip
+    assert float((got - ref).abs().max()) < 2e-2 * float(ref.abs().max())
+
+
+def test_latentsync_engine_switches_graph_convs_on_the_unet_and_the_vae():
+    from lab.pipelines.latentsync import engine as E
+    from lab.pipelines.latentsync.config import Config
+
+    assert registry("latentsync")["graph_conv"].exact
+    eng = E.build(Config(size="tiny", block=4))
+    ex = E.sampling.guided_example(eng.unet.model, 4, (8, 8), "cpu", eng.dtype, seed=5)
+    with torch.no_grad():
+        ref = eng.unet.model(*ex).clone()
+    g = E.reconfigure(eng, techniques=("graph_conv",))
+    assert g.unet.model is not eng.unet.model                    # a copy of the networks for this form
+    assert sum(isinstance(m, gc.GraphConv2d) for m in g.unet.model.modules()) > 10
+    assert sum(isinstance(m, gc.GraphResnet) for m in g.vae.model.modules()) > 0
+    assert g.built_for["vae"][-1] is True                         # the VAE's runners are rebuilt for the switch
+    with torch.no_grad():
+        assert torch.equal(g.unet.model(*ex), ref)
+    first = E.build(Config(size="tiny", block=4, techniques=("graph_conv",)))   # built graphed, then undone
+    back = E.reconfigure(first, techniques=())
+    assert back.unet.model is not first.unet.model
+    assert not any(isinstance(m, (gc.GraphConv2d, gc.GraphResnet)) for n in (back.unet.model, back.vae.model)
+                   for m in n.modules())
+    with torch.no_grad():
+        assert torch.equal(back.unet.model(*ex), ref)

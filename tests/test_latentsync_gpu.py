@@ -213,3 +213,25 @@ def test_fp8_linear_runs_true_fp8_gemms_compiled_in_the_graph_runner():
         out = q.unet_fn(*ex).float()
     assert 0.99 < cosine(eager, ref) < 1.0
     assert cosine(out, eager) > 0.9999
+
+
+def test_graph_conv_runner_computes_the_exact_runner_and_builds_every_graph():
+    """`graph_conv` on the GPU: the UNet's convs and ResNet skips as cuDNN graphs inside the compiled CUDA-graph
+    runner (none fell back to torch), the same function as the exact runner to fp16 rounding."""
+    from lab.pipelines import latentsync as P
+    from lab.pipelines.latentsync.config import EXACT_TECHNIQUES
+    from lab.runtime import cudnn_graph
+
+    ok, why = cudnn_graph.available("cuda", "fp16")
+    if not ok:
+        pytest.skip(why)
+    eng = P.build(P.Config(size="tiny", mode="ddim2", block=16, techniques=EXACT_TECHNIQUES), "cuda")
+    ex = sampling.guided_example(eng.unet.model, 16, (8, 8), "cuda", torch.float16, seed=3)
+    with torch.inference_mode():
+        ref = P.eager_unet(eng)(*ex).float()
+    cudnn_graph.NOTES.clear()
+    g = P.reconfigure(eng, techniques=EXACT_TECHNIQUES + ("graph_conv",), runtime="compile+graph")
+    with torch.inference_mode():
+        out = g.unet_fn(*ex).float()
+    assert cudnn_graph.notes() == []
+    assert cosine(out, ref) > 0.9999

@@ -134,10 +134,10 @@ class ResnetBlock3D(nn.Module):
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, frames: int) -> torch.Tensor:
         h = self.conv1(self.nonlinearity(self.norm1(x, frames)))
-        # temb is (B, T): one embedding per batch item, added to each of its frames inside norm2
-        t = self.time_emb_proj(F.silu(temb))
-        h = self.conv2(self.nonlinearity(self.norm2(h, frames, t)))
-        return (x if self.conv_shortcut is None else self.conv_shortcut(x)) + h
+        t = self.time_emb_proj(F.silu(temb))   # (B, T): one per batch item, added to each of its frames inside norm2
+        h, skip = self.nonlinearity(self.norm2(h, frames, t)), x if self.conv_shortcut is None else self.conv_shortcut(x)
+        # a conv that adds a residual in its own epilogue (lab.runtime.conv_graphs) takes the skip: one pass less
+        return self.conv2(h, residual=skip) if getattr(self.conv2, "adds_residual", False) else skip + self.conv2(h)
 
 
 SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")

@@ -40,6 +40,8 @@ def eligible(conv: nn.Module) -> tuple[bool, str]:
 class GraphConv2d(nn.Module):
     """A Conv2d (the same parameters, shared) whose bias and optional residual add run in its epilogue."""
 
+    adds_residual = True   # a block that checks for it hands its skip to the conv (LatentSync's ResnetBlock3D)
+
     def __init__(self, conv: nn.Conv2d):
         super().__init__()
         ok, why = eligible(conv)

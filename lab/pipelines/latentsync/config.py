@@ -28,6 +28,10 @@ declare("pdl", FAMILY, True, "The loop runner's Triton kernels (inductor's and t
         where="lab.runtime.pdl")
 declare("cache_encodes", FAMILY, True, "Both VAE encodes of a source frame kept (the posterior's mean and std) when the "
         "video loops under longer audio; the posterior sample is drawn as before.", where=f"{HERE}.stream.encode")
+declare("graph_conv", FAMILY, True, "Every plain conv of the UNet and the SD-VAE as a cuDNN graph conv (plans timed per "
+        "shape, the bias in the fp32 epilogue) and each ResNet block's skip added in its second conv's epilogue: the "
+        "block's output written once. Exact up to fp16 rounding; needs the cuDNN frontend on a GPU (a CPU runs the "
+        "torch ops).", where="lab.runtime.conv_graphs")
 declare("fp8_linear", FAMILY, False, "The UNet's Linear layers (attention projections, GEGLU, the motion modules' "
         "projections) as FP8 e4m3 GEMMs (torch._scaled_mm, one weight scale per tensor) with static activation scales "
         "calibrated when the engine is built (guided calls spread over the schedule, the bundled sentence through the "

@@ -20,10 +20,10 @@ from lab.techniques import check as check_techniques
 
 # the techniques that change what the UNet's runner computes with (a change rebuilds it)
 UNET_TECHNIQUES = ("channels_last", "guided_shortcuts", "fused_qkv", "fused_norms", "folded_upsamplers", "pdl",
-                   "triton_temporal_attention", "fp8_linear")
+                   "triton_temporal_attention", "fp8_linear", "graph_conv")
 # the techniques that rewrite the networks themselves (memory format, modules, kernels)
 NETWORK_TECHNIQUES = ("channels_last", "fused_qkv", "fused_norms", "folded_upsamplers", "triton_temporal_attention",
-                      "fp8_linear")
+                      "fp8_linear", "graph_conv")
 # the timesteps an FP8 engine's static activation scales are calibrated at: spread over the 1000-step schedule, so
 # each layer's range covers the whole denoising (a range the calibration never saw saturates)
 CALIBRATION_STEPS = (981, 741, 501, 261, 21)
@@ -152,12 +152,16 @@ def _channels_last(m: torch.nn.Module) -> bool:
 def _apply_model(engine: Engine) -> None:
     """The networks rewritten to the techniques (each idempotent: one already on or off is left as it is)."""
     from lab.models.latentsync import fuse_qkv, set_attention_kernels
+    from lab.runtime import conv_graphs
     from lab.techniques import block_norm, fp8_static, nearest_conv, short_attention
 
     cfg, model = engine.cfg, engine.unet.model
-    fp8 = _has(cfg, "fp8_linear")
+    fp8, graph = _has(cfg, "fp8_linear"), _has(cfg, "graph_conv")
     if not fp8:
         fp8_static.plain_layers(model)
+    if not graph:   # undone first, applied last: the other rewrites see plain convs
+        for net in (model, engine.vae.model):
+            conv_graphs.plain_convs(net)
     cl = _has(cfg, "channels_last")
     for net in (model, engine.vae.model):
         if _channels_last(net) != cl:
@@ -180,6 +184,9 @@ def _apply_model(engine: Engine) -> None:
         fp8_static.fp8_rewrite(model, fp8_static.calibrate(model, fp8_calibration(engine)))
     if fp8:
         fp8_static.fused_qkv(model, _has(cfg, "fused_qkv"))
+    if graph:   # idempotent: only convs still plain are swapped
+        for net in (model, engine.vae.model):
+            conv_graphs.graph_convs(net)
 
 
 def fp8_calibration(engine: Engine) -> list[tuple[torch.Tensor, ...]]:
@@ -210,7 +217,8 @@ def _unet_key(cfg: Config) -> tuple:
 
 
 def _vae_key(cfg: Config) -> tuple:
-    return (cfg.runtime if _has(cfg, "vae_runtime") else "eager", cfg.block, _has(cfg, "channels_last"))
+    return (cfg.runtime if _has(cfg, "vae_runtime") else "eager", cfg.block, _has(cfg, "channels_last"),
+            _has(cfg, "graph_conv"))
 
 
 def _configure(engine: Engine, runners: dict[str, Any] | None = None) -> Engine:
