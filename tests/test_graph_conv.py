@@ -152,6 +152,13 @@ def test_ditto_engine_switches_graph_convs_on_the_merged_decoder():
     with pytest.raises(InputError, match="fuse_spade"):
         check("ditto", ("fold_spectral_norm", "graph_conv"))
     assert "graph_conv" in ditto.config.RENDERER_TECHNIQUES
+    from lab.pipelines.ditto.engine import _module
+
+    eng = ditto.build(ditto.Config(size="tiny", precision="fp32", batch_size=2, frame_size=(128, 192)), "cpu")
+    on = ("fold_spectral_norm", "fuse_spade", "graph_conv")
+    assert not _module(eng, "decoder", "fp32", on).fc.weight.is_contiguous(memory_format=torch.channels_last)
+    eng.device = torch.device("cuda")      # as a GPU engine decides it: the graphs take NHWC operands
+    assert _module(eng, "decoder", "fp32", on).fc.weight.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_a_cuda_module_without_the_backend_is_refused_at_the_rewrite(monkeypatch):

@@ -29,8 +29,8 @@ def graph_convs(module: nn.Module) -> list[dict[str, Any]]:
 
 @technique("graph_conv", family="ditto", exact=True, requires=("fuse_spade",),
            doc="The merged SPADE decoder's convs as cuDNN graph-API fp16 convs (plans timed per shape), each block's "
-               "skip add (and a folded shortcut's β) in its last conv's epilogue (the same function up to fp16 "
-               "rounding; the torch ops off CUDA or in fp32).")
+               "skip add (and a folded shortcut's β) in its last conv's epilogue, on a GPU the decoder channels-last (the graphs "
+               "take NHWC operands); the same function up to fp16 rounding (the torch ops off CUDA or in fp32).")
 def graph_spade(decoder: nn.Module) -> list[dict[str, Any]]:
     """In place on a FusedSPADEDecoder (lab.techniques.spade_fuse): every eligible conv of its blocks a GraphConv2d,
     and a block whose conv_1 (and conv_s, if its shortcut is folded) became one adds its skip there."""

@@ -91,6 +91,9 @@ def _module(engine: Engine, name: str, precision: str, switches: tuple[str, ...]
     fuse = "fuse_spade" in s and dec
     lowres, shortcut, graph = fuse and "lowres_seg" in s, fuse and "fold_shortcut" in s, fuse and "graph_conv" in s
     fp8 = fuse and "fp8_conv" in s
+    # on a GPU the graph and FP8 convs take NHWC operands (else a transposing copy around each conv); a CPU runs the
+    # torch ops, where the layout only changes the rounding
+    cl = cl or (graph or fp8) and engine.device.type == "cuda"
     fft, tap, mix = ("fft_mask" in s and warp), ("tap_occlusion" in s and warp), ("fused_mix" in s and warp)
     key = ("module", name, precision, fold, cl, pad, cl3d, fuse, lowres, shortcut, graph, fp8, tap, mix, fft)
     if key not in engine.variants:
