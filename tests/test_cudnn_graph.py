@@ -333,3 +333,22 @@ def test_plan_choices_round_trip_through_the_engine_cache(tmp_path, monkeypatch)
     assert C.cache_dir() == tmp_path
     monkeypatch.delenv("LAB_CUDNN_CACHE")
     assert C.cache_dir().name == "engine_cache"
+
+
+@pytest.mark.gpu
+def test_a_second_build_on_the_gpu_takes_the_stored_plan_and_computes_the_same(tmp_path, monkeypatch):
+    _gpu()
+    monkeypatch.setenv("LAB_CUDNN_CACHE", str(tmp_path))
+    dev, cl = torch.device("cuda"), torch.channels_last
+    spec = C.ConvSpec.of((1, 1), epilogue=("bias", "add"))
+    xs, ws = (4, 64, 32, 32), (64, 64, 3, 3)
+    first = C.ConvGraph(spec, xs, ws, dev)
+    assert not first.cached and len(first.timings) > 1 and list(tmp_path.glob("*.plan"))
+    second = C.ConvGraph(spec, xs, ws, dev)           # a later process: only the stored plan is built
+    assert second.cached and (second.plan, second.plan_name) == (first.plan, first.plan_name)
+    assert second.timings == []
+    x = torch.randn(xs, device=dev, dtype=torch.float16).contiguous(memory_format=cl)
+    w = (torch.randn(ws, device=dev, dtype=torch.float16) * 0.05).contiguous(memory_format=cl)
+    extras = [torch.randn(1, 64, 1, 1, device=dev, dtype=torch.float16),
+              torch.randn(xs, device=dev, dtype=torch.float16).contiguous(memory_format=cl)]
+    torch.testing.assert_close(second(x, w, extras), first(x, w, extras), atol=0, rtol=0)
