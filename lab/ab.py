@@ -171,6 +171,7 @@ class ABReport:
     process: str = field(default_factory=lambda: str(os.getpid()))
     agreement: dict[str, Any] = field(default_factory=dict)   # B's output vs A's: frames, psnr_db, ssim, random
     weights: str = "random"              # the engine's weights, as the ledger writes them
+    machine: str = ""                    # the GPU (or CPU) it ran on, as lab.env names it
 
     def side(self, which: str) -> claims.Measurement:
         fps = self.fps_a if which == "A" else self.fps_b
@@ -197,8 +198,9 @@ class ABReport:
                  "FPS": r.text()}]
 
     def markdown(self) -> str:
-        head = (f"**{self.family}: A/B over {len(self.fps_a)} pairs, {self.frames} frames each, on {self.device}**, "
-                f"one engine, runs alternating {' '.join(self.order[:6])}{' …' if len(self.order) > 6 else ''}")
+        on = f"{self.device}, {self.machine}" if self.machine else self.device
+        head = (f"**{self.family}: A/B over {len(self.fps_a)} pairs, {self.frames} frames each, on {on}, {self.weights} "
+                f"weights**, one engine, runs alternating {' '.join(self.order[:6])}{' …' if len(self.order) > 6 else ''}")
         return "\n\n".join([head, claims.markdown(self.rows(), ("side", "configuration", "FPS")),
                             f"B beats A (paired ratio ≥ {self.target:g}): {self.verdict.text}"]
                            + ([self.agreement_text()] if self.agreement else []))
@@ -275,9 +277,10 @@ def ab(family: str, a: Mapping[str, Any], b: Mapping[str, Any], pairs: int = 5, 
                    different_work=_work(cfg_a, cfg_b))
     say(f"{family}: building A ({rep.a}) on {device}")
     engine = P.build(cfg_a, device)
-    from lab.ledger import _weights
+    from lab.env import machine_label
+    from lab.ledger import weights_text
 
-    rep.weights = _weights(getattr(engine, "weights", {}))
+    rep.weights, rep.machine = weights_text(getattr(engine, "weights", {})), machine_label()
     avatar = P.prepare(engine, source)
     wav, sr = audio if audio is not None else default_audio(frames, float(getattr(cfg_a, "fps", 25.0)))
     current = "A"
@@ -364,7 +367,7 @@ def ledger_rows(rep: ABReport, command: str) -> list[Any]:
     if rep.family not in FAMILY_NOTEBOOK:
         raise InputError(f"no notebook holds {rep.family!r}'s figures; families: {sorted(FAMILY_NOTEBOOK)}")
     base = dict(notebook=FAMILY_NOTEBOOK[rep.family], row=f"A/B {rep.b} vs {rep.a}",
-                commit=L.clean_commit(env.git_commit()), command=command, machine=env.machine_label(),
+                commit=L.clean_commit(env.git_commit()), command=command, machine=rep.machine or env.machine_label(),
                 weights=rep.weights, date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     g = rep.agreement
     same = bool(g) and "error" not in g and math.isinf(g["psnr_db"])

@@ -353,7 +353,8 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}" if abs(x) < 1000 else f"{x:.1f}"
 
 
-def _weights(w: dict[str, str]) -> str:
+def weights_text(w: dict[str, str]) -> str:
+    """A run's weights for the ledger's column: "random" when every network was seeded, else their sources."""
     vals = {str(v).split(" ")[0] for v in (w or {}).values()}
     if not vals:
         return "none"
@@ -377,7 +378,7 @@ def rows_from_result(res: dict, notebook: str, command: str, note: str = "", mac
     ("#2 <name>") become the row name with the figure as its metric."""
     prov = res.get("provenance") or {}
     base = dict(notebook=notebook, commit=clean_commit(prov.get("git_commit")) or commit,
-                command=command, machine=prov.get("machine") or machine, weights=_weights(res.get("weights")),
+                command=command, machine=prov.get("machine") or machine, weights=weights_text(res.get("weights")),
                 date=_iso(prov.get("time_utc")) or date)
     preset = (res.get("params") or {}).get("preset")
     variant = _variant(notebook, res.get("params") or {})

@@ -187,6 +187,7 @@ def test_the_outputs_of_both_sides_are_compared_on_frames_spread_over_the_run():
     assert 0.99 < g["ssim"] < 1.0
     assert "PSNR 48.13 dB" in rep.markdown() and "16 of 25 frames" in rep.markdown()
     assert "random weights" not in rep.markdown()
+    assert rep.machine and f"on cpu, {rep.machine}, none weights" in rep.markdown()   # which machine, which weights
     pipe = FakePipeline({exact: [1.0, 100, 100, 100], nofuse: [1.0, 99, 98, 97]})
     assert _run(pipe, {"preset": "exact"}, {"preset": "exact", "drop": ["fuse"]}, pairs=3, agreement=False).agreement == {}
     assert not [c for c in pipe.calls if c[0] == "out"]

@@ -170,6 +170,8 @@ def test_notebook_step_compares_static_and_dynamic_scales_and_says_when_fp8_is_m
     rows = L.fp8_linear(ctx)
     assert [r["variant"].split(",")[0] for r in rows[:3]] == ["eager fp32", "FP8 linear layers", "FP8 linear layers"]
     assert "static activation scales (fp8_linear)" in rows[1]["variant"] and "dynamic" in rows[2]["variant"]
+    n_linear = sum(isinstance(m, nn.Linear) for m in ctx.engine.unet.model.modules())
+    assert f"(fp8_linear), {n_linear} layers" in rows[1]["variant"]
     assert all(r["status"] == "ok" and r["ms_per_step"] > 0 for r in rows[:3]) and rows[0]["speedup"] == 1.0
     assert 0.99 < rows[1]["cosine_vs_eager"] < 1.0
     assert rows[3]["status"].startswith("skipped: no compiled exact runner")

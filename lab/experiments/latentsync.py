@@ -701,13 +701,13 @@ def fp8_linear(ctx: Context) -> list[dict]:
         model = fuse_qkv(eng.unet.model, False)  # the copies' Linear layers must be the ones called
         ex = sampling.guided_example(model, prof.block, (eng.cfg.face // 8,) * 2, ctx.dev, eng.dtype, seed=ctx.seed)
         static = copy.deepcopy(model)
-        fp8_static.fp8_rewrite(static, fp8_static.calibrate(model, fp8_calibration(eng)))
+        s = fp8_static.summary(fp8_static.fp8_rewrite(static, fp8_static.calibrate(model, fp8_calibration(eng))))
         dynamic, report = fp8.quantize_module(model, types=(torch.nn.Linear,), calibration=ex, mode="scaled_mm",
                                               skip=None, activation="dynamic", tune=False)
         with torch.inference_mode():
             ref = model(*ex).float()
         rows = []
-        for label, q in ((f"eager {prof.dtype}", model), ("static activation scales (fp8_linear)", static),
+        for label, q in ((f"eager {prof.dtype}", model), (f"static activation scales (fp8_linear), {s['fp8_layers']} layers", static),
                          (f"dynamic activation scales, {report.n_layers} layers", dynamic)):
             with torch.inference_mode():
                 out = q(*ex).float()

@@ -68,9 +68,9 @@ for _name, _exact, _doc, _req, _conf in (
 declare("fp8_conv", FAMILY, False, "The merged SPADE decoder's convolutions as cuDNN FP8 e4m3 convolutions: one weight "
         "scale per output channel and static activation scales calibrated when the decoder is built (the warp "
         "network's features for the bundled avatar driven by the bundled sentence), the descale and bias in each "
-        "conv's epilogue, on a GPU the decoder channels-last (NHWC operands); convs off the FP8 shapes (the image conv) stay "
-        "fp16. Approximate. Needs FP8 "
-        "tensor cores and the cuDNN frontend on a GPU; a CPU emulates the FP8 arithmetic.", requires=("fuse_spade",),
+        "conv's epilogue, on a GPU the decoder channels-last (NHWC operands); convs off the FP8 shapes (the image "
+        "conv) stay fp16. Approximate. Needs FP8 tensor cores and the cuDNN frontend on a GPU; a CPU emulates the FP8 "
+        "arithmetic.", requires=("fuse_spade",),
         conflicts=("graph_conv",), where="lab.techniques.fp8_static")
 
 
