@@ -45,7 +45,7 @@ def sweep_rows(folder: str | Path) -> list[L.Row]:
         row = f"sweep {nb[:2]} " + ", ".join(f"{k}={v}" for k, v in p["params"].items())
         base = dict(notebook=NOTEBOOK, row=row, commit=L.clean_commit(p.get("commit") or rec.get("commit")),
                     command=rec.get("command") or f"lab sweep {nb[:2]} (command not recorded)",
-                    machine=p.get("gpu_name") or p.get("machine") or "", weights=L._weights(p.get("weights") or {}),
+                    machine=p.get("gpu_name") or p.get("machine") or "", weights=L.weights_text(p.get("weights") or {}),
                     date=p.get("finished") or rec.get("updated", ""), repeats=1)
         figs = [(k, L.parse_figure(k, v)) for k, v in (p.get("headline") or {}).items()
                 if k.lower() not in L.SKIP_KEYS]
