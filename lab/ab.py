@@ -172,6 +172,7 @@ class ABReport:
     agreement: dict[str, Any] = field(default_factory=dict)   # B's output vs A's: frames, psnr_db, ssim, random
     weights: str = "random"              # the engine's weights, as the ledger writes them
     machine: str = ""                    # the GPU (or CPU) it ran on, as lab.env names it
+    notes: dict[str, list[str]] = field(default_factory=dict)   # side → its runs' notes (layers left as they were)
 
     def side(self, which: str) -> claims.Measurement:
         fps = self.fps_a if which == "A" else self.fps_b
@@ -203,7 +204,9 @@ class ABReport:
                 f"weights**, one engine, runs alternating {' '.join(self.order[:6])}{' …' if len(self.order) > 6 else ''}")
         return "\n\n".join([head, claims.markdown(self.rows(), ("side", "configuration", "FPS")),
                             f"B beats A (paired ratio ≥ {self.target:g}): {self.verdict.text}"]
-                           + ([self.agreement_text()] if self.agreement else []))
+                           + ([self.agreement_text()] if self.agreement else [])
+                           + [f"{side}'s notes:\n" + "\n".join(f"- {n}" for n in lines)
+                              for side, lines in self.notes.items() if lines])
 
     def agreement_text(self) -> str:
         g = self.agreement
@@ -308,6 +311,7 @@ def ab(family: str, a: Mapping[str, Any], b: Mapping[str, Any], pairs: int = 5, 
             (rep.fps_a if side == "A" else rep.fps_b).append(float(r.fps))
             (rep.wall_a if side == "A" else rep.wall_b).append(wall)
             rep.order.append(side)
+            rep.notes[side] = list(getattr(r, "notes", []))
             say(f"pair {i + 1}/{pairs} {side}: {r.fps:.1f} FPS")
     if agreement:
         kept = {}

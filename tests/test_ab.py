@@ -66,7 +66,8 @@ class FakePipeline:
             return types.SimpleNamespace(fps=1.0, wall_s=1.0)
         self.calls.append(("run", engine.cfg.techniques))
         fps = self.speeds[engine.cfg.techniques].pop(0)
-        return types.SimpleNamespace(fps=fps, wall_s=10.0 / fps)
+        notes = ["fuse: 1 layer left as it was (out): 3 channels"] if "fuse" in engine.cfg.techniques else []
+        return types.SimpleNamespace(fps=fps, wall_s=10.0 / fps, notes=notes)
 
     def frames(self, techniques):
         x = np.full((25, 16, 16, 3), 128, np.uint8)
@@ -117,6 +118,7 @@ def test_medians_spread_paired_ratio_and_verdict():
     assert rep.verdict.met and rep.verdict.outcome == "met"
     text = rep.markdown()
     assert "100 FPS (median of 5, 90–110)" in text and "50 FPS (median of 5, 40–60)" in text and "met:" in text
+    assert "B's notes:\n- fuse: 1 layer left as it was (out): 3 channels" in text and "A's notes" not in text
     d = json.loads(json.dumps(rep.to_dict(), default=str))
     assert d["verdict"]["outcome"] == "met" and d["A"]["median_fps"] == 50
 

@@ -244,6 +244,7 @@ def test_ditto_fp8_conv_runs_the_decoder_convs_in_fp8_calibrated_on_the_warped_f
     twins = [m for m in decs[0].modules() if isinstance(m, fp8.FP8Conv2d)]
     assert twins and all(t.activation == "static" and t.scheme == "per_channel" and t.emulate for t in twins)
     assert type(decs[0].conv_img[0]) is nn.Conv2d                  # 12 output channels: not an FP8 shape
+    assert any(n.startswith("fp8_conv: ") and "conv_img.0" in n for n in rep.notes) and not ref.notes
     p = psnr(rep.faces.float() / 255, ref.faces.float() / 255)
     assert 20 < p < 100                                             # approximate (random weights: a bound, no finding)
     calls = fp8_calibration(engine, "fp32", ())

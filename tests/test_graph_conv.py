@@ -105,7 +105,11 @@ def test_pipeline_switch_same_frames_and_back():
     unfused = mt.reconfigure(built, techniques=("fused_norm",))   # a graphed build, its copy made plain then fused
     assert not any(isinstance(m, gc.GraphConv2d) for m in unfused.decoder.modules())
     audio = (0.1 * np.random.default_rng(0).standard_normal(24000)).astype(np.float32)
-    assert mt.run(on, av, audio, 24000, n_frames=8).n_frames == 8
+    rep = mt.run(on, av, audio, 24000, n_frames=8)
+    assert rep.n_frames == 8
+    # the decoder's first and last convs (4 and 3 channels) stay torch convs, and the run says so
+    assert any(n.startswith("graph_conv: ") and "conv_out" in n and "VAE decoder" in n for n in rep.notes)
+    assert not mt.run(e, av, audio, 24000, n_frames=8).notes
 
 
 def _fused_ditto_decoder(fold_shortcut: bool):
@@ -219,6 +223,8 @@ def test_latentsync_engine_switches_graph_convs_on_the_unet_and_the_vae():
     assert sum(isinstance(m, gc.GraphConv2d) for m in g.unet.model.modules()) > 10
     assert sum(isinstance(m, gc.GraphResnet) for m in g.vae.model.modules()) > 0
     assert g.built_for["vae"][-1] is True                         # the VAE's runners are rebuilt for the switch
+    said = " ".join(g.notes["graph_conv"])
+    assert "of the UNet" in said and "of the SD-VAE" in said and "conv_out" in said
     with torch.no_grad():
         assert torch.equal(g.unet.model(*ex), ref)
     first = E.build(Config(size="tiny", block=4, techniques=("graph_conv",)))   # built graphed, then undone
@@ -228,3 +234,29 @@ def test_latentsync_engine_switches_graph_convs_on_the_unet_and_the_vae():
                    for m in n.modules())
     with torch.no_grad():
         assert torch.equal(back.unet.model(*ex), ref)
+
+
+def test_a_run_notes_the_layers_a_technique_left_and_the_shapes_cudnn_declined(monkeypatch):
+    import sys
+
+    from lab.pipelines import engine_notes
+    from lab.runtime import cudnn_graph
+    from lab.techniques import left_as_is
+
+    rows = [{"module": "a", "became": "GraphConv2d", "reason": ""},
+            {"module": "conv_in", "became": "", "reason": "4 → 64 channels"},
+            {"module": "conv_out", "became": "", "reason": "64 → 3 channels"},
+            {"layer": "fc", "fp8": False, "reason": "not a GEMM shape"},
+            {"layer": "fc2", "fp8": True, "reason": ""}]
+    assert left_as_is(rows, "decoder") == ["1 layer of the decoder left as it was (conv_in): 4 → 64 channels",
+                                           "1 layer of the decoder left as it was (conv_out): 64 → 3 channels",
+                                           "1 layer of the decoder left as it was (fc): not a GEMM shape"]
+    many = [{"module": f"c{i}", "became": "", "reason": "grouped"} for i in range(5)]
+    assert left_as_is(many) == ["5 layers left as they were (c0, c1, c2 and 2 more): grouped"]
+    notes = {"graph_conv": ["x"], "other": ["y"]}
+    monkeypatch.setattr(cudnn_graph, "NOTES", {"conv k3": "no engine for this shape"})
+    assert engine_notes(("graph_conv",), notes, ("graph_conv",)) == [
+        "graph_conv: x", "cuDNN graph declined, torch ran it: conv k3: no engine for this shape"]
+    assert engine_notes(("other",), notes, ("graph_conv",)) == ["other: y"]   # no cuDNN technique asked for
+    monkeypatch.delitem(sys.modules, "lab.runtime.cudnn_graph")
+    assert engine_notes(("graph_conv",), notes, ("graph_conv",)) == ["graph_conv: x"]

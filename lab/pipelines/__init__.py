@@ -15,9 +15,10 @@ function; "fast": the fastest approximate one that passes the family's quality g
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field, replace
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 from lab.errors import InputError
 
@@ -161,13 +162,27 @@ class Report:
     gpu_peak_mb: float | None
     host_peak_mb: float
     counts: dict[str, int] = field(default_factory=dict)   # heavy calls: network forwards, frames rendered, skipped…
+    notes: list[str] = field(default_factory=list)         # what ran otherwise than asked (`engine_notes`)
 
     def summary(self) -> dict[str, Any]:
         return {"frames": self.n_frames, "wall_s": round(self.wall_s, 3), "fps": round(self.fps, 2),
                 "first_frame_s": None if self.first_frame_s is None else round(self.first_frame_s, 3),
                 "gpu_peak_mb": None if self.gpu_peak_mb is None else round(self.gpu_peak_mb, 1),
                 "host_peak_mb": round(self.host_peak_mb, 1), "counts": dict(self.counts),
-                "stages": {k: round(v, 4) for k, v in self.stages.items()}}
+                "stages": {k: round(v, 4) for k, v in self.stages.items()}, **({"notes": self.notes} if self.notes else {})}
+
+
+def engine_notes(techniques: Iterable[str], notes: Mapping[str, list[str]], cudnn: Iterable[str] = ()) -> list[str]:
+    """A run's notes: for each technique it asked for, the layers the technique left as they were and why (`notes`:
+    technique → lines, kept by the engine when it rewrote its networks); where it asked for one of the techniques in
+    `cudnn` (those running convs through cuDNN's graph API), every conv shape the API declined in this process
+    (torch ran it instead)."""
+    asked = list(techniques)
+    out = [f"{t}: {line}" for t in asked for line in notes.get(t, [])]
+    graphs = sys.modules.get("lab.runtime.cudnn_graph")   # not imported: no graph was ever built
+    if graphs is not None and set(asked) & set(cudnn):
+        out += [f"cuDNN graph declined, torch ran it: {line}" for line in graphs.notes()]
+    return out
 
 
 def techniques_page() -> str:

@@ -156,6 +156,23 @@ def usable_runtime(runtime: str, device: Any, preset: bool = False) -> str:
     return "compile" if "compile" in runtime and not preset else "eager"
 
 
+def left_as_is(rows: Iterable[dict[str, Any]], network: str = "") -> list[str]:
+    """A rewrite's report rows (`fp8_rewrite`, `graph_convs`…: one per layer considered, with its `reason` where it
+    was left as it was) → one line per reason: how many layers kept their plain form, and the first few by name."""
+    why: dict[str, list[str]] = {}
+    for r in rows:
+        rewritten = r["fp8"] if "fp8" in r else bool(r.get("became"))
+        if not rewritten:
+            why.setdefault(r.get("reason") or "not eligible", []).append(str(r.get("layer") or r.get("module")))
+    where = f" of the {network}" if network else ""
+    out = []
+    for reason, names in why.items():
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        out.append(f"{len(names)} layer{'s' if len(names) > 1 else ''}{where} left as {'they were' if len(names) > 1 else 'it was'} "
+                   f"({shown}): {reason}")
+    return out
+
+
 def table(family: str | None = None) -> list[dict[str, Any]]:
     """One row per registered technique (the techniques page)."""
     return [t.row() for t in registry(family).values()]

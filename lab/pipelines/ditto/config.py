@@ -33,6 +33,7 @@ LIP_KP = (6, 12, 14, 17, 19, 20)   # keypoints the RMS demo drive moves
 RENDERER_TECHNIQUES = ("fold_spectral_norm", "channels_last", "pad_channels", "channels_last_3d", "fuse_spade",
                        "lowres_seg", "fold_shortcut", "fft_mask", "tap_occlusion", "fused_mix", "graph_conv", "fp8_conv")
 
+CUDNN_TECHNIQUES = ("graph_conv", "fp8_conv")   # their convs run through cuDNN's graph API on a GPU
 _HERE = "lab.pipelines.ditto"
 for _name, _exact, _doc, _req, _conf in (
     ("vram_pool", True, "Each source frame's f_s (float32, 8.4 MB at full size) kept on the device once, instead of "

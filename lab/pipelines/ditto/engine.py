@@ -17,6 +17,7 @@ from lab.errors import InputError
 from lab.models import ditto as D
 from lab.pipelines.ditto.config import WEIGHT_FILES, Config, on, renderer_switches
 from lab.pipelines.weights import per_component
+from lab.techniques import left_as_is
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Engine:
     weights: dict[str, str]
     variants: dict[tuple, Any] = field(default_factory=dict)   # cached modules, compiled / captured callables, buffers
     compile_s: float = 0.0
+    notes: dict[str, list[str]] = field(default_factory=dict)   # technique → the layers it left as they were, and why
 
     @property
     def dtype(self) -> torch.dtype:
@@ -69,7 +71,7 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
     cfg = replace(engine.cfg, **changes)
     _check_device(cfg, engine.device)
     return Engine(cfg, engine.device, engine.dims, engine.nets, engine.hubert, engine.weights, engine.variants,
-                  engine.compile_s)
+                  engine.compile_s, engine.notes)
 
 
 def _without_graph(runtime: str) -> str:
@@ -131,7 +133,7 @@ def _module(engine: Engine, name: str, precision: str, switches: tuple[str, ...]
             if graph:   # last: the graph convs share the fp16, channels-last weights
                 from lab.techniques.graph_conv import graph_spade
 
-                graph_spade(m)
+                engine.notes["graph_conv"] = left_as_is(graph_spade(m), "decoder")
             if fp8:     # last: the scales are measured on the decoder as it runs
                 _fp8_decoder(engine, m, precision, switches)
         engine.variants[key] = m
@@ -150,7 +152,8 @@ def _fp8_decoder(engine: Engine, dec: torch.nn.Module, precision: str, switches:
                          f"precision='fp16', got {precision!r}")
     fp8_static.emulated(engine.device, convs=True)   # BackendUnavailable before any work where FP8 cannot run
     batches = fp8_calibration(engine, precision, switches)
-    fp8_static.fp8_rewrite(dec, fp8_static.calibrate(dec, batches, types=(torch.nn.Conv2d,)))
+    rows = fp8_static.fp8_rewrite(dec, fp8_static.calibrate(dec, batches, types=(torch.nn.Conv2d,)))
+    engine.notes["fp8_conv"] = left_as_is(rows, "decoder")
 
 
 def fp8_calibration(engine: Engine, precision: str, switches: tuple[str, ...] | frozenset) -> list[tuple[torch.Tensor]]:

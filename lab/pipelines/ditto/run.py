@@ -15,9 +15,9 @@ import torch
 from lab import audio as lab_audio
 from lab.errors import InputError
 from lab.models import ditto as D
-from lab.pipelines import Report
+from lab.pipelines import Report, engine_notes
 from lab.pipelines.ditto.avatar import Avatar, _index, mirror_index, pool_view
-from lab.pipelines.ditto.config import on
+from lab.pipelines.ditto.config import CUDNN_TECHNIQUES, on
 from lab.pipelines.ditto.engine import Engine, reconfigure
 from lab.pipelines.ditto.motion import generate_motion
 from lab.pipelines.ditto.render import DenseRenders, _batches, render_block
@@ -229,7 +229,7 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, sink: Any = 
         keyframes=int(len(plan.keys)) if plan.keys is not None else n, host_mb=rss, motion_source=plan.motion_source,
         faces=faces_kept.cpu() if faces_kept is not None else None, frames=kept, alpha=plan.alpha,
         out_path=str(out_path) if sink is None and out_path is not None and cfg.encode.writer == "ffmpeg" else None,
-        transport=writer.transport())
+        transport=writer.transport(), notes=engine_notes(cfg.techniques, engine.notes, CUDNN_TECHNIQUES))
 
 
 def warmup(engine: Engine, avatar: Avatar, seconds: float = 1.0) -> None:

@@ -17,6 +17,7 @@ from lab.pipelines.latentsync.config import (DTYPES, FAMILY, SAMPLE_RATE, WEIGHT
                                              temporal_kernels)
 from lab.pipelines.weights import matching_component, per_component
 from lab.techniques import check as check_techniques
+from lab.techniques import left_as_is
 
 # the techniques that change what the UNet's runner computes with (a change rebuilds it)
 UNET_TECHNIQUES = ("channels_last", "guided_shortcuts", "fused_qkv", "fused_norms", "folded_upsamplers", "pdl",
@@ -51,6 +52,7 @@ class Engine:
     # (unet, vae) per network form (`_form`), shared by every engine derived from one build: an engine rewritten to
     # other techniques never rewrites the networks another engine runs
     variants: dict[tuple, tuple[Any, Any]] = field(default_factory=dict)
+    notes: dict[str, list[str]] = field(default_factory=dict)   # technique → the layers it left as they were, and why
 
 
 def _device_check(cfg: Config, dev: torch.device) -> None:
@@ -181,12 +183,18 @@ def _apply_model(engine: Engine) -> None:
                **(cfg.attention_kernels or {})}
     set_attention_kernels(model, per_shape=kernels or None, latent=cfg.face // 8)
     if fp8 and not fp8_static.rewritten(model):
-        fp8_static.fp8_rewrite(model, fp8_static.calibrate(model, fp8_calibration(engine)))
+        rows = fp8_static.fp8_rewrite(model, fp8_static.calibrate(model, fp8_calibration(engine)))
+        engine.notes["fp8_linear"] = left_as_is(rows, "UNet")
     if fp8:
         fp8_static.fused_qkv(model, _has(cfg, "fused_qkv"))
     if graph:   # idempotent: only convs still plain are swapped
-        for net in (model, engine.vae.model):
-            conv_graphs.graph_convs(net)
+        lines, fresh = [], False
+        for what, net in (("UNet", model), ("SD-VAE", engine.vae.model)):
+            rows = conv_graphs.graph_convs(net)
+            fresh |= any(r["became"] for r in rows)
+            lines += left_as_is(rows, what)
+        if fresh or "graph_conv" not in engine.notes:   # a second pass sees only the convs left plain
+            engine.notes["graph_conv"] = lines
 
 
 def fp8_calibration(engine: Engine) -> list[tuple[torch.Tensor, ...]]:

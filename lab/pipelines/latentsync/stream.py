@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.errors import InputError
-from lab.pipelines import Report
+from lab.pipelines import Report, engine_notes
 from lab.pipelines.latentsync import sampling
 from lab.pipelines.latentsync.config import SAMPLE_RATE
 from lab.pipelines.latentsync.engine import Engine, loop_unet
@@ -323,7 +323,8 @@ def _stream(engine: Engine, job: Job, sink: Callable | None, max_frames: int | N
                      blocks=len(rss), mode=cfg.mode, runtime=cfg.runtime, video_fps=cfg.fps, rss_mb_per_block=rss,
                      gpu_mb_per_block=gpu, gpu_peak_mb_per_block=peaks,
                      faces=torch.cat(kept_faces) if kept_faces else None,
-                     latents=torch.cat(kept_lat) if kept_lat else None)
+                     latents=torch.cat(kept_lat) if kept_lat else None,
+                     notes=engine_notes(cfg.techniques, engine.notes, ("graph_conv",)))
 
 
 def warmup(engine: Engine, avatar: Avatar) -> RunReport:

@@ -16,6 +16,7 @@ from lab.errors import InputError
 from lab.pipelines.musetalk.config import DTYPES, FAMILY, WEIGHT_FILES, Config, compile_mode, on
 from lab.pipelines.weights import per_component
 from lab.techniques import check as check_techniques
+from lab.techniques import left_as_is
 
 LOOP_FRAMES = 32   # frames of the bundled avatar's loop (prepare(engine) with no source)
 
@@ -35,6 +36,7 @@ class Engine:
     dec_fn: Any = None
     compile_s: float = 0.0
     variants: dict = field(default_factory=dict)  # shared by reconfigure(): modules per dtype/decoder, host buffers
+    notes: dict[str, list[str]] = field(default_factory=dict)   # technique → the layers it left as they were, and why
 
 
 @dataclass(eq=False)
@@ -133,16 +135,17 @@ def build(cfg: Config, device: torch.device | str = "cpu") -> Engine:
         from lab.techniques.group_norm import fuse_group_norms
 
         fuse_group_norms(vae.model.decoder)
+    notes: dict[str, list[str]] = {}
     if _graphed(cfg):
         from lab.techniques.graph_conv import graph_convs
 
-        graph_convs(vae.model.decoder)
+        notes["graph_conv"] = left_as_is(graph_convs(vae.model.decoder), "VAE decoder")
     gen, dec = unet.module(), vae.decoder_module()
     if _channels_last(cfg, dev):
         gen = gen.to(memory_format=torch.channels_last)
         dec = dec.to(memory_format=torch.channels_last)
     return _finalize(Engine(cfg, dev, dt, whisper, gen, dec, vae,
-                            {"whisper": w_src, "unet": unet.weights, cfg.decoder: vae.weights}))
+                            {"whisper": w_src, "unet": unet.weights, cfg.decoder: vae.weights}, notes=notes))
 
 
 # ---------------------------------------------------------------- avatar
@@ -301,7 +304,7 @@ def reconfigure(engine: Engine, **changes: Any) -> Engine:
     vae, dec = v[key]
     weights = {k: w for k, w in engine.weights.items() if k not in ("sd-vae", "taesd")}
     weights[cfg.decoder] = vae.weights
-    new = _finalize(Engine(cfg, engine.device, dt, whisper, gen, dec, vae, weights, variants=v))
+    new = _finalize(Engine(cfg, engine.device, dt, whisper, gen, dec, vae, weights, variants=v, notes=engine.notes))
     if engine.avatar is not None:
         new.avatar = fit(new, engine.avatar)
         _fan_weights(new, new.avatar)
@@ -339,6 +342,6 @@ def _decoder_variant(engine: Engine, cfg: Config, key: tuple, dt: torch.dtype, c
     else:
         unfuse_group_norms(vae.model.decoder)
     if key[4]:
-        graph_convs(vae.model.decoder)
+        engine.notes["graph_conv"] = left_as_is(graph_convs(vae.model.decoder), "VAE decoder")
     dec = vae.decoder_module()
     return vae, (dec.to(memory_format=torch.channels_last) if cl else dec)

@@ -16,7 +16,7 @@ import torch
 
 from lab import audio as lab_audio
 from lab.avatar import pingpong
-from lab.pipelines import Report
+from lab.pipelines import Report, engine_notes
 from lab.pipelines.musetalk import stages as S
 from lab.pipelines.musetalk.config import compile_mode, mode, on
 from lab.pipelines.musetalk.engine import Avatar, Engine, fit
@@ -228,7 +228,8 @@ def run(engine: Engine, avatar: Avatar, audio: np.ndarray, sr: int, sink: Any = 
                     post_busy_s=span.post_busy, unet_frames=lat.unet_frames, duty_cycle=lat.unet_frames / max(T, 1),
                     mode=mode(cfg), config=asdict(cfg), output=str(out_path) if writer is not None and sink is None else None,
                     weights=engine.weights, encoder_start_s=span.enc[0], encoder_end_s=span.enc[1],
-                    stage_rows=timer.report(n_frames=T))
+                    stage_rows=timer.report(n_frames=T),
+                    notes=engine_notes(cfg.techniques, engine.notes, ("graph_conv",)))
     return _overlap(engine, rep, writer, timer)
 
 
