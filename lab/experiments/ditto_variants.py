@@ -5,6 +5,7 @@ swap techniques in a row's Config changes.
 from __future__ import annotations
 
 from lab.pipelines import ditto as P
+from lab.pipelines import engine_notes
 
 
 def _variant(precision: str, runtime: str, *techniques: str) -> dict:
@@ -121,3 +122,8 @@ FULL_VARIANTS = ["upstream", "fp16+fold-nchw", "fp16+fold+graph", "fp16+pad8+gra
 # the renderer variants held against upstream's code (lab.parity.ditto.renderer_agreement): upstream's runtime,
 # the plain fp16 graph, the fastest eager graph and the fastest exact variant
 AGREEMENT_VARIANTS = ["upstream", "fp16+fold+graph", "fp16+pad8+fuse+fft+graph", "compile+graph+pad8+fuse+fft+tap+mix+lowseg+sc"]
+
+
+def notes(engine: P.Engine) -> str:
+    """What a renderer variant left as it was (layers off a graph conv's or FP8 conv's shapes, shapes cuDNN declined)."""
+    return "; ".join(engine_notes(engine.cfg.techniques, engine.notes, P.config.CUDNN_TECHNIQUES))
