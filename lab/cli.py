@@ -130,9 +130,18 @@ def _ab(a: argparse.Namespace) -> int:
         from lab import ledger as L
         from lab.ab import ledger_rows
 
-        rows = ledger_rows(rep, " ".join(["lab"] + [shlex.quote(x) for x in sys.argv[1:]]))
+        rows = ledger_rows(rep, ab_command(a))
         print(f"ledger: {len(rows)} rows → {L.append(L.ledger_path(a.ledger), rows)}", file=sys.stderr)
     return 0
+
+
+def ab_command(a: argparse.Namespace) -> str:
+    """The `lab ab` command a ledger row records: what the measurement depends on, without `--json` (where a copy of
+    the report went is no part of it, and a path outside the repository has no place in the docs)."""
+    words = ["lab", "ab", a.family, "--a", a.a, "--b", a.b, "--pairs", str(a.pairs), "--frames", str(a.frames),
+             "--device", a.device] + [w for s in a.set for w in ("--set", s)]
+    words += (["--target", f"{a.target:g}"] if a.target != 1.0 else []) + ["--ledger", a.ledger]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def _run_parsers(sub: argparse._SubParsersAction) -> None:

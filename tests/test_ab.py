@@ -239,3 +239,16 @@ def test_cli_ab_refuses_a_ledger_name_that_is_no_machine_folder(capsys):
 
     assert main(["ab", "ditto", "--b", "upstream", "--device", "cpu", "--ledger", "../x"]) == 2
     assert "a machine folder name under outputs/reference/" in capsys.readouterr().err
+
+
+def test_the_ledger_records_the_measurement_command_without_where_the_json_went():
+    import argparse
+
+    from lab.cli import ab_command
+
+    a = argparse.Namespace(family="ditto", a="exact", b="exact +fp8_conv", pairs=3, frames=100, device="cuda",
+                           set=["batch_size=8"], target=1.0, json="/root/out/ab.json", ledger="h100")
+    cmd = ab_command(a)
+    assert cmd == ("lab ab ditto --a exact --b 'exact +fp8_conv' --pairs 3 --frames 100 --device cuda "
+                   "--set batch_size=8 --ledger h100")
+    assert "--target 1.05" in ab_command(argparse.Namespace(**{**vars(a), "target": 1.05}))

@@ -53,6 +53,34 @@ def test_usable_drops_what_a_cpu_cannot_run_and_what_needed_it(toy):
     assert T.usable_runtime("compile+graph", "cuda", preset=True) == "compile+graph"
 
 
+def _no_fp8(device):
+    return (False, f"{device}: no FP8 tensor cores") if str(device) != "cuda:7" else (True, "")
+
+
+def test_a_preset_leaves_out_a_technique_whose_hardware_is_missing_and_a_name_still_runs_it(toy, monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "toy_hw", types.SimpleNamespace(probe=_no_fp8))
+    T.declare("t_fp8", "toyfam", False, "FP8 GEMMs", hardware="toy_hw:probe")
+    kept, dropped = T.usable(toy, ("t_base", "t_fp8"), "eager", "cuda:0")
+    assert kept == ("t_base",) and dropped == [("t_fp8", "cuda:0: no FP8 tensor cores")]
+    assert T.usable(toy, ("t_base", "t_fp8"), "eager", "cuda:7")[0] == ("t_base", "t_fp8")
+    assert T.check(toy, ("t_fp8",), "eager", "cpu") == ("t_fp8",)      # asked for by name: it runs as it can
+    with pytest.raises(ValueError, match="module:function"):
+        T.declare("t_bad", "toyfam", False, "x", hardware="toy_hw.probe")
+
+
+def test_latentsync_fast_takes_fp8_linear_only_where_fp8_tensor_cores_are():
+    from lab.pipelines import config
+    from lab.techniques import fp8
+
+    assert config("latentsync", "fast").techniques[-1] == "fp8_linear"     # the preset as a GPU runs it
+    assert T.registry("latentsync")["fp8_linear"].hardware == "lab.techniques.fp8:fp8_supported"
+    assert "fp8_linear" not in config("latentsync", "fast", device="cpu").techniques
+    assert T.registry("latentsync")["fp8_linear"].native("cpu") == fp8.fp8_supported("cpu")
+
+
 def test_config_on_a_cpu_runs_a_preset_eager_unless_asked():
     from lab.pipelines import PIPELINES, config, preset
 

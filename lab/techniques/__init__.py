@@ -39,6 +39,16 @@ class Technique:
     device: str = "any"             # "cuda": refused on other devices
     runtime: str = "any"            # "compile" | "graph": needs a runtime that compiles / captures
     where: str = ""                 # the module that implements it
+    # "module:function" taking a device → (runs natively there, why not); a preset leaves the technique out where
+    # it says no (named by hand, the technique still runs there as it can, e.g. FP8 emulated on a CPU)
+    hardware: str = ""
+
+    def native(self, device: Any) -> tuple[bool, str]:
+        """Whether the hardware this technique is for is on `device` (True where it names no probe)."""
+        if not self.hardware:
+            return True, ""
+        mod, fn = self.hardware.split(":")
+        return getattr(importlib.import_module(mod), fn)(device)
 
     def row(self) -> dict[str, Any]:
         return {"technique": self.name, "family": self.family, "exact": self.exact, "requires": ", ".join(self.requires),
@@ -51,13 +61,16 @@ _loaded = False
 
 
 def declare(name: str, family: str, exact: bool, doc: str, requires: Iterable[str] = (), conflicts: Iterable[str] = (),
-            device: str = "any", runtime: str = "any", where: str = "") -> Technique:
+            device: str = "any", runtime: str = "any", where: str = "", hardware: str = "") -> Technique:
     """Register a technique (a second declaration of the same name and family must be identical)."""
     if device not in DEVICES:
         raise ValueError(f"technique {name!r}: device must be one of {DEVICES}, got {device!r}")
     if runtime not in ("any", "compile", "graph"):
         raise ValueError(f"technique {name!r}: runtime must be 'any', 'compile' or 'graph', got {runtime!r}")
-    t = Technique(name, family, bool(exact), " ".join(doc.split()), tuple(requires), tuple(conflicts), device, runtime, where)
+    if hardware and hardware.count(":") != 1:
+        raise ValueError(f"technique {name!r}: hardware must be 'module:function', got {hardware!r}")
+    t = Technique(name, family, bool(exact), " ".join(doc.split()), tuple(requires), tuple(conflicts), device, runtime,
+                  where, hardware)
     old = _REGISTRY.get((family, name))
     if old is not None and old != t:
         raise ValueError(f"technique {family}/{name} declared twice, differently ({old.where} and {where})")
@@ -141,6 +154,8 @@ def usable(family: str, names: Iterable[str], runtime: str, device: Any) -> tupl
             dropped.append((n, f"needs a runtime with {t.runtime!r}"))
         elif any(r not in kept for r in t.requires):
             dropped.append((n, f"needs {[r for r in t.requires if r not in kept]}"))
+        elif not (native := t.native(device))[0]:
+            dropped.append((n, native[1]))
         else:
             kept.append(n)
     return tuple(kept), dropped
