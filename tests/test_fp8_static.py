@@ -244,7 +244,8 @@ def test_ditto_fp8_conv_runs_the_decoder_convs_in_fp8_calibrated_on_the_warped_f
     twins = [m for m in decs[0].modules() if isinstance(m, fp8.FP8Conv2d)]
     assert twins and all(t.activation == "static" and t.scheme == "per_channel" and t.emulate for t in twins)
     assert type(decs[0].conv_img[0]) is nn.Conv2d                  # 12 output channels: not an FP8 shape
-    assert any(n.startswith("fp8_conv: ") and "conv_img.0" in n for n in rep.notes) and not ref.notes
+    assert any(n.startswith("fp8_conv: ") and "conv_img.0" in n and "channels (cuDNN's FP8 convs" in n
+               for n in rep.notes) and not ref.notes
     from lab.experiments.ditto_variants import notes      # notebook 06's renderer rows carry the same note
 
     assert "conv_img.0" in notes(eng) and notes(engine) == ""

@@ -56,8 +56,9 @@ def conv_eligible(conv: nn.Conv2d) -> tuple[bool, str]:
     """Whether a conv maps onto cuDNN's FP8 convolution: a dense conv with zero padding whose channel counts are
     multiples of 16 (the FP8 tensor cores' K granularity in the channels-last layout)."""
     ok, why = fp8.gemm_eligible(conv)
-    if ok and (conv.in_channels % 16 or conv.out_channels % 16):
-        ok, why = False, f"{conv.in_channels} → {conv.out_channels} channels (FP8 convs take multiples of 16)"
+    # the channel counts first: a conv off the GEMM shapes is refused for them (cuDNN runs it, not _scaled_mm)
+    if (ok or why.startswith("GEMM dims")) and (conv.in_channels % 16 or conv.out_channels % 16):
+        ok, why = False, f"{conv.in_channels} → {conv.out_channels} channels (cuDNN's FP8 convs take multiples of 16)"
     return ok, why
 
 
