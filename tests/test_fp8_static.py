@@ -246,9 +246,9 @@ def test_ditto_fp8_conv_runs_the_decoder_convs_in_fp8_calibrated_on_the_warped_f
     assert type(decs[0].conv_img[0]) is nn.Conv2d                  # 12 output channels: not an FP8 shape
     assert any(n.startswith("fp8_conv: ") and "conv_img.0" in n and "channels (cuDNN's FP8 convs" in n
                for n in rep.notes) and not ref.notes
-    from lab.experiments.ditto_variants import notes      # notebook 06's renderer rows carry the same note
+    from lab.experiments.ditto_variants import renderer_notes   # notebook 06's renderer rows carry the same note
 
-    assert "conv_img.0" in notes(eng) and notes(engine) == ""
+    assert "conv_img.0" in renderer_notes(eng) and renderer_notes(engine) == ""
     p = psnr(rep.faces.float() / 255, ref.faces.float() / 255)
     assert 20 < p < 100                                             # approximate (random weights: a bound, no finding)
     calls = fp8_calibration(engine, "fp32", ())

@@ -33,7 +33,7 @@ from lab.experiments import inputs
 from lab.experiments.common import markdown, notebook_path, run_steps
 from lab.progress import step as progress_step
 from lab.experiments.ditto_variants import (AGREEMENT_VARIANTS, CL, FOLD, FULL_VARIANTS, VARIANT_TEXT, VARIANTS,
-                                            _compiles, _graphs, exact, notes, with_renderer, with_techniques)
+                                            _compiles, _graphs, exact, renderer_notes, with_renderer, with_techniques)
 from lab.models import ditto as D
 from lab.pipelines import Encode, preset
 from lab.pipelines import ditto as P
@@ -290,7 +290,7 @@ def renderer_table(ctx: Context, variants: list[str] | None = None) -> list[dict
             rows.append(row | {"fps": fps, "ms_per_frame": 1e3 * r.median_s / b, "tflops": tflops,
                                "pct_of_ceiling": 100 * tflops / ctx.ceiling_tflops if ctx.ceiling_tflops else None,
                                "psnr_vs_upstream_db": metrics.psnr(out.clamp(0, 1), ref.clamp(0, 1), data_range=1.0),
-                               "build_s": build_s, "runs": r.iters, "status": "ok", "note": notes(e)})
+                               "build_s": build_s, "runs": r.iters, "status": "ok", "note": renderer_notes(e)})
             print(f"  renderer {name:16s} B={b:<3d} {fps:8.1f} FPS", flush=True)
     ctx.res.tables["renderer"] = rows
     ctx.partial()

@@ -124,6 +124,6 @@ FULL_VARIANTS = ["upstream", "fp16+fold-nchw", "fp16+fold+graph", "fp16+pad8+gra
 AGREEMENT_VARIANTS = ["upstream", "fp16+fold+graph", "fp16+pad8+fuse+fft+graph", "compile+graph+pad8+fuse+fft+tap+mix+lowseg+sc"]
 
 
-def notes(engine: P.Engine) -> str:
+def renderer_notes(engine: P.Engine) -> str:
     """What a renderer variant left as it was (layers off a graph conv's or FP8 conv's shapes, shapes cuDNN declined)."""
     return "; ".join(engine_notes(engine.cfg.techniques, engine.notes, P.config.CUDNN_TECHNIQUES))

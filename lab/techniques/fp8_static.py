@@ -55,11 +55,10 @@ def emulated(device: torch.device | str, convs: bool = False) -> bool:
 def conv_eligible(conv: nn.Conv2d) -> tuple[bool, str]:
     """Whether a conv maps onto cuDNN's FP8 convolution: a dense conv with zero padding whose channel counts are
     multiples of 16 (the FP8 tensor cores' K granularity in the channels-last layout)."""
-    ok, why = fp8.gemm_eligible(conv)
-    # the channel counts first: a conv off the GEMM shapes is refused for them (cuDNN runs it, not _scaled_mm)
-    if (ok or why.startswith("GEMM dims")) and (conv.in_channels % 16 or conv.out_channels % 16):
-        ok, why = False, f"{conv.in_channels} → {conv.out_channels} channels (cuDNN's FP8 convs take multiples of 16)"
-    return ok, why
+    # the channels first: with both multiples of 16 the GEMM view's K and N are too, and only the structure is left
+    if conv.in_channels % 16 or conv.out_channels % 16:
+        return False, f"{conv.in_channels} → {conv.out_channels} channels (cuDNN's FP8 convs take multiples of 16)"
+    return fp8.gemm_eligible(conv)
 
 
 def calibrate(model: nn.Module, batches: Iterable[tuple], types: tuple[type, ...] = (nn.Linear,),

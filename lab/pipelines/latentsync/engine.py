@@ -187,14 +187,9 @@ def _apply_model(engine: Engine) -> None:
         engine.notes["fp8_linear"] = left_as_is(rows, "UNet")
     if fp8:
         fp8_static.fused_qkv(model, _has(cfg, "fused_qkv"))
-    if graph:   # idempotent: only convs still plain are swapped
-        lines, fresh = [], False
-        for what, net in (("UNet", model), ("SD-VAE", engine.vae.model)):
-            rows = conv_graphs.graph_convs(net)
-            fresh |= any(r["became"] for r in rows)
-            lines += left_as_is(rows, what)
-        if fresh or "graph_conv" not in engine.notes:   # a second pass sees only the convs left plain
-            engine.notes["graph_conv"] = lines
+    if graph:   # idempotent: only convs still plain are swapped (a second pass reports the same ones left plain)
+        engine.notes["graph_conv"] = [line for what, net in (("UNet", model), ("SD-VAE", engine.vae.model))
+                                      for line in left_as_is(conv_graphs.graph_convs(net), what)]
 
 
 def fp8_calibration(engine: Engine) -> list[tuple[torch.Tensor, ...]]:
