@@ -213,8 +213,11 @@ class ABReport:
         if "error" in g:
             return f"B's output vs A's: not compared ({g['error']})"
         bound = "; seeded random weights: a bound on the arithmetic, not a quality finding" if g["random"] else ""
+        region = (f"; PSNR {g['region_psnr_db']:.2f} dB over the box where they differ (x {g['region'][0]}–"
+                  f"{g['region'][2]}, y {g['region'][1]}–{g['region'][3]}, {100 * g['region_share']:.0f} % of the frame)"
+                  if "region_psnr_db" in g else "")
         return (f"B's output vs A's: PSNR {g['psnr_db']:.2f} dB, SSIM {g['ssim']:.4f} over {g['frames']} of "
-                f"{g['of']} frames (whole composited frames, one untimed run per side){bound}")
+                f"{g['of']} frames (whole composited frames, one untimed run per side){region}{bound}")
 
     def to_dict(self) -> dict[str, Any]:
         a, b, r, v = self.side("A"), self.side("B"), self.ratio, self.verdict
@@ -353,8 +356,28 @@ def _agreement(a: tuple[Any, int], b: tuple[Any, int], weights: Mapping[str, Any
     if a.shape != b.shape or not len(a):
         raise InputError(f"A's and B's outputs differ in shape ({a.shape} vs {b.shape}): the switch changes what is "
                          f"rendered, not how; compare their outputs by hand")
-    return {"frames": len(a), "of": n, "psnr_db": metrics.psnr(a, b, data_range=255),
-            "ssim": metrics.ssim(a, b, data_range=255), "random": any("random" in str(v) for v in weights.values())}
+    g = {"frames": len(a), "of": n, "psnr_db": metrics.psnr(a, b, data_range=255),
+         "ssim": metrics.ssim(a, b, data_range=255), "random": any("random" in str(v) for v in weights.values())}
+    return g | changed_region(a, b)
+
+
+def changed_region(a: Any, b: Any) -> dict[str, Any]:
+    """PSNR over the smallest box holding every pixel where A's and B's frames differ: a composited frame is mostly
+    untouched background that both sides copy, which lifts a whole-frame PSNR; the box lies inside the region the
+    family pastes, so its PSNR is the stricter figure. Empty when the outputs are bit-equal."""
+    import numpy as np
+
+    from lab import metrics
+
+    a, b = np.asarray(a), np.asarray(b)
+    differs = (a != b).any(axis=(0, 3)) if a.ndim == 4 else (a != b).any(axis=0)
+    if not differs.any():
+        return {}
+    ys, xs = np.flatnonzero(differs.any(axis=1)), np.flatnonzero(differs.any(axis=0))
+    y0, y1, x0, x1 = int(ys[0]), int(ys[-1]) + 1, int(xs[0]), int(xs[-1]) + 1
+    box = (slice(None), slice(y0, y1), slice(x0, x1))
+    return {"region": [x0, y0, x1, y1], "region_share": (y1 - y0) * (x1 - x0) / differs.size,
+            "region_psnr_db": metrics.psnr(a[box], b[box], data_range=255)}
 
 
 # ------------------------------------------------------------------ the ledger
@@ -387,4 +410,9 @@ def ledger_rows(rep: ABReport, command: str) -> list[Any]:
         frames = f"{g['frames']} of {g['of']} frames, one run per side"
         rows += [L.Row(metric="B vs A PSNR", value=float(g["psnr_db"]), unit="dB", repeats=1, note=frames, **base),
                  L.Row(metric="B vs A SSIM", value=float(g["ssim"]), repeats=1, note=frames, **base)]
+        if "region_psnr_db" in g:
+            x0, y0, x1, y1 = g["region"]
+            rows.append(L.Row(metric="B vs A PSNR, changed region", value=float(g["region_psnr_db"]), unit="dB",
+                              repeats=1, note=f"box x {x0}–{x1}, y {y0}–{y1} ({100 * g['region_share']:.0f} % of the "
+                                                f"frame) holding every differing pixel; {frames}", **base))
     return rows

@@ -209,6 +209,27 @@ def test_agreement_names_random_weights_and_refuses_outputs_of_other_shapes():
         AB._agreement(a, (np.zeros((4, 8, 8, 3), np.uint8), 10), {})
 
 
+def test_the_changed_region_is_the_box_of_differing_pixels_and_its_psnr_is_the_stricter_figure():
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 255, (3, 40, 60, 3), dtype=np.uint8)
+    b = a.copy()
+    b[1, 10:20, 30:45] ^= 4            # only a patch of one frame moves: the background is shared
+    b[2, 25, 12, 0] ^= 1               # and one pixel of another frame widens the box
+    g = AB._agreement((a, 3), (b, 3), {})
+    assert g["region"] == [12, 10, 45, 26] and g["region_share"] == pytest.approx(33 * 16 / (40 * 60))
+    box = (slice(None), slice(10, 26), slice(12, 45))
+    from lab import metrics
+    assert g["region_psnr_db"] == pytest.approx(metrics.psnr(a[box], b[box], data_range=255))
+    assert g["region_psnr_db"] < g["psnr_db"] - 5                 # the shared background no longer lifts it
+    rep = AB.ABReport("fake", "exact", "exact -x", {}, 3, "cpu", agreement=g, fps_a=[10.0] * 3, fps_b=[11.0] * 3)
+    assert f"PSNR {g['region_psnr_db']:.2f} dB over the box where they differ (x 12–45, y 10–26, 22 % of the frame)" \
+        in rep.agreement_text()
+    assert AB.changed_region(a, a.copy()) == {}                   # bit-equal: no box, no figure
+    rep.family = "ditto"
+    row = {r.metric: r for r in AB.ledger_rows(rep, "lab ab")}["B vs A PSNR, changed region"]
+    assert row.value == pytest.approx(g["region_psnr_db"]) and row.unit == "dB" and "box x 12–45, y 10–26" in row.note
+
+
 def test_ledger_rows_carry_the_ratio_each_side_and_the_output_drift_of_a_family_notebook(tmp_path):
     from lab import ledger as L
 
