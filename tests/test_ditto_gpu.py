@@ -122,3 +122,22 @@ def test_exact_preset_renders_the_upstream_presets_frames(tmp_path):
     P.warmup(exact, avatar)
     got = P.run(exact, avatar, audio, 16000, keep_faces=True)
     assert got.n_frames == ref.n_frames and metrics.psnr(got.faces, ref.faces) > 40
+
+
+def test_released_graph_runners_give_their_memory_back():
+    """A full-size renderer graph holds a private pool; `release_graphs` returns it to the device, and the stage is
+    captured again (same output) when asked for after."""
+    engine = P.build(P.Config(size="full", batch_size=16, runtime="graph", precision="fp16"), "cuda")
+    d = engine.dims
+    x = (torch.randn(16, d.reshape_channel, d.reshape_depth, d.feature_hw, d.feature_hw, device="cuda").half(),
+         0.3 * torch.randn(16, 21, 3, device="cuda").half(), 0.3 * torch.randn(16, 21, 3, device="cuda").half())
+    kept = set(engine.variants)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_reserved()
+    out = P.stage_fn(engine, "render", 16)(*x)
+    held = torch.cuda.memory_reserved() - base
+    assert held > 1 << 30                                          # activations of 16 frames at 512²
+    assert P.release_graphs(engine, kept) == 1
+    assert torch.cuda.memory_reserved() - base < held / 4
+    again = P.stage_fn(engine, "render", 16)(*x)
+    assert (again.float() - out.float()).abs().max() < 1e-2

@@ -675,3 +675,25 @@ def test_notebook_rows_come_from_the_presets():
     assert set(last["techniques"]) == set(exact.techniques) - {"motion_triton_attention"}
     assert all(last[k] == v for k, v in fast.knobs.items()) and last["runtime"] == fast.runtime
     P.Config(**last).check()
+
+
+def test_release_graphs_lets_go_of_the_graph_runners_captured_since_a_snapshot(engine):
+    """The renderer table captures one CUDA graph per variant, each with its own memory pool: it lets each go before
+    the next (on an 80 GB GPU the pools of a full table ran the process out of memory)."""
+    e = P.reconfigure(engine)                                  # shares the engine's cache of built runners
+    P.stage_fn(e, "render", 4)
+    before = ("render", "fp16", (), "graph", 8)                # a graph captured before the snapshot stays
+    e.variants[before] = e.variants[before + ("keep",)] = object()
+    kept = set(e.variants)
+    ours = [("render", "fp16", ("fuse_spade",), "compile+graph", 16), ("decode", "fp16", (), "graph", 16)]
+    for k in ours:
+        e.variants[k], e.variants[k + ("keep",)] = (lambda *x: x), ["static buffers"]
+    e.variants[("render", "fp16", (), "compile", 16)] = lambda *x: x   # a compiled module is no graph: kept
+    try:
+        assert P.release_graphs(e, kept) == 2
+        assert not any(k in e.variants or k + ("keep",) in e.variants for k in ours)
+        assert kept <= set(e.variants) and ("render", "fp16", (), "compile", 16) in e.variants
+        assert P.release_graphs(e, kept) == 0
+    finally:
+        for k in (before, before + ("keep",), ("render", "fp16", (), "compile", 16)):
+            engine.variants.pop(k, None)

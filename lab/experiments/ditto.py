@@ -250,7 +250,7 @@ def renderer_table(ctx: Context, variants: list[str] | None = None) -> list[dict
     flops = ctx.res.metrics.get("renderer_gflop_per_frame", 0) * 1e9 or renderer_flops(ctx)
     ctx.res.metrics["renderer_gflop_per_frame"] = flops / 1e9
     rows = list(ctx.res.tables.get("renderer", []))
-    done = {(r["variant"], r["batch"]) for r in rows}
+    done, kept = {(r["variant"], r["batch"]) for r in rows}, set(ctx.engine.variants)
     for b in prof.batch_sizes:
         sets = _inputs(ctx, b)
         ref = None
@@ -262,6 +262,7 @@ def renderer_table(ctx: Context, variants: list[str] | None = None) -> list[dict
             if (name, b) in done and name != "upstream":
                 continue
             v, row = VARIANTS[name], {"variant": name, "batch": b}
+            P.release_graphs(ctx.engine, kept)   # the last variant's graph: one pool per variant filled 80 GB
             progress_step(f"renderer {name}, batch {b} …")
             if (_graphs(v) or _compiles(v)) and ctx.dev.type != "cuda":
                 rows.append(row | {"status": "skipped", "reason": "needs a CUDA device"})
@@ -283,8 +284,7 @@ def renderer_table(ctx: Context, variants: list[str] | None = None) -> list[dict
             except Exception as exc:  # a compile failure is a row, not the end of the notebook
                 rows.append(row | {"status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[:200]}"})
                 continue
-            if ref is None:
-                ref = out
+            ref = out if ref is None else ref
             fps = b / r.median_s
             tflops = flops * fps / 1e12
             rows.append(row | {"fps": fps, "ms_per_frame": 1e3 * r.median_s / b, "tflops": tflops,
@@ -292,6 +292,7 @@ def renderer_table(ctx: Context, variants: list[str] | None = None) -> list[dict
                                "psnr_vs_upstream_db": metrics.psnr(out.clamp(0, 1), ref.clamp(0, 1), data_range=1.0),
                                "build_s": build_s, "runs": r.iters, "status": "ok", "note": renderer_notes(e)})
             print(f"  renderer {name:16s} B={b:<3d} {fps:8.1f} FPS", flush=True)
+    P.release_graphs(ctx.engine, kept)
     ctx.res.tables["renderer"] = rows
     ctx.partial()
     return rows
@@ -744,8 +745,7 @@ def waterfall(ctx: Context) -> list[dict]:
             rows.append({"step": step, "status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[:200]}"})
             print(f"  waterfall {step:55s} FAILED {exc}", flush=True)
             continue
-        if ref is None:
-            ref = rep
+        ref = rep if ref is None else ref
         row = _row(step, rep, ref)
         if ch.get("silence") == "bypass" and "gpu_putback" in ch["techniques"] and "eased" not in ctx.runs:
             eased = _timed(ctx, ch | dict(silence="ease"), repeats=ctx.prof.repeats)

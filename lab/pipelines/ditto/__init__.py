@@ -27,7 +27,7 @@ from lab.pipelines.ditto.avatar import (DEFAULT_FACE, Avatar, _check_source, _cr
 from lab.pipelines.ditto.config import (CROP_SCALE, CROP_VY, ETA, FAMILY, LIP_KP, MEASURES, MOTION_MODES, MOTIONS,
                                         PRECISIONS, PRESETS, RENDERER_TECHNIQUES, SILENCE, STRIDE_SPACES, WEIGHT_FILES,
                                         WRITERS, Config, on, renderer_switches)
-from lab.pipelines.ditto.engine import Engine, _in_dtype, _module, build, reconfigure, stage_fn
+from lab.pipelines.ditto.engine import Engine, _in_dtype, _module, build, reconfigure, release_graphs, stage_fn
 from lab.pipelines.ditto.motion import (MOTION_COMPILE_BACKEND, _compiled_step, _ddim_coefs, _denoise,
                                         _denoise_compiled, _overlap, _side_graph, _window_fn, generate_motion,
                                         motion_windows, sample_window)
@@ -41,5 +41,5 @@ from lab.pipelines.ditto.stream import (FeatureStream, MotionStream, _hubert_fn,
 __all__ = ["Avatar", "Config", "D", "DenseRenders", "Engine", "FeatureStream", "MEASURES", "MOTION_MODES",
            "MotionStream", "PRESETS", "RunReport", "Sink", "WEIGHT_FILES", "build", "condition", "crop_matrix",
            "default_face_box", "default_source", "driving_keypoints", "generate_motion", "mirror_index",
-           "motion_windows", "pool_view", "prepare", "reconfigure", "render_block", "rms_motion", "run",
-           "sample_window", "stage_fn", "warmup"]
+           "motion_windows", "pool_view", "prepare", "reconfigure", "release_graphs", "render_block", "rms_motion",
+           "run", "sample_window", "stage_fn", "warmup"]

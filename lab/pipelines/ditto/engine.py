@@ -222,5 +222,17 @@ def stage_fn(engine: Engine, kind: str, batch: int):
     return fn
 
 
+def release_graphs(engine: Engine, kept: set) -> int:
+    """Let go of the CUDA-graph runners `stage_fn` captured since `kept` (engine.variants' keys then): each holds a
+    private memory pool the size of its batch's activations, so a table capturing one per variant filled an 80 GB
+    GPU; a later `stage_fn` captures again. Returns how many runners went."""
+    gone = [k for k in engine.variants if k not in kept and "graph" in k[3]]
+    for k in gone:
+        del engine.variants[k]
+    if gone and engine.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return sum(k[-1] != "keep" for k in gone)
+
+
 def _in_dtype(engine: Engine) -> torch.dtype:
     return torch.float32 if engine.cfg.precision == "autocast" or engine.device.type != "cuda" else engine.dtype
