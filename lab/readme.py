@@ -151,12 +151,21 @@ def _run_note(r: L.Row, base: Path) -> str:
     return f" ({'; '.join(out)})" if out else ""
 
 
+def _key(r: L.Row) -> bool:
+    """Whether the row is one of the README's figures of its family (a headline a page keeps while it shortens)."""
+    return any(r.notebook.split("_")[0] == num and r.row == row and fnmatch.fnmatch(r.metric, pat)
+               for _, spec in FAMILIES for num, row, pat in spec)
+
+
 def _fair(rows: list[L.Row], limit: int) -> list[L.Row]:
-    """At most `limit` rows, taken from each run in turn (newest first within a run), in the original order: a
-    run with many figures (a sweep's points) does not push every other run off a page."""
+    """At most `limit` rows, taken from each run in turn (its README figures first, then newest first), in the
+    original order: a run with many figures (a sweep's points) does not push every other run off a page, and a
+    shortened page keeps each run's headline figures."""
     runs: dict[tuple[str, str], list[int]] = {}
     for i, r in enumerate(rows):
         runs.setdefault((r.command, r.commit), []).append(i)
+    for q in runs.values():
+        q.sort(key=lambda i: not _key(rows[i]))   # stable: the order within each kind stays
     queues, keep = list(runs.values()), set()
     while len(keep) < min(limit, len(rows)):
         for q in queues:

@@ -226,7 +226,9 @@ def test_the_changed_region_is_the_box_of_differing_pixels_and_its_psnr_is_the_s
         in rep.agreement_text()
     assert AB.changed_region(a, a.copy()) == {}                   # bit-equal: no box, no figure
     rep.family = "ditto"
-    row = {r.metric: r for r in AB.ledger_rows(rep, "lab ab")}["B vs A PSNR, changed region"]
+    rows = AB.ledger_rows(rep, "lab ab")
+    assert [r.metric for r in rows[:2]] == ["B/A speed-up (paired, 3 frames)", "B vs A PSNR, changed region"]
+    row = rows[1]
     assert row.value == pytest.approx(g["region_psnr_db"]) and row.unit == "dB" and "box x 12–45, y 10–26" in row.note
 
 

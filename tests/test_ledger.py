@@ -217,3 +217,16 @@ def test_a_variant_run_names_its_rows_and_leaves_the_default_figures_standing():
     res["params"]["activation"] = "static"
     assert L.rows_from_result(res, "03_fp8_quantization", "x")[0].row == "headline"     # the defaults
     assert L.rows_from_result(res, "05_stride_slerp", "x")[0].row == "headline"         # no variant parameters
+
+
+def test_a_shortened_docs_table_keeps_each_runs_readme_figures_first(tmp_path):
+    run = [_row(notebook="07_latentsync", row="headline", metric=m, command="lab run 07", date="2026-12-03T10:00:00Z")
+           for m in ("exact20 eager: s per output second", "eager ms per step", "dpm12 fast: s per output second",
+                     "dpm8 fast: s per output second", "VAE s per output second")]
+    ab = [_row(notebook="07_latentsync", row="A/B fast vs exact", metric=m, command="lab ab latentsync",
+               date="2026-12-06T10:00:00Z") for m in ("B/A speed-up", "A FPS", "B FPS")]
+    text = R.docs_section(run + ab, "07_latentsync", limit=4, root=tmp_path)
+    table = [line.split(" | ")[0][2:] for line in text.splitlines() if line.startswith("| ") and "figure" not in line]
+    # the run's README figures (eager ms per step, dpm8, the VAE) come before its other rows; the A/B run keeps a share
+    assert sorted(table) == sorted(["eager ms per step", "dpm8 fast: s per output second",
+                                    "A/B fast vs exact: B/A speed-up", "A/B fast vs exact: A FPS"])

@@ -315,7 +315,9 @@ def test_presets_run_on_a_cpu(name, speech):
 
     cfg = config("musetalk", name, device="cpu", size="tiny", frame_size=FS, crop=64, runtime="eager", dtype="fp32",
                  face_crop="geometric", encode=NULL)
-    assert cfg.techniques == mt.PRESETS[name].techniques and cfg.stride == (2 if name == "fast" else 1)
+    # all but the cuDNN graph convs, which a preset runs only where the cuDNN frontend runs (a GPU)
+    assert cfg.techniques == tuple(t for t in mt.PRESETS[name].techniques if t != "graph_conv")
+    assert cfg.stride == (2 if name == "fast" else 1)
     e = mt.build(cfg, "cpu")
     av = mt.prepare(e, mt.avatar_loop(2, FS))
     mt.warmup(e, av)

@@ -188,13 +188,16 @@ def load_clip(run: Run) -> Clip:
 def settings(device: Any, mode: str, writer: str = "null", x264_preset: str = "ultrafast", subpixel: bool = False,
              fused_norm: bool = False) -> dict[str, Any]:
     """The notebooks' engine as Config changes: the exact preset's techniques but those the knobs leave off (async
-    per `mode`, the decoder rewrites per their flags; the blend and I420 conversion on the device only on a GPU),
+    per `mode`, the decoder rewrites per their flags, the cuDNN graph convs off; the blend and I420 conversion on the
+    device only on a GPU),
     and its writer settings (1 MiB pipe, queue of 3) with the notebook's writer and libx264 preset."""
     from dataclasses import replace
 
     from lab.pipelines import preset
 
-    p, want = preset("musetalk", "exact"), {"async_encode": mode == "async", "subpixel": subpixel, "fused_norm": fused_norm}
+    # the graph convs stay off: the notebook's figures compare with its earlier runs (`lab ab musetalk` measures them)
+    p, want = preset("musetalk", "exact"), {"async_encode": mode == "async", "subpixel": subpixel, "fused_norm": fused_norm,
+                                            "graph_conv": False}
     gpu = torch.device(device).type == "cuda"
     return {"techniques": tuple(t for t in p.techniques if want.get(t, True) and (gpu or t not in mt.GPU_PLACED)),
             "encode": replace(p.knobs["encode"], writer=writer, x264_preset=x264_preset)}

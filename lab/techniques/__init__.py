@@ -79,12 +79,13 @@ def declare(name: str, family: str, exact: bool, doc: str, requires: Iterable[st
 
 
 def technique(name: str, family: str, exact: bool, requires: Iterable[str] = (), conflicts: Iterable[str] = (),
-              device: str = "any", runtime: str = "any", doc: str | None = None) -> Callable:
+              device: str = "any", runtime: str = "any", doc: str | None = None, hardware: str = "") -> Callable:
     """Decorator: register the decorated function (or class) as the technique `name`; its docstring's first
     paragraph is the technique's description unless `doc` is given."""
     def wrap(obj: Any) -> Any:
         text = doc or (obj.__doc__ or name).strip().split("\n\n")[0]
-        declare(name, family, exact, text, requires, conflicts, device, runtime, f"{obj.__module__}.{obj.__qualname__}")
+        declare(name, family, exact, text, requires, conflicts, device, runtime, f"{obj.__module__}.{obj.__qualname__}",
+                hardware)
         return obj
     return wrap
 

@@ -17,8 +17,10 @@ from lab.runtime import conv_graphs
 from lab.runtime.conv_graphs import GraphConv2d, GraphResnet, eligible, plain_convs, require_for
 from lab.techniques import technique
 
+CUDNN_PROBE = "lab.runtime.cudnn_graph:available"   # a preset runs its convs as cuDNN graphs where the frontend runs
 
-@technique("graph_conv", family="musetalk", exact=True,
+
+@technique("graph_conv", family="musetalk", exact=True, hardware=CUDNN_PROBE,
            doc="SD-VAE decoder: each conv a cuDNN graph-API fp16 conv (plans timed per shape) with its bias and, "
                "in the resnet blocks, the skip add in the conv's epilogue (the same function up to fp16 rounding; "
                "the torch ops off CUDA or in fp32).")
@@ -27,7 +29,7 @@ def graph_convs(module: nn.Module) -> list[dict[str, Any]]:
     return conv_graphs.graph_convs(module)
 
 
-@technique("graph_conv", family="ditto", exact=True, requires=("fuse_spade",),
+@technique("graph_conv", family="ditto", exact=True, requires=("fuse_spade",), hardware=CUDNN_PROBE,
            doc="The merged SPADE decoder's convs as cuDNN graph-API fp16 convs (plans timed per shape), each block's "
                "skip add (and a folded shortcut's β) in its last conv's epilogue, on a GPU the decoder channels-last (the graphs "
                "take NHWC operands); the same function up to fp16 rounding (the torch ops off CUDA or in fp32).")
