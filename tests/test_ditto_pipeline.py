@@ -689,11 +689,15 @@ def test_release_graphs_lets_go_of_the_graph_runners_captured_since_a_snapshot(e
     for k in ours:
         e.variants[k], e.variants[k + ("keep",)] = (lambda *x: x), ["static buffers"]
     e.variants[("render", "fp16", (), "compile", 16)] = lambda *x: x   # a compiled module is no graph: kept
+    others = [("lmdm_window", True, 50, 1.0), ("lmdm_step", 1.0, False, True, "x"), ("pinned", (4, 3), 0, True)]
+    for k in others:                                           # other runners share the cache, keyed otherwise
+        e.variants[k] = object()
     try:
         assert P.release_graphs(e, kept) == 2
         assert not any(k in e.variants or k + ("keep",) in e.variants for k in ours)
         assert kept <= set(e.variants) and ("render", "fp16", (), "compile", 16) in e.variants
+        assert all(k in e.variants for k in others)
         assert P.release_graphs(e, kept) == 0
     finally:
-        for k in (before, before + ("keep",), ("render", "fp16", (), "compile", 16)):
+        for k in (before, before + ("keep",), ("render", "fp16", (), "compile", 16), *others):
             engine.variants.pop(k, None)

@@ -248,7 +248,7 @@ def make_app(sources: dict[str, Callable[[], Source]], registry: Registry | None
         from starlette.applications import Starlette
         from starlette.responses import HTMLResponse
         from starlette.routing import Route, WebSocketRoute
-        from starlette.websockets import WebSocket
+        from starlette.websockets import WebSocket, WebSocketDisconnect
     except ImportError as e:
         raise BackendUnavailable(f"starlette is not installed ({e}); pip install starlette uvicorn websockets") from None
     reg = registry or Registry()
@@ -314,10 +314,10 @@ def make_app(sources: dict[str, Callable[[], Source]], registry: Registry | None
                     pending = []
             await ws.send_text(json.dumps({"type": "end", "frames": s.frames_sent}))
             reg_reason = "complete"
-        except (ConnectionError, OSError, RuntimeError) as e:
-            reg_reason = "client disconnected" if gone.is_set() or isinstance(e, ConnectionError) else f"error: {e}"
         except Exception as e:  # noqa: BLE001 - a session's failure is recorded, the server goes on
-            reg_reason = "client disconnected" if gone.is_set() else f"error: {type(e).__name__}: {e}"
+            # a send can meet the closed socket before the listener has seen the disconnect message
+            left = gone.is_set() or isinstance(e, (ConnectionError, WebSocketDisconnect))
+            reg_reason = "client disconnected" if left else f"error: {type(e).__name__}: {e}"
         finally:
             if enc is not None:
                 s.encode_s = enc.encode_s

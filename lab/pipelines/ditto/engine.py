@@ -226,7 +226,8 @@ def release_graphs(engine: Engine, kept: set) -> int:
     """Let go of the CUDA-graph runners `stage_fn` captured since `kept` (engine.variants' keys then): each holds a
     private memory pool the size of its batch's activations, so a table capturing one per variant filled an 80 GB
     GPU; a later `stage_fn` captures again. Returns how many runners went."""
-    gone = [k for k in engine.variants if k not in kept and "graph" in k[3]]
+    gone = [k for k in engine.variants if k not in kept and isinstance(k, tuple) and len(k) >= 5
+            and k[0] in ("render", "warp", "decode") and "graph" in str(k[3])]   # stage_fn's keys, nothing else
     for k in gone:
         del engine.variants[k]
     if gone and engine.device.type == "cuda":
