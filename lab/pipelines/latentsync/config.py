@@ -12,6 +12,7 @@ from lab.pipelines import Encode, Measures, Preset
 from lab.pipelines.latentsync import sampling
 from lab.techniques import check as check_techniques
 from lab.techniques import declare
+from lab.techniques.graph_conv import CUDNN_PROBE
 
 FAMILY = "latentsync"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -31,7 +32,7 @@ declare("cache_encodes", FAMILY, True, "Both VAE encodes of a source frame kept 
 declare("graph_conv", FAMILY, True, "Every plain conv of the UNet and the SD-VAE as a cuDNN graph conv (plans timed per "
         "shape, the bias in the fp32 epilogue) and each ResNet block's skip added in its second conv's epilogue: the "
         "block's output written once. Exact up to fp16 rounding; needs the cuDNN frontend on a GPU (a CPU runs the "
-        "torch ops).", where="lab.runtime.conv_graphs", hardware="lab.runtime.cudnn_graph:available")
+        "torch ops).", where="lab.runtime.conv_graphs", hardware=CUDNN_PROBE)
 declare("fp8_linear", FAMILY, False, "The UNet's Linear layers (attention projections, GEGLU, the motion modules' "
         "projections) as FP8 e4m3 GEMMs (torch._scaled_mm, one weight scale per tensor) with static activation scales "
         "calibrated when the engine is built (guided calls spread over the schedule, the bundled sentence through the "
