@@ -291,9 +291,14 @@ def ab(family: str, a: Mapping[str, Any], b: Mapping[str, Any], pairs: int = 5, 
     wav, sr = audio if audio is not None else default_audio(frames, float(getattr(cfg_a, "fps", 25.0)))
     current = "A"
 
+    built = {"A"}
+
     def switch(side: str) -> None:
         nonlocal engine, current
         if side != current:
+            if side not in built:   # B's compiles, captures and cuDNN autotuning happen here, minutes at full size
+                say(f"{family}: building B ({rep.b})")
+                built.add(side)
             engine = P.reconfigure(engine, **(to_b if side == "B" else to_a))
             current = side
 

@@ -286,3 +286,14 @@ def test_each_side_warms_up_with_the_family_warmup_and_one_run_as_timed():
     _run(pipe, {"preset": "exact"}, {"preset": "exact", "drop": ["fuse"]}, pairs=3, agreement=False)
     calls = [c for c in pipe.calls if c[0] != "reconfigure"]
     assert calls[1:5] == [("warmup", exact), ("run", exact), ("warmup", nofuse), ("run", nofuse)]
+
+
+def test_it_says_when_b_is_built():
+    # B is built at the first switch (its compiles, captures, cuDNN autotuning: minutes at full size); a log that
+    # went from "warm-up A" straight to "warm-up B" let B's build pass for A's warm-up
+    exact, nofuse = ("fuse", "pad"), ("pad",)
+    pipe = FakePipeline({exact: [1.0, 100, 100, 100], nofuse: [1.0, 90, 90, 90]})
+    said = []
+    _run(pipe, {"preset": "exact"}, {"preset": "exact", "drop": ["fuse"]}, pairs=3, agreement=False, log=said.append)
+    assert said.index("fake: building B (exact −fuse)") == said.index("warm-up A") + 1
+    assert sum(m.startswith("fake: building") for m in said) == 2 and said.index("warm-up B") > said.index("warm-up A")

@@ -352,3 +352,30 @@ def test_a_second_build_on_the_gpu_takes_the_stored_plan_and_computes_the_same(t
     extras = [torch.randn(1, 64, 1, 1, device=dev, dtype=torch.float16),
               torch.randn(xs, device=dev, dtype=torch.float16).contiguous(memory_format=cl)]
     torch.testing.assert_close(second(x, w, extras), first(x, w, extras), atol=0, rtol=0)
+
+
+def test_each_autotuned_graph_says_so_once(monkeypatch, capsys):
+    """Autotuning is seconds per conv shape and a network has dozens: each built graph prints a progress line with
+    its plans and time; one built before in the process, or taken from the disk cache, prints nothing."""
+    class Built:
+        def __init__(self, spec, xs, ws, dev, autotune, search, reuse):
+            self.cached = xs[0] == 2                 # batch 2 plays a choice found in the engine cache
+            self.timings, self.plans, self.plan_name = [(0, 1.0), (3, 0.5)], 7, "eng4_k24=40"
+
+    class Frontend:
+        @staticmethod
+        def backend_version():
+            return 91900
+
+    monkeypatch.setattr(C, "require", lambda dev, io: None)
+    monkeypatch.setattr(C, "_frontend", lambda: Frontend)
+    monkeypatch.setattr(C, "ConvGraph", Built)
+    monkeypatch.setattr(C, "_BUILT", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev: (9, 0))
+    spec, dev = C.ConvSpec.of((1, 1), io="fp8", epilogue=("scale",)), torch.device("cuda", 0)
+    g = C.build(spec, (16, 64, 32, 32), (64, 64, 3, 3), dev)
+    assert C.build(spec, (16, 64, 32, 32), (64, 64, 3, 3), dev) is g
+    C.build(spec, (2, 64, 32, 32), (64, 64, 3, 3), dev)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "cuDNN graph" in line]
+    assert len(lines) == 1
+    assert "fp8 conv x(16, 64, 32, 32) w(64, 64, 3, 3), 2 of 7 plans timed" in lines[0] and "eng4_k24=40" in lines[0]

@@ -17,6 +17,7 @@ import torch
 
 from lab import env, params
 from lab.results import Result, run_dir, save_figure
+from lab.runtime import compile_budget
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent.parent / "notebooks"
 
@@ -180,7 +181,7 @@ def run_steps(ctx: Any, steps: Sequence[tuple[str, Callable[[Any], Any]]], wante
         try:
             fn(ctx)
         except Exception as exc:  # headless: record it, keep the other steps' figures
-            ctx.res.metrics.setdefault("failed", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            ctx.res.metrics.setdefault("failed", {})[name] = compile_budget.reason(exc, 300)
             traceback.print_exc()
         ctx.res.timings[f"{name}_s"] = time.perf_counter() - t0
         print(f"[{time.perf_counter() - ctx.t0:7.1f} s] {name} done", flush=True)

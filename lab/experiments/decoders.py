@@ -40,7 +40,7 @@ from lab.experiments import common
 from lab.experiments.common import Run, batched, row, to_uint8, weights_label
 from lab.models.vae import KINDS, VAE
 from lab.models.weights import quiet_diffusers
-from lab.runtime import cudnn_graph
+from lab.runtime import compile_budget, cudnn_graph
 from lab.timing import bench, count_flops, matmul_ceiling, sync
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -299,7 +299,7 @@ def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor) -> 
         return _cuda_graphed(dec, example)
     import torch._inductor.config as inductor_config
 
-    compiled = torch.compile(dec, mode=_COMPILE_MODE[variant], dynamic=False)
+    compiled = compile_budget.compiled(dec, mode=_COMPILE_MODE[variant], dynamic=False)
     if _COMPILE_MODE[variant] in ("reduce-overhead", "max-autotune"):  # both capture CUDA graphs
         def run(z: torch.Tensor) -> torch.Tensor:
             # tell CUDA-graph trees each call is a new step, so the previous output's memory is reused

@@ -35,9 +35,9 @@ from lab.progress import step as progress_step
 from lab.experiments.ditto_variants import (AGREEMENT_VARIANTS, CL, FOLD, FULL_VARIANTS, VARIANT_TEXT, VARIANTS,
                                             _compiles, _graphs, exact, renderer_notes, with_renderer, with_techniques)
 from lab.models import ditto as D
-from lab.pipelines import Encode, preset
-from lab.pipelines import ditto as P
+from lab.pipelines import Encode, ditto as P, preset
 from lab.results import Result, atomic_write_text, run_dir, save_figure
+from lab.runtime import compile_budget
 from lab.timing import bench, count_flops, matmul_ceiling
 
 NAME = "06_ditto"
@@ -282,7 +282,7 @@ def renderer_table(ctx: Context, variants: list[str] | None = None) -> list[dict
                     continue
                 r = bench(fn, inputs=cast, warmup=3, iters=prof.iters, device=ctx.dev)
             except Exception as exc:  # a compile failure is a row, not the end of the notebook
-                rows.append(row | {"status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                rows.append(row | {"status": "failed", "reason": compile_budget.reason(exc)})
                 continue
             ref = out if ref is None else ref
             fps = b / r.median_s
@@ -516,7 +516,7 @@ def motion_costs(ctx: Context) -> list[dict]:
             r = bench(lambda: P.sample_window(e, cf, cond, sched, noises, None, x=x), warmup=2,
                       iters=10 if ctx.prof.full_gpu else 2, device=ctx.dev)
         except Exception as exc:   # a failed compile is a row (and the waterfall leaves the switch off)
-            rows.append(row | {"status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            rows.append(row | {"status": "failed", "reason": compile_budget.reason(exc)})
             if _MC in techs:
                 ctx.res.metrics["motion_compile_failed"] = rows[-1]["reason"]
             print(f"  motion {name:24s} FAILED {exc}", flush=True)
@@ -742,7 +742,7 @@ def waterfall(ctx: Context) -> list[dict]:
         try:
             rep = _timed(ctx, ch, repeats=ctx.prof.repeats)
         except Exception as exc:  # a failing configuration is a row, not the end of the table
-            rows.append({"step": step, "status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            rows.append({"step": step, "status": "failed", "reason": compile_budget.reason(exc)})
             print(f"  waterfall {step:55s} FAILED {exc}", flush=True)
             continue
         ref = rep if ref is None else ref
@@ -856,7 +856,7 @@ def final_step(ctx: Context) -> list[dict]:
         try:
             rep = _timed(ctx, ch, repeats=ctx.prof.repeats)
         except Exception as exc:   # a failing configuration is a row; the strides run at the last that worked
-            rows.append({"step": step, "status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            rows.append({"step": step, "status": "failed", "reason": compile_budget.reason(exc)})
             print(f"  final {step:55s} FAILED {exc}", flush=True)
             continue
         ctx.runs[step] = rep
@@ -891,7 +891,7 @@ def approximate_motion(ctx: Context, changes: dict, exact: P.RunReport) -> list[
         try:
             rep = _timed(ctx, ch, repeats=ctx.prof.repeats)
         except Exception as exc:   # an approximate row that fails is recorded; the exact rows stand
-            rows.append({"step": f"bf16 motion, stride {k}", "status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            rows.append({"step": f"bf16 motion, stride {k}", "status": "failed", "reason": compile_budget.reason(exc)})
             continue
         rows.append(_row(f"+ motion model in bf16 autocast{'' if k == 1 else f', output stride {k}'}", rep, exact)
                     | {"stride": k, "motion_precision": "bf16"})

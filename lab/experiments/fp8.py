@@ -35,7 +35,7 @@ from lab.techniques.fp8 import (ACTIVATIONS, CONV_IMPLS, MODES, SCHEMES, FP8Conv
                            _model_device, _quant_act, fp8_mm, fp8_supported, im2col_nhwc, quantize_module,
                            triton_conv_status, tune_triton)
 from lab.budget import RESERVE_S, Budget, BudgetExceeded, budget_seconds, estimate, save_partial
-from lab.runtime import cudnn_graph
+from lab.runtime import compile_budget, cudnn_graph
 from lab.errors import BackendUnavailable, InputError
 from lab.experiments import common
 from lab.experiments.common import Run, budget_report, row, weights_label
@@ -242,7 +242,7 @@ def speed_rows(case: Case, variants: dict[str, nn.Module], compiled: Sequence[bo
             budget.say(f"start {step}" + (f" (estimate ~{e_s:.0f} s)" if e_s else ""))
             try:
                 with budget.guard(step):
-                    fn = torch.compile(model) if comp else model
+                    fn = compile_budget.compiled(model) if comp else model
                     with torch.inference_mode():
                         out = fn(*case.inputs[0])
                     _sync(device)

@@ -35,6 +35,7 @@ from lab.pipelines import latentsync as P
 from lab.pipelines.latentsync import sampling
 from lab.progress import step as progress_step
 from lab.results import Result, atomic_write_text, run_dir, save_figure
+from lab.runtime import compile_budget
 
 NAME = "07_latentsync"
 SOURCE = "LatentSync 1.6 TensorRT-RTX exact 20-step path and reduced-step validation"
@@ -90,8 +91,7 @@ def profile(quick: bool, device: torch.device) -> Profile:
     if gpu and not quick:
         return Profile("full", "fp16", 16, (1280, 720), 32, (10.0, 60.0), "ddim1", list(sampling.modes("full")),
                        ["channels_last", *LEVERS, "compile", "compile+cudagraph"],
-                       ["auto"], 10, 3, True, vae_fast="compile+cudagraph",
-                       loop_source=16)
+                       ["auto"], 10, 3, True, vae_fast="compile+cudagraph", loop_source=16)
     if gpu:
         return Profile("tiny", "fp16", 16, (256, 384), 32, (2.0, 6.0), "ddim1", modes,
                        ["channels_last", *LEVERS, "cudagraph"], ["auto", "flash", "efficient"], 5, 2, False,
@@ -502,7 +502,7 @@ def attention_kernel_rows(cfg, dev: torch.device, dtype: torch.dtype, block: int
             def call(q=q, k=k, v=v, backend=backend, pad=pad):
                 return attention(q, k, v, h, backend, pad)
 
-            fn = torch.compile(call, dynamic=False, fullgraph=True) if compiled else call
+            fn = compile_budget.compiled(call, dynamic=False, fullgraph=True) if compiled else call
             label = spec + (", compiled" if compiled else "")
             try:
                 t0 = time.perf_counter()

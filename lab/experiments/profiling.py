@@ -15,7 +15,6 @@ compressed Chrome trace of one short run. The notebook's cells call, in order:
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from lab.experiments.encoder import (ENCODER_OPTIONS, _drop_recording, _recordin
 from lab.pipelines import musetalk as mt
 from lab.pipelines.musetalk import Engine
 from lab.progress import tqdm
+from lab.runtime import compile_budget
 from lab.timing import bench, count_flops, matmul_ceiling
 
 NAME = "01_profiling"
@@ -697,31 +697,6 @@ def _e2e_row(label: str, rep: dict, ceil: list[float]) -> dict:
             "transport": rep.get("transport")}
 
 
-@contextlib.contextmanager
-def _compile_budget(limit: int = 64):
-    """Room for the variants one notebook compiles of the same modules (each batch shape and decoder
-    a compilation of the same forward), and an error instead of dynamo's silent eager fallback when
-    even that is used up: a row timed eager under a compiled label would be a wrong figure."""
-    import torch._dynamo.config as dc
-
-    old = dc.recompile_limit, dc.fail_on_recompile_limit_hit
-    dc.recompile_limit, dc.fail_on_recompile_limit_hit = max(old[0], limit), True
-    try:
-        yield
-    finally:
-        dc.recompile_limit, dc.fail_on_recompile_limit_hit = old
-
-
-def _recompile_limit_hit(err: BaseException) -> bool:
-    """Whether dynamo gave up on a compiled variant (its recompile budget spent), however wrapped."""
-    seen = err
-    while seen is not None:
-        if type(seen).__name__ == "FailOnRecompileLimitHit":
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
 def e2e_beyond(run: Run) -> list[tuple[str, dict]]:
     """Rows past the pipeline's defaults (cumulative, after E2E_STEPS): the folded decoder, its GroupNorms
     on the Triton passes, then each [batch_size, edge_batch] of `e2e_batches`. The same functions, computed in other shapes: the frames
@@ -772,14 +747,13 @@ def measure_e2e_steps(run: Run, engine: Engine, clip: Clip) -> list[dict]:
     for i, (label, ch) in enumerate(E2E_STEPS + beyond):
         e = mt.reconfigure(e, **apply(e.cfg, ch, engine.device))
         past = i >= len(E2E_STEPS)
-        try:
-            with _compile_budget():
-                rows.append(_e2e_step(run, engine, e, clip, label, past, main, ceilings))
+        try:   # every compile in the lab runs under compile_budget: a spent budget is an error, never eager
+            rows.append(_e2e_step(run, engine, e, clip, label, past, main, ceilings))
         except Exception as err:  # noqa: BLE001 — a variant that cannot compile is a row that says so
-            if not _recompile_limit_hit(err):
+            if not compile_budget.spent(err):
                 raise
             rows.append({"step": label, "status": "failed",
-                         "reason": f"dynamo's recompile budget spent (not timed eager): {type(err).__name__}: {str(err)[:300]}",
+                         "reason": compile_budget.reason(err, 300),
                          "batch_size": e.cfg.batch_size, "edge_batch": e.cfg.edge_batch, "subpixel": mt.on(e.cfg, "subpixel"),
                          "fused_norm": mt.on(e.cfg, "fused_norm"), "past_defaults": past})
     run.table("e2e_steps", rows, show=False)

@@ -53,7 +53,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_map
 
-from lab.runtime import cache
+from lab.runtime import cache, compile_budget
 from lab.errors import BackendUnavailable, InputError
 
 BACKENDS = ("eager", "compile", "cudagraph", "compile+cudagraph", "cudnn", "onnx", "tensorrt")
@@ -333,7 +333,7 @@ def _compile(c: _Ctx, mode: str = "default", dynamic: bool | None = False, fullg
             kw["options"] = dict(inductor_options)
     elif mode != "default" or inductor_options:
         raise InputError(f"mode={mode!r} / inductor_options need compile_backend='inductor'")
-    compiled = torch.compile(c.module, **kw)
+    compiled = compile_budget.compiled(c.module, **kw)
     graphs = mode == "reduce-overhead"
     # cudagraph trees warm up on call 1 and record on call 2: run until replaying, all counted
     n_first = 3 if graphs else 1
@@ -349,13 +349,13 @@ def _compile(c: _Ctx, mode: str = "default", dynamic: bool | None = False, fullg
     cast = c.cast
 
     def run(*args: Any) -> Any:
+        args = compile_budget.plain_inputs(tuple(cast(a) for a in args))
         with torch.inference_mode():
             if graphs:
                 # outputs live in the graph's pool and are overwritten by the next replay: hand out copies
                 torch.compiler.cudagraph_mark_step_begin()
-                return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
-                                compiled(*(cast(a) for a in args)))
-            return compiled(*(cast(a) for a in args))
+                return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, compiled(*args))
+            return compiled(*args)
 
     notes = [f"torch.compile(mode={mode!r}, backend={compile_backend!r}, dynamic={dynamic}"
              + (f", options={inductor_options}" if inductor_options else "") + f"); build_s = first {n_first} call(s)"]
@@ -440,7 +440,7 @@ def _compile_cudagraph(c: _Ctx, warmup: int = 3, clone_output: bool = True, comp
                      f"(compile took {compiled.build_s:.1f} s there)")
     else:
         _require_compile(c.device, "inductor")
-        inner = torch.compile(c.module, dynamic=dynamic, fullgraph=fullgraph,
+        inner = compile_budget.compiled(c.module, dynamic=dynamic, fullgraph=fullgraph,
                               **({"options": dict(inductor_options)} if inductor_options else {}))
         notes.append("build_s includes compiling (first warm-up call) and capture"
                      + (f"; inductor options {inductor_options}" if inductor_options else ""))

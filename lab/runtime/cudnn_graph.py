@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.errors import BackendUnavailable, InputError
+from lab.progress import step
 from lab.runtime import cache
 from lab.timing import gpu_ms
 
@@ -427,7 +429,11 @@ def build(spec: ConvSpec, x_shape, w_shape, device: torch.device | str, autotune
            dev.index, _frontend().backend_version(), reuse)
     with _LOCK:
         if key not in _BUILT:
-            _BUILT[key] = ConvGraph(spec, x_shape, w_shape, dev, autotune, search, reuse)
+            t0 = time.perf_counter()
+            g = _BUILT[key] = ConvGraph(spec, x_shape, w_shape, dev, autotune, search, reuse)
+            if autotune and not g.cached:   # seconds per shape, dozens of shapes in a network: say each one
+                step(f"cuDNN graph autotuned: {spec.io} conv x{tuple(x_shape)} w{tuple(w_shape)}, "
+                     f"{len(g.timings)} of {g.plans} plans timed in {time.perf_counter() - t0:.1f} s (kept {g.plan_name})")
         return _BUILT[key]
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.errors import BackendUnavailable, InputError
+from lab.runtime import compile_budget
 from lab.runtime import cudnn_graph as C
 from lab.timing import bench
 
@@ -93,7 +94,7 @@ def torch_epilogue(epilogue: Sequence[str], pad: tuple[int, int], compile: bool 
             else:
                 y = F.leaky_relu(y, float(op.split(":")[1]))
         return y
-    return torch.compile(f, dynamic=False) if epilogue and compile else f
+    return compile_budget.compiled(f, dynamic=False) if epilogue and compile else f
 
 
 def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), search: str | None = None,

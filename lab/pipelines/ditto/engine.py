@@ -17,6 +17,7 @@ from lab.errors import InputError
 from lab.models import ditto as D
 from lab.pipelines.ditto.config import WEIGHT_FILES, Config, on, renderer_switches
 from lab.pipelines.weights import per_component
+from lab.runtime import compile_budget
 from lab.techniques import left_as_is
 
 
@@ -211,7 +212,7 @@ def stage_fn(engine: Engine, kind: str, batch: int):
     dec = _module(engine, "decoder", precision, tuple(t for t in switches if t != "channels_last_3d"))
     module = {"render": D.Renderer(warp, dec), "warp": warp, "decode": dec}[kind]
     if "compile" in cfg.runtime:
-        module = torch.compile(module, dynamic=False)   # inductor, default mode
+        module = compile_budget.compiled(module, dynamic=False)   # inductor, default mode
     autocast = precision == "autocast"
 
     def fn(*xs: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from lab.errors import InputError
 from lab.models import ditto as D
 from lab.pipelines.ditto.config import ETA, MOTION_MODES, Config, on
 from lab.pipelines.ditto.engine import Engine
+from lab.runtime import compile_budget
 from lab.runtime import pdl
 from lab.techniques import tf32x3
 
@@ -132,7 +133,7 @@ def _compiled_step(engine: Engine):
     opts = {"options": pdl.INDUCTOR_OPTIONS} if on(cfg, "motion_pdl") and MOTION_COMPILE_BACKEND == "inductor" else {}
     fn = step
     if on(cfg, "motion_compile"):
-        fn = torch.compile(step, dynamic=False, fullgraph=True, backend=MOTION_COMPILE_BACKEND, **opts)
+        fn = compile_budget.compiled(step, dynamic=False, fullgraph=True, backend=MOTION_COMPILE_BACKEND, **opts)
     engine.variants[key] = fn
     return fn
 

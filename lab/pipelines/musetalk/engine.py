@@ -15,6 +15,7 @@ from lab.avatar import avatar_loop
 from lab.errors import InputError
 from lab.pipelines.musetalk.config import DTYPES, FAMILY, WEIGHT_FILES, Config, compile_mode, on
 from lab.pipelines.weights import per_component
+from lab.runtime import compile_budget
 from lab.techniques import check as check_techniques
 from lab.techniques import left_as_is
 
@@ -70,7 +71,7 @@ def _compiled(module: torch.nn.Module, mode: str) -> Any:
     key = (id(module), mode)
     if key not in _COMPILED:
         kw = {} if mode == "default" else {"mode": mode}
-        _COMPILED[key] = torch.compile(module, dynamic=False, **kw)
+        _COMPILED[key] = compile_budget.compiled(module, dynamic=False, **kw)
     return _COMPILED[key]
 
 
