@@ -249,6 +249,14 @@ def _work(cfg_a: Any, cfg_b: Any) -> str:
     return "; ".join(out)
 
 
+def _check_counts(pairs: Any, frames: Any) -> None:
+    if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < claims.MIN_REPEATS:
+        raise InputError(f"pairs must be a whole number ≥ {claims.MIN_REPEATS} (a verdict needs the median of "
+                         f"≥ {claims.MIN_REPEATS} repeats), got {pairs!r}")
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
+        raise InputError(f"frames must be a whole number ≥ 1, got {frames!r}")
+
+
 def ab(family: str, a: Mapping[str, Any], b: Mapping[str, Any], pairs: int = 5, device: Any = "auto",
        frames: int = 250, *, common: Mapping[str, Any] | None = None, target: float = 1.0, warmup: bool = True,
        source: Any = None, audio: tuple[Any, int] | None = None, api: Any = None,
@@ -257,11 +265,7 @@ def ab(family: str, a: Mapping[str, Any], b: Mapping[str, Any], pairs: int = 5, 
     median FPS with its spread, the per-pair ratio B/A and the verdict. `common`: Config values for both
     sides (e.g. size="tiny"). `api`: an object with `config` and `pipeline` (default lab.pipelines). `agreement`:
     after the pairs, one untimed run per side to compare B's output with A's (PSNR, SSIM)."""
-    if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < claims.MIN_REPEATS:
-        raise InputError(f"pairs must be a whole number ≥ {claims.MIN_REPEATS} (a verdict needs the median of "
-                         f"≥ {claims.MIN_REPEATS} repeats), got {pairs!r}")
-    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
-        raise InputError(f"frames must be a whole number ≥ 1, got {frames!r}")
+    _check_counts(pairs, frames)
     if api is None:
         import lab.pipelines as api
     say = log or (lambda m: None)
@@ -289,9 +293,7 @@ def ab(family: str, a: Mapping[str, Any], b: Mapping[str, Any], pairs: int = 5, 
     rep.weights, rep.machine = weights_text(getattr(engine, "weights", {})), machine_label()
     avatar = P.prepare(engine, source)
     wav, sr = audio if audio is not None else default_audio(frames, float(getattr(cfg_a, "fps", 25.0)))
-    current = "A"
-
-    built = {"A"}
+    current, built = "A", {"A"}
 
     def switch(side: str) -> None:
         nonlocal engine, current

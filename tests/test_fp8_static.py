@@ -204,6 +204,47 @@ def test_convs_take_per_channel_weight_scales_and_the_ones_off_the_fp8_shapes_st
     assert fp8_static.plain_layers(m) == 1 and type(m[0]) is nn.Conv2d
 
 
+def test_each_layer_stays_fp8_only_where_its_kernel_is_measurably_faster():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                      nn.Conv2d(32, 16, 1))
+    g = torch.Generator().manual_seed(1)
+    batches, shapes = [(torch.randn(2, 16, 12, 12, generator=g),) for _ in range(2)], {}
+    rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, batches, types=(nn.Conv2d,), shapes=shapes), emulate=True)
+    assert shapes == {"0": (2, 16, 12, 12), "2": (2, 32, 12, 12), "4": (2, 32, 12, 12)}
+    # per layer (fp8 ms, float ms): 1.3× (stays), 1.02× (within the margin: back to float), 0.8× (slower: back)
+    times = {"0": (1.0, 1.3), "2": (1.0, 1.02), "4": (1.0, 0.8)}
+    seen = []
+
+    def timer(layer, which, fn):
+        out = fn()                                    # each call computes the layer at its calibrated shape
+        seen.append((layer, which, tuple(out.shape)))
+        return times[layer][which == "float"]
+
+    rows = fp8_static.keep_faster(m, rows, shapes, timer=timer)
+    by = {r["layer"]: r for r in rows}
+    assert seen[:2] == [("0", "fp8", (2, 32, 12, 12)), ("0", "float", (2, 32, 12, 12))] and len(seen) == 6
+    assert by["0"]["fp8"] and isinstance(m[0], fp8.FP8Conv2d) and (by["0"]["fp8_ms"], by["0"]["float_ms"]) == (1.0, 1.3)
+    for name in ("2", "4"):
+        assert not by[name]["fp8"] and "not 1.05× as fast" in by[name]["reason"] and type(m[int(name)]) is nn.Conv2d
+    assert fp8_static.plain_layers(m) == 1 and all(type(m[i]) is nn.Conv2d for i in (0, 2, 4))
+    # a stricter margin, and bad input
+    rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, batches, types=(nn.Conv2d,)), emulate=True)
+    assert not fp8_static.keep_faster(m, rows, shapes, min_gain=1.5, timer=timer)[0]["fp8"]
+    with pytest.raises(InputError, match="min_gain"):
+        fp8_static.keep_faster(m, rows, shapes, min_gain=0, timer=timer)
+    rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, batches, types=(nn.Conv2d,)), emulate=True)
+    with pytest.raises(InputError, match="no calibrated input shape for FP8 layer '0'"):
+        fp8_static.keep_faster(m, rows, {}, timer=timer)
+
+
+def test_emulated_fp8_is_never_judged_by_its_speed():
+    m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1))
+    batches, shapes = [(torch.randn(2, 16, 8, 8),)], {}
+    rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, batches, types=(nn.Conv2d,), shapes=shapes), emulate=True)
+    assert fp8_static.keep_faster(m, rows, shapes)[0]["fp8"] and isinstance(m[0], fp8.FP8Conv2d)   # a CPU: no timer
+
+
 def test_a_gpu_without_cudnn_fp8_convs_is_refused_for_convs_only(monkeypatch):
     from lab.runtime import cudnn_graph
 

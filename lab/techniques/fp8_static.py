@@ -24,7 +24,7 @@ an im2col GEMM): tests and smoke runs see the approximate function the GPU compu
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -62,10 +62,11 @@ def conv_eligible(conv: nn.Conv2d) -> tuple[bool, str]:
 
 
 def calibrate(model: nn.Module, batches: Iterable[tuple], types: tuple[type, ...] = (nn.Linear,),
-              progress: bool = False) -> dict[str, float]:
+              progress: bool = False, shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, float]:
     """The input amax of each layer of `types` that `model(*batch)` calls, the largest over every batch (name →
     amax). A layer whose inputs were all zero, or not finite, is refused by name: its static scale would be
-    meaningless."""
+    meaningless. `shapes`, where given, receives each layer's input shape (its first call's: what `keep_faster`
+    times it at)."""
     from lab.progress import tqdm
 
     batches = list(batches)
@@ -79,6 +80,8 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], types: tuple[type, ...
         if not isinstance(args, (tuple, list)):
             raise InputError(f"each calibration batch must be a tuple of the model's inputs, got {type(args).__name__}")
         for name, info in fp8._record(model, names, tuple(args)).items():
+            if shapes is not None:
+                shapes.setdefault(name, info["in_shape"])
             a, prev = info["amax"], amax.get(name, 0.0)
             # a non-finite range sticks (max() would drop a NaN): the layer is refused below
             amax[name] = prev if not math.isfinite(prev) else a if not math.isfinite(a) else max(prev, a)
@@ -118,6 +121,67 @@ def fp8_rewrite(model: nn.Module, amax: dict[str, float], emulate: bool | None =
         fp8._set_module(model, name, q)
         rel, _ = q.weight_error(mod.weight)
         rows.append({**row, "fp8": True, "path": q.path, "weight_rel_err": rel, "reason": ""})
+    return rows
+
+
+MIN_GAIN = 1.05   # an FP8 kernel within 5 % of the float one's time does not pay for its rounding error
+
+
+def _kernels(twin: fp8._FP8Layer, shape: tuple[int, ...]) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(FP8, float) calls of one layer at `shape` on random input in the float layer's dtype and layout. The FP8
+    one starts from the input already cast, as a compiled graph runs it (the cast fused into the producer's
+    kernel); where the layer has no such split (an emulated conv) it runs the whole forward."""
+    plain = twin.plain
+    x = torch.randn(shape, device=plain.weight.device, dtype=plain.weight.dtype)
+    if x.dim() == 4 and plain.weight.is_contiguous(memory_format=torch.channels_last):
+        x = x.contiguous(memory_format=torch.channels_last)
+    xq, s = twin._act(x if isinstance(twin, fp8.FP8Conv2d) else x.reshape(-1, twin.in_features))
+    if isinstance(twin, fp8.FP8Conv2d) and twin.path == "cudnn":
+        kh, kw = twin.kernel_size
+        w4 = twin._weight_fp8().reshape(twin.out_channels, kh, kw, -1).permute(0, 3, 1, 2)
+        scale = (s.float() * twin.w_scale.float()).expand(twin.out_channels).contiguous()
+        bias = twin._bias(torch.float16)
+        return (lambda: cudnn_graph.conv2d(xq, w4, twin.spec, scale, bias)), (lambda: plain(x))
+    if isinstance(twin, fp8.FP8Linear) and twin.path == "gemm":
+        w = twin._weight_fp8()
+        return (lambda: twin._mm(xq, w, s, x.dtype)), (lambda: plain(x))
+    return (lambda: twin(x)), (lambda: plain(x))
+
+
+def keep_faster(model: nn.Module, rows: list[dict[str, Any]], shapes: dict[str, tuple[int, ...]],
+                min_gain: float | None = None, timer: Callable[[str, str, Callable[[], Any]], float] | None = None
+                ) -> list[dict[str, Any]]:
+    """Per layer, FP8 only where it pays: each FP8 twin of `rows` (`fp8_rewrite`'s) is timed against its float layer
+    at its calibrated input shape (`shapes`, from `calibrate`), and one whose kernel is not `min_gain` (default
+    MIN_GAIN) × as fast goes
+    back to its float layer — TensorRT's per-layer choice of precision, on measured kernel times. The rows are
+    updated (both times; fp8 False with the reason for a layer put back) and returned. `timer(layer, "fp8" | "float",
+    fn)` → ms (default: `gpu_ms` on a GPU); emulated FP8 (a CPU) has no kernel speed to judge and is left as it is."""
+    min_gain = MIN_GAIN if min_gain is None else min_gain
+    if not min_gain > 0:
+        raise InputError(f"min_gain is the FP8 kernel's speed-up a layer must show to stay FP8, > 0; got {min_gain}")
+    if timer is None:
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if dev.type != "cuda":
+            return rows
+        from lab.timing import gpu_ms
+
+        def timer(layer: str, which: str, fn: Callable[[], Any]) -> float:
+            return gpu_ms(fn, iters=10, warmup=3)
+    for row in rows:
+        if not row["fp8"]:
+            continue
+        name = row["layer"]
+        if name not in shapes:
+            raise InputError(f"keep_faster: no calibrated input shape for FP8 layer {name!r} (pass calibrate's shapes)")
+        twin = model.get_submodule(name)
+        fast, slow = _kernels(twin, shapes[name])
+        with torch.no_grad():
+            row["fp8_ms"], row["float_ms"] = timer(name, "fp8", fast), timer(name, "float", slow)
+        if row["float_ms"] < min_gain * row["fp8_ms"]:
+            fp8._set_module(model, name, twin.plain)
+            row.update(fp8=False, reason=f"its FP8 kernel was not {min_gain:g}× as fast as the float one at its input "
+                                         f"shape (timed when built)")
     return rows
 
 

@@ -70,7 +70,8 @@ declare("fp8_conv", FAMILY, False, "The merged SPADE decoder's convolutions as c
         "scale per output channel and static activation scales calibrated when the decoder is built (the warp "
         "network's features for the bundled avatar driven by the bundled sentence), the descale and bias in each "
         "conv's epilogue, on a GPU the decoder channels-last (NHWC operands); convs off the FP8 shapes (the image "
-        "conv) stay fp16. Approximate. Needs FP8 tensor cores and the cuDNN frontend on a GPU; a CPU emulates the FP8 "
+        "conv) stay fp16, and on a GPU so does each conv whose FP8 kernel is not 1.05× as fast as its fp16 one at its "
+        "shape (timed when the decoder is built). Approximate. Needs FP8 tensor cores and the cuDNN frontend on a GPU; a CPU emulates the FP8 "
         "arithmetic.", requires=("fuse_spade",),
         conflicts=("graph_conv",), where="lab.techniques.fp8_static")
 

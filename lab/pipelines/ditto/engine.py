@@ -152,9 +152,10 @@ def _fp8_decoder(engine: Engine, dec: torch.nn.Module, precision: str, switches:
         raise InputError(f"fp8_conv runs the decoder's convs in FP8 with fp16 around them: it needs "
                          f"precision='fp16', got {precision!r}")
     fp8_static.emulated(engine.device, convs=True)   # BackendUnavailable before any work where FP8 cannot run
-    batches = fp8_calibration(engine, precision, switches)
-    rows = fp8_static.fp8_rewrite(dec, fp8_static.calibrate(dec, batches, types=(torch.nn.Conv2d,)))
-    engine.notes["fp8_conv"] = left_as_is(rows, "decoder")
+    batches, shapes = fp8_calibration(engine, precision, switches), {}
+    rows = fp8_static.fp8_rewrite(dec, fp8_static.calibrate(dec, batches, types=(torch.nn.Conv2d,), shapes=shapes))
+    # on a GPU each conv stays FP8 only where its kernel is measurably faster (the others cost error for nothing)
+    engine.notes["fp8_conv"] = left_as_is(fp8_static.keep_faster(dec, rows, shapes), "decoder")
 
 
 def fp8_calibration(engine: Engine, precision: str, switches: tuple[str, ...] | frozenset) -> list[tuple[torch.Tensor]]:
