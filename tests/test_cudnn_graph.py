@@ -379,3 +379,26 @@ def test_each_autotuned_graph_says_so_once(monkeypatch, capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if "cuDNN graph" in line]
     assert len(lines) == 1
     assert "fp8 conv x(16, 64, 32, 32) w(64, 64, 3, 3), 2 of 7 plans timed" in lines[0] and "eng4_k24=40" in lines[0]
+
+
+def test_the_plan_search_times_in_full_only_the_plans_near_the_best():
+    # plan: its one-run time and its median; plan 2 fails; plan 4 is slow at first sight; plan 5 is the fastest
+    times = {0: (1.00, 0.90), 1: (1.50, 1.40), 2: None, 3: (5.00, 4.80), 4: (1.70, 0.60), 5: (0.80, 0.50)}
+    medians = []
+
+    def first(i):
+        if times[i] is None:
+            raise RuntimeError("plan does not run")
+        return times[i][0]
+
+    def median(i):
+        medians.append(i)
+        return times[i][1]
+
+    best, timed = C.pick_plan(6, first, median)
+    assert best == (5, 0.50)
+    assert medians == [0, 1, 4, 5]             # plan 3 (5.0 > 2 × 0.9) is not timed further; plan 2 is skipped
+    assert timed == [(0, 0.90), (1, 1.40), (3, 5.00), (4, 0.60), (5, 0.50)]
+    assert C.pick_plan(2, first, median, triage=100.0)[1][-1] == (1, 1.40)
+    assert C.pick_plan(0, first, median) == (None, [])
+    assert C.pick_plan(1, lambda i: first(2), median) == (None, [])
