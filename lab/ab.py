@@ -173,6 +173,7 @@ class ABReport:
     weights: str = "random"              # the engine's weights, as the ledger writes them
     machine: str = ""                    # the GPU (or CPU) it ran on, as lab.env names it
     notes: dict[str, list[str]] = field(default_factory=dict)   # side → its runs' notes (layers left as they were)
+    ready_s: dict[str, float] = field(default_factory=dict)     # side → seconds from its build to its warm-up's end
 
     def side(self, which: str) -> claims.Measurement:
         fps = self.fps_a if which == "A" else self.fps_b
@@ -202,6 +203,8 @@ class ABReport:
         on = f"{self.device}, {self.machine}" if self.machine else self.device
         head = (f"**{self.family}: A/B over {len(self.fps_a)} pairs, {self.frames} frames each, on {on}, {self.weights} "
                 f"weights**, one engine, runs alternating {' '.join(self.order[:6])}{' …' if len(self.order) > 6 else ''}")
+        if self.ready_s:   # a build is compiles, captures and autotuning: minutes at full size, and not in the FPS
+            head += "; built and warmed up in " + ", ".join(f"{k} {v:.0f} s" for k, v in self.ready_s.items())
         return "\n\n".join([head, claims.markdown(self.rows(), ("side", "configuration", "FPS")),
                             f"B beats A (paired ratio ≥ {self.target:g}): {self.verdict.text}"]
                            + ([self.agreement_text()] if self.agreement else [])
@@ -249,6 +252,14 @@ def _work(cfg_a: Any, cfg_b: Any) -> str:
     return "; ".join(out)
 
 
+def _where(engine: Any) -> tuple[str, str]:
+    """The engine's weights as the ledger writes them, and the machine it runs on."""
+    from lab.env import machine_label
+    from lab.ledger import weights_text
+
+    return weights_text(getattr(engine, "weights", {})), machine_label()
+
+
 def _check_counts(pairs: Any, frames: Any) -> None:
     if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < claims.MIN_REPEATS:
         raise InputError(f"pairs must be a whole number ≥ {claims.MIN_REPEATS} (a verdict needs the median of "
@@ -286,11 +297,9 @@ def ab(family: str, a: Mapping[str, Any], b: Mapping[str, Any], pairs: int = 5, 
     rep = ABReport(family, describe(a), describe(b), to_b, frames, str(device), target=target,
                    different_work=_work(cfg_a, cfg_b))
     say(f"{family}: building A ({rep.a}) on {device}")
+    t0 = time.perf_counter()
     engine = P.build(cfg_a, device)
-    from lab.env import machine_label
-    from lab.ledger import weights_text
-
-    rep.weights, rep.machine = weights_text(getattr(engine, "weights", {})), machine_label()
+    rep.weights, rep.machine = _where(engine)
     avatar = P.prepare(engine, source)
     wav, sr = audio if audio is not None else default_audio(frames, float(getattr(cfg_a, "fps", 25.0)))
     current, built = "A", {"A"}
@@ -306,6 +315,7 @@ def ab(family: str, a: Mapping[str, Any], b: Mapping[str, Any], pairs: int = 5, 
 
     if warmup:
         for side in ("A", "B"):
+            t0 = t0 if side == "A" else time.perf_counter()
             switch(side)
             say(f"warm-up {side}")
             if hasattr(P, "warmup"):   # the family's own (compiles, captures) …
@@ -313,6 +323,7 @@ def ab(family: str, a: Mapping[str, Any], b: Mapping[str, Any], pairs: int = 5, 
             # … and one run as timed, so that what a full run meets first (its length, a short last batch, the writer)
             # is not in pair 1
             P.run(engine, avatar, wav, sr)
+            rep.ready_s[side] = time.perf_counter() - t0
     for i in range(pairs):
         for side in ("A", "B"):
             switch(side)

@@ -297,3 +297,16 @@ def test_it_says_when_b_is_built():
     _run(pipe, {"preset": "exact"}, {"preset": "exact", "drop": ["fuse"]}, pairs=3, agreement=False, log=said.append)
     assert said.index("fake: building B (exact −fuse)") == said.index("warm-up A") + 1
     assert sum(m.startswith("fake: building") for m in said) == 2 and said.index("warm-up B") > said.index("warm-up A")
+
+
+def test_the_report_says_how_long_each_side_took_to_be_ready(monkeypatch):
+    exact, nofuse = ("fuse", "pad"), ("pad",)
+    pipe = FakePipeline({exact: [1.0, 100, 100, 100], nofuse: [1.0, 90, 90, 90]})
+    clock = iter(range(0, 1000, 10))
+    monkeypatch.setattr(AB.time, "perf_counter", lambda: float(next(clock)))
+    rep = _run(pipe, {"preset": "exact"}, {"preset": "exact", "drop": ["fuse"]}, pairs=3, agreement=False)
+    assert set(rep.ready_s) == {"A", "B"} and all(v > 0 for v in rep.ready_s.values())
+    assert f"built and warmed up in A {rep.ready_s['A']:.0f} s, B {rep.ready_s['B']:.0f} s" in rep.markdown()
+    pipe = FakePipeline({exact: [100, 100, 100], nofuse: [90, 90, 90]})
+    assert _run(pipe, {"preset": "exact"}, {"preset": "exact", "drop": ["fuse"]}, pairs=3, agreement=False,
+                warmup=False).ready_s == {}
