@@ -441,7 +441,7 @@ def _compile_cudagraph(c: _Ctx, warmup: int = 3, clone_output: bool = True, comp
     else:
         _require_compile(c.device, "inductor")
         inner = compile_budget.compiled(c.module, dynamic=dynamic, fullgraph=fullgraph,
-                              **({"options": dict(inductor_options)} if inductor_options else {}))
+                                        **({"options": dict(inductor_options)} if inductor_options else {}))
         notes.append("build_s includes compiling (first warm-up call) and capture"
                      + (f"; inductor options {inductor_options}" if inductor_options else ""))
     t0 = time.perf_counter()

@@ -394,8 +394,8 @@ def pick_plan(n: int, first: Callable[[int], float], median: Callable[[int], flo
               ) -> tuple[tuple[int, float] | None, list[tuple[int, float]]]:
     """The fastest of plans 0 … n−1 → ((index, ms) or None if none ran, every (index, ms) timed). `first(i)`: one
     warm run's time; `median(i)`: the median of several. A plan is timed in full only when its first run is within
-    `triage` × the best so far: cuDNN offers plans many times slower than its best (the fallback engines), and timing
-    each of those in full was most of an autotune at large shapes. A plan that fails to build or run is skipped."""
+    `triage` × the best so far: cuDNN offers plans many times slower than its best (the fallback engines), and each
+    of those cost six runs when all were timed in full. A plan that fails to build or run is skipped."""
     best: tuple[int, float] | None = None
     timings: list[tuple[int, float]] = []
     for i in range(n):

@@ -153,10 +153,10 @@ def keep_faster(model: nn.Module, rows: list[dict[str, Any]], shapes: dict[str, 
                 ) -> list[dict[str, Any]]:
     """Per layer, FP8 only where it pays: each FP8 twin of `rows` (`fp8_rewrite`'s) is timed against its float layer
     at its calibrated input shape (`shapes`, from `calibrate`), and one whose kernel is not `min_gain` (default
-    MIN_GAIN) × as fast goes
-    back to its float layer — TensorRT's per-layer choice of precision, on measured kernel times. The rows are
-    updated (both times; fp8 False with the reason for a layer put back) and returned. `timer(layer, "fp8" | "float",
-    fn)` → ms (default: `gpu_ms` on a GPU); emulated FP8 (a CPU) has no kernel speed to judge and is left as it is."""
+    MIN_GAIN) × as fast goes back to its float layer — TensorRT's per-layer choice of precision, on measured kernel
+    times. The rows are updated (both times; fp8 False with the reason for a layer put back) and returned.
+    `timer(layer, "fp8" | "float", fn)` → ms (default: `gpu_ms` on a GPU); emulated FP8 (a CPU) has no kernel speed
+    to judge and is left as it is."""
     min_gain = MIN_GAIN if min_gain is None else min_gain
     if not min_gain > 0:
         raise InputError(f"min_gain is the FP8 kernel's speed-up a layer must show to stay FP8, > 0; got {min_gain}")
