@@ -100,16 +100,13 @@ def triton_conv_status(device: torch.device | str) -> tuple[bool, str]:
     if ok:
         try:  # a small self-test: compile errors or wrong results on this GPU disable the path
             g = torch.Generator(device="cpu").manual_seed(0)
-            x = torch.randn(2, 64, 9, 7, generator=g)
-            w = torch.randn(64, 64, 3, 3, generator=g) * 0.05
-            conv = nn.Conv2d(64, 64, 3, padding=1)
-            conv.weight.data.copy_(w)
+            x, conv = torch.randn(2, 64, 9, 7, generator=g), nn.Conv2d(64, 64, 3, padding=1)
+            conv.weight.data.copy_(torch.randn(64, 64, 3, 3, generator=g) * 0.05)
             ref = FP8Conv2d.from_float(conv, path="im2col").to(dev)(x.to(dev, torch.float16))
             got = FP8Conv2d.from_float(conv, path="triton").to(dev)(x.to(dev, torch.float16))
             err = _rel_l2(got, ref)
-            ok, why = (err < TRITON_AGREEMENT,
-                       f"self-test rel. difference {err:.2e}" if err < TRITON_AGREEMENT else
-                       f"self-test disagreed with im2col (rel. difference {err:.2e})")
+            ok = err < TRITON_AGREEMENT
+            why = f"self-test rel. difference {err:.2e}" if ok else f"self-test disagreed with im2col (rel. difference {err:.2e})"
         except Exception as e:  # the reason is the point: report it
             ok, why = False, f"self-test failed: {type(e).__name__}: {str(e)[:200]}"
     _TRITON_STATUS[key] = (ok, why)
@@ -454,11 +451,8 @@ class FP8Conv2d(_FP8Layer):
         (sh, sw), (ph, pw) = self.stride, self.padding
         ho, wo = fp8_triton.out_hw(h, wd, kh, kw, sh, sw, ph, pw)
         w2 = self._weight_fp8()
-        if self.path == "cudnn":  # the descale (activation × weight scales) and the bias in the conv's epilogue
-            xq, s = self._act(x)
-            w4 = w2.reshape(self.out_channels, kh, kw, -1).permute(0, 3, 1, 2)
-            scale = (s.float() * self.w_scale.float()).expand(self.out_channels).contiguous()
-            return cudnn_graph.conv2d(xq, w4, self.spec, scale, self._bias(torch.float16)).to(x.dtype)
+        if self.path == "cudnn":
+            return self.cudnn_conv(*self._act(x)).to(x.dtype)
         if self.path in ("gemm", "im2col"):
             # cast first, then pad + gather the 1-byte values (a 1×1 conv is a view when x is channels-last)
             xq, s = self._act(x)
@@ -476,6 +470,12 @@ class FP8Conv2d(_FP8Layer):
             out = fp8_triton.conv2d_nhwc(xin, w2, self.w_scale, s.reshape(1), self._bias(x.dtype),
                                          kh, kw, sh, sw, ph, pw, x.dtype, *cfg[:5], int(tma))
         return out.reshape(bsz, ho, wo, self.out_channels).permute(0, 3, 1, 2)
+
+    def cudnn_conv(self, xq: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """The cudnn path on an input already cast with scale `s`: descale and bias in the conv's epilogue, fp16 out."""
+        w4 = self._weight_fp8().reshape(self.out_channels, *self.kernel_size, -1).permute(0, 3, 1, 2)
+        scale = (s.float() * self.w_scale.float()).expand(self.out_channels).contiguous()
+        return cudnn_graph.conv2d(xq, w4, self.spec, scale, self._bias(torch.float16))
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "

@@ -137,11 +137,7 @@ def _kernels(twin: fp8._FP8Layer, shape: tuple[int, ...]) -> tuple[Callable[[], 
         x = x.contiguous(memory_format=torch.channels_last)
     xq, s = twin._act(x if isinstance(twin, fp8.FP8Conv2d) else x.reshape(-1, twin.in_features))
     if isinstance(twin, fp8.FP8Conv2d) and twin.path == "cudnn":
-        kh, kw = twin.kernel_size
-        w4 = twin._weight_fp8().reshape(twin.out_channels, kh, kw, -1).permute(0, 3, 1, 2)
-        scale = (s.float() * twin.w_scale.float()).expand(twin.out_channels).contiguous()
-        bias = twin._bias(torch.float16)
-        return (lambda: cudnn_graph.conv2d(xq, w4, twin.spec, scale, bias)), (lambda: plain(x))
+        return (lambda: twin.cudnn_conv(xq, s)), (lambda: plain(x))
     if isinstance(twin, fp8.FP8Linear) and twin.path == "gemm":
         w = twin._weight_fp8()
         return (lambda: twin._mm(xq, w, s, x.dtype)), (lambda: plain(x))
