@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from lab.errors import BackendUnavailable
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -142,11 +144,27 @@ def _fp8():
     return "torch._scaled_mm (float8_e4m3fn)"
 
 
+def _encoder():
+    import imageio_ffmpeg
+
+    return f"ffmpeg {imageio_ffmpeg.get_ffmpeg_version()} at {imageio_ffmpeg.get_ffmpeg_exe()} (imageio-ffmpeg)"
+
+
+def require_encoder(what: str) -> None:
+    """Refuse at once where `what` will encode video and cannot: a run that times renderers for minutes must not
+    find the missing encoder at its first end-to-end row."""
+    row = _check("video encoder", _encoder)
+    if not row["available"]:
+        raise BackendUnavailable(f"{what} encodes video with ffmpeg through imageio-ffmpeg, which is not usable here "
+                                 f"({row['detail']}); install it: pip install imageio-ffmpeg")
+
+
 @lru_cache(maxsize=1)
 def backends() -> list[dict[str, Any]]:
     """Which backends can run here; `detail` carries the reason for the ones that cannot."""
     return [_check("cuda", _cuda), _check("torch.compile", _compile), _check("cuda graphs", _cudagraph),
-            _check("fp8 matmul", _fp8), _check("onnxruntime", _onnxruntime), _check("tensorrt", _tensorrt)]
+            _check("fp8 matmul", _fp8), _check("onnxruntime", _onnxruntime), _check("tensorrt", _tensorrt),
+            _check("video encoder", _encoder)]
 
 
 def fingerprint() -> dict[str, Any]:

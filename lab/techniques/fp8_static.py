@@ -157,7 +157,8 @@ def keep_faster(model: nn.Module, rows: list[dict[str, Any]], shapes: dict[str, 
     if not min_gain > 0:
         raise InputError(f"min_gain is the FP8 kernel's speed-up a layer must show to stay FP8, > 0; got {min_gain}")
     if timer is None:
-        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        # buffers too: a model whose every layer became an FP8 twin has its weights only as buffers
+        dev = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
         if dev.type != "cuda":
             return rows
         from lab.timing import gpu_ms
