@@ -107,6 +107,10 @@ def test_self_attention_q_k_v_fuse_into_one_fp8_gemm_and_cross_attention_does_no
     # one weight scale for the three (per tensor): close to the three GEMMs, not bit-equal
     assert float((one - three).norm() / three.norm()) < 0.05
     assert fp8_static.plain_layers(root) == 8 and att.qkv is None and isinstance(att.to_q, nn.Linear)
+    fp8_static.fp8_rewrite(root, amax, emulate=True)
+    assert fp8_static.fusable_qkv(root) == {"s.to_q", "s.to_k", "s.to_v"}    # the self-attention's, not the cross one's
+    fp8_static.plain_layers(root)
+    assert fp8_static.fusable_qkv(root) == set()                             # float layers: nothing to fuse in FP8
 
 
 # ----------------------------------------------------------------------------- LatentSync's fp8_linear
@@ -149,6 +153,39 @@ def test_latentsync_fp8_linear_is_close_to_exact_and_reconfiguring_back_restores
     assert not fp8_static.rewritten(back.unet.model)
     again = P.run(back, avatar, a[:int(sr * 0.4)], sr, max_frames=4, keep_faces=True)
     torch.testing.assert_close(again.latents, ref.latents, rtol=1e-4, atol=1e-4)
+
+
+def test_latentsync_keeps_each_fp8_linear_only_where_its_gemm_is_faster(monkeypatch):
+    """The engine judges every FP8 Linear by its measured GEMM time at its calibrated shape, except the q, k, v it
+    fuses into one GEMM (kept FP8 together). A CPU has no kernel speed to judge: a timer is injected here."""
+    from lab.models.latentsync import Attention as Att
+
+    from lab.pipelines import latentsync as P
+
+    real, judged = fp8_static.keep_faster, []
+
+    def slower_everywhere(model, rows, shapes, min_gain=None, timer=None):
+        def timer(layer, which, fn):   # every FP8 GEMM slower than its fp16 one
+            out = fn()                 # computed at the layer's calibrated shape, through the layer's own GEMM
+            judged.append((layer, tuple(out.shape)))
+            return 2.0 if which == "fp8" else 1.0
+        return real(model, rows, shapes, min_gain, timer)
+
+    monkeypatch.setattr(fp8_static, "keep_faster", slower_everywhere)
+    eng = P.build(P.Config(size="tiny", mode="ddim2", block=4, techniques=("guided_shortcuts", "fused_qkv", "fp8_linear")))
+    model = eng.unet.model
+    fused = [m for m in model.modules() if isinstance(m, Att) and isinstance(m.qkv, fp8.FP8Linear)]
+    assert fused and all(isinstance(m.to_q, fp8.FP8Linear) for m in fused)       # kept FP8, unjudged
+    names = {id(m): n for n, m in model.named_modules()}
+    one_gemm = {names[id(p)] for m in fused for p in (m.to_q, m.to_k, m.to_v)}
+    assert judged and not one_gemm & {layer for layer, _ in judged}
+    assert all(isinstance(model.get_submodule(layer), nn.Linear) for layer, _ in judged)   # put back to fp16
+    assert any("not 1.05× as fast" in line for line in eng.notes["fp8_linear"])
+    from lab.avatar import avatar_loop
+
+    a, sr = data.default_audio()
+    rep = P.run(eng, P.prepare(eng, avatar_loop(3, (128, 192))), a[:int(sr * 0.2)], sr, max_frames=2, keep_faces=True)
+    assert torch.isfinite(rep.latents).all()    # fp16 Linear layers beside the fused FP8 q, k, v run as one model
 
 
 def test_latentsync_lists_fp8_linear_as_approximate():

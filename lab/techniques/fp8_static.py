@@ -191,6 +191,20 @@ def _self_attentions(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if all(hasattr(m, a) for a in ("to_q", "to_k", "to_v", "qkv"))]
 
 
+def _fusable(att: nn.Module) -> bool:
+    parts = [att.to_q, att.to_k, att.to_v]
+    if not all(isinstance(p, fp8.FP8Linear) and hasattr(p, "plain") for p in parts):
+        return False
+    # a cross-attention's k and v read the context, not the input q reads: other ranges, another input
+    return len({float(p.a_scale) for p in parts}) == 1 and parts[1].in_features == parts[0].in_features
+
+
+def fusable_qkv(model: nn.Module) -> set[str]:
+    """The names of the q, k, v FP8 twins `fused_qkv` would make one GEMM of (per attention, all three or none)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return {names[id(p)] for att in _self_attentions(model) if _fusable(att) for p in (att.to_q, att.to_k, att.to_v)}
+
+
 def fused_qkv(model: nn.Module, on: bool) -> int:
     """Each attention whose q, k, v projections are FP8 twins with one input (a self-attention: equal calibrated
     ranges) gets them as one FP8 GEMM of 3× the width in its `qkv` (one cast and one launch instead of three); off:
@@ -201,12 +215,9 @@ def fused_qkv(model: nn.Module, on: bool) -> int:
             if isinstance(att.qkv, fp8._FP8Layer):
                 att.qkv = None
             continue
-        parts = [att.to_q, att.to_k, att.to_v]
-        if isinstance(att.qkv, fp8._FP8Layer) or not all(isinstance(p, fp8.FP8Linear) and hasattr(p, "plain")
-                                                          for p in parts):
+        if isinstance(att.qkv, fp8._FP8Layer) or not _fusable(att):
             continue
-        if len({float(p.a_scale) for p in parts}) != 1 or parts[1].in_features != parts[0].in_features:
-            continue   # a cross-attention: k and v read the context, not the input q reads
+        parts = [att.to_q, att.to_k, att.to_v]
         plain = [p.plain for p in parts]
         one = nn.Linear(plain[0].in_features, sum(p.out_features for p in plain), bias=False,
                         device=plain[0].weight.device, dtype=plain[0].weight.dtype)
