@@ -68,3 +68,27 @@ def test_fp8_convs_stay_only_where_their_cudnn_kernel_is_faster():
         assert isinstance(m.get_submodule(r["layer"]), fp8.FP8Conv2d) == r["fp8"]
     with torch.inference_mode():
         assert torch.isfinite(m(x)).all()
+
+
+def test_fp8_linears_stay_only_where_their_gemm_is_faster():
+    """The same choice for Linear layers (LatentSync's `fp8_linear`): `_scaled_mm` at the calibrated shape against
+    the fp16 GEMM, a large GEMM and a small one; the decision follows the measured times."""
+    from torch import nn
+
+    from lab.techniques import fp8, fp8_static
+
+    if not fp8.fp8_supported("cuda")[0]:
+        pytest.skip(fp8.fp8_supported("cuda")[1])
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 64), nn.Linear(64, 64)).cuda().half()
+    x = torch.randn(8192, 4096, device="cuda", dtype=torch.float16)
+    shapes = {}
+    rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, [(x,)], shapes=shapes))
+    assert all(r["fp8"] for r in rows) and shapes["2"] == (8192, 64)
+    rows = fp8_static.keep_faster(m, rows, shapes)
+    for r in rows:
+        assert r["fp8_ms"] > 0 and r["float_ms"] > 0
+        assert r["fp8"] == (r["float_ms"] >= fp8_static.MIN_GAIN * r["fp8_ms"]), r
+        assert isinstance(m.get_submodule(r["layer"]), fp8.FP8Linear) == r["fp8"]
+    with torch.inference_mode():
+        assert torch.isfinite(m(x)).all()
