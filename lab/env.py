@@ -155,8 +155,8 @@ def require_encoder(what: str) -> None:
     find the missing encoder at its first end-to-end row."""
     row = _check("video encoder", _encoder)
     if not row["available"]:
-        raise BackendUnavailable(f"{what} encodes video with ffmpeg through imageio-ffmpeg, which is not usable here "
-                                 f"({row['detail']}); install it: pip install imageio-ffmpeg")
+        raise BackendUnavailable(f"the video encoding of {what} needs ffmpeg through imageio-ffmpeg, which is not "
+                                 f"usable here ({row['detail']}); install it: pip install imageio-ffmpeg")
 
 
 @lru_cache(maxsize=1)

@@ -10,7 +10,7 @@ from lab.errors import BackendUnavailable
 
 def test_a_missing_encoder_is_named_with_its_install_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)   # the import fails as where it is not installed
-    with pytest.raises(BackendUnavailable, match=r"^notebook X encodes video .*imageio-ffmpeg.*pip install imageio-ffmpeg"):
+    with pytest.raises(BackendUnavailable, match=r"^the video encoding of notebook X needs ffmpeg .*imageio-ffmpeg.*pip install imageio-ffmpeg"):
         env.require_encoder("notebook X")
     listed = {b["backend"]: b for b in env.backends.__wrapped__()}["video encoder"]
     assert listed["available"] is False and "imageio_ffmpeg" in listed["detail"]
@@ -28,6 +28,20 @@ def test_notebook_06_refuses_before_it_builds_or_times_anything(tmp_path, monkey
     monkeypatch.setattr(X.P, "build", lambda *a, **k: pytest.fail("built an engine before checking the encoder"))
     with pytest.raises(BackendUnavailable, match="06_ditto's end-to-end rows"):
         X.setup("cpu", True, 0, str(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("notebook", ["01", "08"])
+def test_the_other_notebooks_that_encode_refuse_at_their_start(notebook, tmp_path, monkeypatch):
+    from lab.experiments import profiling, serving
+
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)
+    with pytest.raises(BackendUnavailable, match="01_profiling's encoder ceiling" if notebook == "01" else
+                       "08_serving_techniques's streaming section"):
+        if notebook == "01":
+            profiling.start({"device": "cpu", "quick": True, "out_dir": str(tmp_path / "run")})
+        else:
+            serving.setup("cpu", True, 0, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()   # no run folder opened for a run that cannot finish
 
 
 def test_notebook_06_draws_no_easing_strip_when_no_end_to_end_run_finished(tmp_path):

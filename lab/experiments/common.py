@@ -115,14 +115,17 @@ def notebook_path(name: str) -> Path:
 
 
 def start(name: str, namespace: dict[str, Any], rules: dict[str, params.Rule] | None = None,
-          profile: Callable[[dict[str, Any], torch.device], dict[str, Any]] | None = None) -> Run:
+          profile: Callable[[dict[str, Any], torch.device], dict[str, Any]] | None = None, encodes: str = "") -> Run:
     """Check the notebook's parameters (the names its parameters cell declares, found in `namespace`
     — a notebook passes `globals()`), pick the device, apply the experiment's profile (sizes from
-    quick and the device), seed, and open this session's run folder."""
+    quick and the device), seed, and open this session's run folder. `encodes`: what part of the notebook encodes
+    video, where it does (the encoder is then required up front: `lab.env.require_encoder`)."""
     defaults = params.notebook_defaults(notebook_path(name))
     values = {k: namespace[k] for k in defaults if k in namespace}
     p = params.check(values, defaults, rules, where=name)
     dev = env.pick_device(p.get("device", "auto"))
+    if encodes:
+        env.require_encoder(f"{name}'s {encodes}")
     if "quick" in p:
         p["quick"] = params.resolve_quick(p["quick"], dev)
     if profile is not None:

@@ -123,7 +123,7 @@ def profile(p: dict[str, Any], device: torch.device) -> dict[str, Any]:
 def start(namespace: dict[str, Any]) -> Run:
     """Check the parameters, apply the profile, open the run folder (and set the CPU threads the
     profile asks for, recorded in the params)."""
-    run = _start(NAME, namespace, RULES, profile)
+    run = _start(NAME, namespace, RULES, profile, encodes="encoder ceiling")
     if run.threads:
         torch.set_num_threads(run.threads)
     run.result.params["threads"] = torch.get_num_threads()

@@ -95,9 +95,9 @@ def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_di
     if not full:
         torch.set_num_threads(1)
     torch.manual_seed(seed)
-    folder = run_dir(NAME, out_dir)
+    env.require_encoder(f"{NAME}'s streaming section")   # at the start, not after the sections before it
     res = Result(name=NAME, params=dict(device=str(dev), quick=quick, seed=seed, **knobs))
-    return Context(dev, bool(quick), int(seed), folder, res, env.machine_label(), full)
+    return Context(dev, bool(quick), int(seed), run_dir(NAME, out_dir), res, env.machine_label(), full)
 
 
 def show(section: Section) -> None:
