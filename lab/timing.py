@@ -173,9 +173,14 @@ class BenchResult:
         return d
 
 
-def gpu_ms(fn: Callable[[], Any], iters: int = 5, warmup: int = 2) -> float:
+LAUNCH_COVER_CYCLES = 2_000_000   # ~1 ms of GPU clock: longer than one layer's host-side launch work
+
+
+def gpu_ms(fn: Callable[[], Any], iters: int = 5, warmup: int = 2, kernels_only: bool = False) -> float:
     """Median milliseconds of `fn()` on the current CUDA stream (events; a short loop for choosing kernels or
-    plans, not a benchmark: `bench` is that)."""
+    plans, not a benchmark: `bench` is that). `kernels_only`: the GPU spins before each start event while the host
+    enqueues `fn`'s work, so the events time its kernels without the host's launch work — as they run replayed in a
+    CUDA graph; two call paths of unequal host cost (a cuDNN frontend call vs a torch op) compare fairly."""
     with torch.no_grad():
         for _ in range(warmup):
             fn()
@@ -183,6 +188,8 @@ def gpu_ms(fn: Callable[[], Any], iters: int = 5, warmup: int = 2) -> float:
         times = []
         for _ in range(iters):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if kernels_only:
+                torch.cuda._sleep(LAUNCH_COVER_CYCLES)
             s.record()
             fn()
             e.record()

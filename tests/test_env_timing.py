@@ -72,3 +72,20 @@ def test_bench_rotates_inputs():
 def test_ceilings_cpu_quick():
     c = ceilings("cpu", quick=True)
     assert c["matmul_tflops"]["fp32"] > 0 and c["copy_gbps"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernels_only_times_the_kernels_without_the_hosts_launch_work():
+    from lab.timing import gpu_ms
+
+    x = torch.zeros(1024, device="cuda")
+
+    def slow_host():   # 0.3 ms of host work before one tiny kernel, as a heavy Python call path has
+        t = time.perf_counter()
+        while time.perf_counter() - t < 3e-4:
+            pass
+        x.add_(1)
+
+    assert gpu_ms(slow_host, iters=5) >= 0.25                       # the events saw the GPU wait for the host
+    assert gpu_ms(slow_host, iters=5, kernels_only=True) < 0.1     # the GPU spun meanwhile: the kernel alone
