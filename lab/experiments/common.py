@@ -8,6 +8,7 @@ tables, finish the Result. One copy here, used by every `lab.experiments` module
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,6 +135,19 @@ def start(name: str, namespace: dict[str, Any], rules: dict[str, params.Rule] | 
     folder = run_dir(name, p.get("out_dir"))
     res = Result(name=name, params={k: v for k, v in p.items() if k != "out_dir"} | {"device": str(dev)})
     return Run(name, p, dev, folder, res, env.machine_label())
+
+
+def section(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A notebook section a run may leave out (its context's `left_out`, from the notebook's `sections`): it then says
+    so and computes nothing."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(ctx: Any, *args: Any, **kw: Any) -> Any:
+            if name in ctx.left_out:
+                return markdown(f"*{name}: left out of this run (`sections` = {ctx.res.params['sections']})*")
+            return fn(ctx, *args, **kw)
+        return run
+    return wrap
 
 
 def row(rows: Sequence[dict], **match: Any) -> dict[str, Any] | None:

@@ -30,9 +30,9 @@ import torch
 from lab import env, metrics, params, plots
 from lab.techniques import silence as sil
 from lab.experiments import inputs
-from lab.experiments.common import markdown, notebook_path, run_steps
+from lab.experiments.common import markdown, notebook_path, run_steps, section
 from lab.progress import step as progress_step
-from lab.experiments.ditto_variants import (AGREEMENT_VARIANTS, CL, FOLD, FULL_VARIANTS, VARIANT_TEXT, VARIANTS,
+from lab.experiments.ditto_variants import (AGREEMENT_VARIANTS, BEST, CL, FOLD, FULL_VARIANTS, VARIANT_TEXT, VARIANTS,
                                             _compiles, _graphs, exact, renderer_notes, with_renderer, with_techniques)
 from lab.models import ditto as D
 from lab.pipelines import Encode, ditto as P, preset
@@ -44,7 +44,15 @@ NAME = "06_ditto"
 
 
 # the notebook's own parameters beyond device / quick / seed / out_dir (checked before anything runs)
-RULES: dict[str, params.Rule] = {"weights": inputs.weights_rule("ditto", extra=("hubert",)), "source": inputs.source_file,
+# the notebook's sections in order; `sections` runs some of them (a full-size run outlasts one 10-minute job)
+SECTIONS = ("renderer", "agreement", "stages", "waterfall", "silence", "strides", "host", "scrubber", "comparison")
+
+
+def _sections(name: str, v: Any) -> Any:
+    return v if v == "all" else params.list_of(params.one_of(*SECTIONS))(name, [v] if isinstance(v, str) else v)
+
+
+RULES: dict[str, params.Rule] = {"sections": _sections, "weights": inputs.weights_rule("ditto", extra=("hubert",)), "source": inputs.source_file,
                                   "audio_path": inputs.audio_file, "allow_silence": params.flag,
                                   "clip_s": params.positive(
     optional=True, most=600, why="10 min: the notebook holds the clip's frames, motion and features for its tables; "
@@ -124,6 +132,7 @@ class Context:
     ceiling_tflops: float | None = None
     runs: dict[str, Any] = field(default_factory=dict)        # waterfall/stride step → RunReport (faces kept)
     t0: float = field(default_factory=time.perf_counter)
+    left_out: frozenset[str] = frozenset()                      # SECTIONS this run does not compute
 
     def partial(self) -> None:
         """The Result so far, replaced after each step (a killed run leaves what it measured)."""
@@ -160,16 +169,19 @@ def _source_for(prof: Profile, source: str | None) -> Any:
 
 def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_dir: str | None = None,
           weights: dict[str, str] | str = "random", source: str | None = None, clip_s: float | None = None,
-          audio_path: str | None = None, allow_silence: bool = False) -> Context:
+          audio_path: str | None = None, allow_silence: bool = False, sections: str | list[str] = "all") -> Context:
     """Profile, engine (random weights unless `weights` names released files), avatar, clip, Result.
+    `sections`: "all" or the SECTIONS to compute (the others say they were left out); without the renderer table the
+    end-to-end rows use the exact preset's renderer.
     `clip_s`: seconds of speech instead of the profile's, its two pauses at the same fractions of the clip (a
     longer clip weighs the start-up, the first motion window and block, less against the steady rate).
     `audio_path`: your speech instead, cut to the clip's length (said), with no pauses inserted."""
     t_start = time.perf_counter()
 
-    params.check({"device": device, "quick": quick, "seed": seed, "out_dir": out_dir, "weights": weights, "source": source,
-                  "clip_s": clip_s, "audio_path": audio_path, "allow_silence": allow_silence},
-                 {**params.notebook_defaults(notebook_path(NAME)), "interactive": None}, RULES, NAME)
+    sections = params.check({"device": device, "quick": quick, "seed": seed, "out_dir": out_dir, "weights": weights,
+                             "source": source, "clip_s": clip_s, "audio_path": audio_path, "allow_silence": allow_silence,
+                             "sections": sections},
+                            {**params.notebook_defaults(notebook_path(NAME)), "interactive": None}, RULES, NAME)["sections"]
     dev = env.pick_device(device)
     quick = params.resolve_quick(quick, dev)
     prof = profile(quick, dev)
@@ -200,7 +212,12 @@ def setup(device: str = "auto", quick: bool | str = False, seed: int = 0, out_di
                              batch=prof.batch, variants=prof.variants, lmdm_steps=prof.steps, source=source or "default avatar",
                              audio=Path(audio_path).name if audio_path else "the bundled sentence, two inserted pauses"))
     res.metrics["params"] = {c: D.param_count(m) for c, m in engine.nets.items()} | {"hubert": D.param_count(engine.hubert)}
-    ctx = Context(dev, prof, run_dir(NAME, out_dir), res, engine, avatar, audio, machine, suffix, seed, t0=t_start)
+    left_out = frozenset() if sections == "all" else frozenset(SECTIONS) - set(sections)
+    ctx = Context(dev, prof, run_dir(NAME, out_dir), res, engine, avatar, audio, machine, suffix, seed, t0=t_start,
+                  left_out=left_out)
+    res.params["sections"] = sections
+    if "renderer" in left_out:   # no table to choose from: the exact preset's renderer, as `--renderer` would name it
+        res.params["renderer"] = BEST
     if prof.full_gpu:
         ctx.ceiling_tflops = matmul_ceiling(torch.float16, dev)
         res.metrics["fp16_ceiling_tflops"] = ctx.ceiling_tflops
@@ -1081,6 +1098,7 @@ def summary(ctx: Context) -> str:
             f"parameters: {ctx.res.metrics['params']}")
 
 
+@section("renderer")
 def renderer_section(ctx: Context) -> Any:
     """Section 1: the renderer table (every variant), its figure saved, the variants explained."""
     rows = renderer_table(ctx)
@@ -1090,12 +1108,14 @@ def renderer_section(ctx: Context) -> Any:
                  f"{ctx.res.metrics['renderer_gflop_per_frame']:.1f} GFLOP per frame\n\n{text}")
 
 
+@section('agreement')
 def agreement_section(ctx: Context) -> Any:
     """Section 1b: the renderer variants against upstream's code (the parity fixture) on the procedure's weights."""
     return table(upstream_agreement(ctx), COLUMNS["upstream_agreement"],
                  f"renderer vs upstream's code (parity weights, fixture inputs in slot 0){ctx.suffix}")
 
 
+@section('stages')
 def stage_section(ctx: Context) -> Any:
     """Section 2: the stage profile, then one LMDM window eager / CUDA graph / compiled / both."""
     from lab.experiments.common import markdown as Markdown
@@ -1105,6 +1125,7 @@ def stage_section(ctx: Context) -> Any:
     return Markdown(md)
 
 
+@section('waterfall')
 def waterfall_section(ctx: Context) -> Any:
     """Section 3: the waterfall rows, then the last row's own stages (where an end-to-end frame goes)."""
     rows = waterfall(ctx)
@@ -1116,6 +1137,7 @@ def waterfall_section(ctx: Context) -> Any:
     return markdown(md + "\n\n" + table(stages, COLUMNS["e2e_stages"], "stages of the last row (ms per output frame)").data)
 
 
+@section('silence')
 def silence_section(ctx: Context) -> None:
     """Section 4: the silence plan and the easing strip (figures shown and saved)."""
     save_figure(silence_figure(ctx), ctx.folder, "silence_plan", ctx.res)
@@ -1123,6 +1145,7 @@ def silence_section(ctx: Context) -> None:
         save_figure(easing_strip(ctx), ctx.folder, "easing_strip", ctx.res)
 
 
+@section('strides')
 def stride_section(ctx: Context) -> Any:
     """Section 5: the stride rows; waterfall.png is saved again with the output strides as marked bars."""
     import matplotlib.pyplot as plt
@@ -1135,6 +1158,7 @@ def stride_section(ctx: Context) -> Any:
     return table(rows, COLUMNS["strides"], f"strides{ctx.suffix}")
 
 
+@section('host')
 def host_section(ctx: Context) -> Any:
     """Section 6: the encoder ceiling and host memory, short vs long clip."""
     enc, mem = encoder_ceiling(ctx), memory_flat(ctx)
@@ -1145,7 +1169,10 @@ def host_section(ctx: Context) -> Any:
                              f"stride {mem['stride']}){ctx.suffix}")
 
 
+@section('scrubber')
 def scrubber_section(ctx: Context, interactive: bool | None = None) -> Any:
+    if not any(r.faces is not None for r in ctx.runs.values()):
+        return markdown("*no end-to-end run in this run to show side by side*")
     view = scrubber(ctx, interactive=interactive)
     if hasattr(view, "savefig"):
         import matplotlib.pyplot as plt
@@ -1155,6 +1182,7 @@ def scrubber_section(ctx: Context, interactive: bool | None = None) -> Any:
     return view
 
 
+@section('comparison')
 def comparison_section(ctx: Context) -> Any:
     return table(comparisons(ctx), COLUMNS["comparisons"])
 
