@@ -189,4 +189,6 @@ def test_hud_overhead_times_a_refreshing_hud(musetalk):
     assert r["fps_without_hud"] > 0 and r["fps_with_hud"] > 0 and r["hud_period_s"] < 1.0
     assert r["renders_per_measurement"] == 1 and r["ms_per_reading"] is not None
     long = S.hud_overhead(musetalk, repeats=1, period_s=1.0, min_wall_s=3 * r["measurement_s"])
-    assert long["renders_per_measurement"] >= 3   # a measurement lasts at least min_wall_s
+    # a measurement renders as often as it takes to last min_wall_s, counted from this call's own warm-up render: on a
+    # busy 2-core host that one may run slower than the first call's median, so 3 renders' time can take only 2
+    assert long["renders_per_measurement"] >= 2
