@@ -43,7 +43,6 @@ from lab.timing import bench, count_flops, matmul_ceiling
 NAME = "06_ditto"
 
 
-# the notebook's own parameters beyond device / quick / seed / out_dir (checked before anything runs)
 # the notebook's sections in order; `sections` runs some of them (a full-size run outlasts one 10-minute job)
 SECTIONS = ("renderer", "agreement", "stages", "waterfall", "silence", "strides", "host", "scrubber", "comparison")
 
@@ -52,8 +51,9 @@ def _sections(name: str, v: Any) -> Any:
     return v if v == "all" else params.list_of(params.one_of(*SECTIONS))(name, [v] if isinstance(v, str) else v)
 
 
-RULES: dict[str, params.Rule] = {"sections": _sections, "weights": inputs.weights_rule("ditto", extra=("hubert",)), "source": inputs.source_file,
-                                  "audio_path": inputs.audio_file, "allow_silence": params.flag,
+# the notebook's own parameters beyond device / quick / seed / out_dir (checked before anything runs)
+RULES: dict[str, params.Rule] = {"sections": _sections, "weights": inputs.weights_rule("ditto", extra=("hubert",)),
+                                  "source": inputs.source_file, "audio_path": inputs.audio_file, "allow_silence": params.flag,
                                   "clip_s": params.positive(
     optional=True, most=600, why="10 min: the notebook holds the clip's frames, motion and features for its tables; "
     "render a longer one with lab render")}
@@ -1108,14 +1108,14 @@ def renderer_section(ctx: Context) -> Any:
                  f"{ctx.res.metrics['renderer_gflop_per_frame']:.1f} GFLOP per frame\n\n{text}")
 
 
-@section('agreement')
+@section("agreement")
 def agreement_section(ctx: Context) -> Any:
     """Section 1b: the renderer variants against upstream's code (the parity fixture) on the procedure's weights."""
     return table(upstream_agreement(ctx), COLUMNS["upstream_agreement"],
                  f"renderer vs upstream's code (parity weights, fixture inputs in slot 0){ctx.suffix}")
 
 
-@section('stages')
+@section("stages")
 def stage_section(ctx: Context) -> Any:
     """Section 2: the stage profile, then one LMDM window eager / CUDA graph / compiled / both."""
     from lab.experiments.common import markdown as Markdown
@@ -1125,7 +1125,7 @@ def stage_section(ctx: Context) -> Any:
     return Markdown(md)
 
 
-@section('waterfall')
+@section("waterfall")
 def waterfall_section(ctx: Context) -> Any:
     """Section 3: the waterfall rows, then the last row's own stages (where an end-to-end frame goes)."""
     rows = waterfall(ctx)
@@ -1137,7 +1137,7 @@ def waterfall_section(ctx: Context) -> Any:
     return markdown(md + "\n\n" + table(stages, COLUMNS["e2e_stages"], "stages of the last row (ms per output frame)").data)
 
 
-@section('silence')
+@section("silence")
 def silence_section(ctx: Context) -> None:
     """Section 4: the silence plan and the easing strip (figures shown and saved)."""
     save_figure(silence_figure(ctx), ctx.folder, "silence_plan", ctx.res)
@@ -1145,7 +1145,7 @@ def silence_section(ctx: Context) -> None:
         save_figure(easing_strip(ctx), ctx.folder, "easing_strip", ctx.res)
 
 
-@section('strides')
+@section("strides")
 def stride_section(ctx: Context) -> Any:
     """Section 5: the stride rows; waterfall.png is saved again with the output strides as marked bars."""
     import matplotlib.pyplot as plt
@@ -1158,7 +1158,7 @@ def stride_section(ctx: Context) -> Any:
     return table(rows, COLUMNS["strides"], f"strides{ctx.suffix}")
 
 
-@section('host')
+@section("host")
 def host_section(ctx: Context) -> Any:
     """Section 6: the encoder ceiling and host memory, short vs long clip."""
     enc, mem = encoder_ceiling(ctx), memory_flat(ctx)
@@ -1169,7 +1169,7 @@ def host_section(ctx: Context) -> Any:
                              f"stride {mem['stride']}){ctx.suffix}")
 
 
-@section('scrubber')
+@section("scrubber")
 def scrubber_section(ctx: Context, interactive: bool | None = None) -> Any:
     if not any(r.faces is not None for r in ctx.runs.values()):
         return markdown("*no end-to-end run in this run to show side by side*")
@@ -1182,7 +1182,7 @@ def scrubber_section(ctx: Context, interactive: bool | None = None) -> Any:
     return view
 
 
-@section('comparison')
+@section("comparison")
 def comparison_section(ctx: Context) -> Any:
     return table(comparisons(ctx), COLUMNS["comparisons"])
 

@@ -8,8 +8,8 @@ Dynamo keeps its compiled entries per code object: every variant a notebook comp
 technique stack, batch shape, precision) is one more entry of the same `forward`. Past torch's default of 8 it
 stops compiling and runs the function eagerly without a word — a table row timed eager under a compiled label
 (notebook 06's renderer table met it at its ninth compiled variant: 138 FPS where the variant compiled alone ran
-396; an H100, random weights). Every compile in the lab goes through `compiled`, which widens the budget to LIMIT for the process and makes
-dynamo raise when even that is spent, so the row fails and says why instead.
+396; an H100, random weights). Every compile in the lab goes through `compiled`, which widens the budget to LIMIT
+for the process and makes dynamo raise when even that is spent, so the row fails and says why instead.
 """
 from __future__ import annotations
 

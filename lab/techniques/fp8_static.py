@@ -23,6 +23,7 @@ an im2col GEMM): tests and smoke runs see the approximate function the GPU compu
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Callable, Iterable, Sequence
 
@@ -158,7 +159,7 @@ def keep_faster(model: nn.Module, rows: list[dict[str, Any]], shapes: dict[str, 
         raise InputError(f"min_gain is the FP8 kernel's speed-up a layer must show to stay FP8, > 0; got {min_gain}")
     if timer is None:
         # buffers too: a model whose every layer became an FP8 twin has its weights only as buffers
-        dev = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
+        dev = next((t.device for t in itertools.chain(model.parameters(), model.buffers())), torch.device("cpu"))
         if dev.type != "cuda":
             return rows
         from lab.timing import gpu_ms
