@@ -975,3 +975,18 @@ def test_conv_rate_bound_replaces_only_the_conv_time():
     assert conv_rate_bound({"conv": 6.0}, 10.0, rows + [{"count": 1, "status": "skipped: budget"}]) is None
     assert conv_rate_bound({"total": 9.0}, 10.0, rows) is None
     assert conv_rate_bound({"conv": 6.0}, 10.0, []) is None
+
+
+def test_layer_timing_for_kernel_choice_times_kernels_only(monkeypatch):
+    # paths of unequal launch work (im2col's several ops vs one Triton kernel) are compared as a CUDA graph
+    # replays them: a timer that also caught the host's launch work would favour the path with fewer launches
+    seen = {}
+
+    def fake_gpu_ms(fn, iters=5, warmup=2, kernels_only=False):
+        seen.update(iters=iters, warmup=warmup, kernels_only=kernels_only, out=fn())
+        return 1.0
+
+    monkeypatch.setattr(fp8, "gpu_ms", fake_gpu_ms)
+    layer = nn.Linear(4, 4)
+    assert fp8.time_layer(layer, torch.randn(2, 4), iters=3) == 1.0
+    assert seen["kernels_only"] is True and seen["iters"] == 3 and seen["out"].shape == (2, 4)
