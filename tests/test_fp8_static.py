@@ -275,6 +275,99 @@ def test_each_layer_stays_fp8_only_where_its_kernel_is_measurably_faster():
         fp8_static.keep_faster(m, rows, {}, timer=timer)
 
 
+def _three_convs():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                      nn.Conv2d(32, 16, 1))
+    g = torch.Generator().manual_seed(1)
+    batches, shapes = [(torch.randn(2, 16, 12, 12, generator=g),) for _ in range(2)], {}
+    rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, batches, types=(nn.Conv2d,), shapes=shapes), emulate=True)
+    return m, batches, shapes, rows
+
+
+def _db_of(m, batches, ref):
+    from lab.metrics import psnr
+
+    with torch.no_grad():
+        return psnr(torch.cat([m(*b).flatten() for b in batches]), ref, data_range=1.0)
+
+
+def test_each_layer_stays_fp8_only_while_the_output_stays_within_the_floor():
+    import math
+
+    m, batches, shapes, rows = _three_convs()
+    fp8_static.plain_layers(m)
+    with torch.no_grad():
+        ref = torch.cat([m(*b).flatten() for b in batches])
+    m, batches, shapes, rows = _three_convs()
+    everything = fp8_static.keep_within(m, rows, batches, 1.0)          # a floor every plan clears: all stay FP8
+    assert everything["kept"] == everything["of"] == 3 and all(isinstance(m[i], fp8.FP8Conv2d) for i in (0, 2, 4))
+    alone = {r["layer"]: r["alone_db"] for r in rows}
+    assert all(20 < db < 100 for db in alone.values())
+    assert abs(everything["psnr_db"] - _db_of(m, batches, ref)) < 1e-6
+    assert everything["psnr_db"] < min(alone.values())                  # the layers' errors add up
+    # the time saved per unit of error decides: with the budget of one layer's noise, that layer alone stays FP8
+    for fast in ("0", "4"):
+        m, batches, shapes, rows = _three_convs()
+        for r in rows:
+            r["fp8_ms"], r["float_ms"] = 1.0, (101.0 if r["layer"] == fast else 1.06)
+        floor = alone[fast] - 10 * math.log10(1.001)
+        plan = fp8_static.keep_within(m, rows, batches, floor, shapes=shapes)
+        by = {r["layer"]: r for r in rows}
+        assert plan["kept"] == 1 and plan["psnr_db"] >= floor and by[fast]["fp8"]
+        assert isinstance(m[int(fast)], fp8.FP8Conv2d)
+        for other in {"0", "2", "4"} - {fast}:
+            assert not by[other]["fp8"] and type(m[int(other)]) is nn.Conv2d
+            assert by[other]["reason"].startswith(f"put back to keep the output within {floor:g} dB PSNR")
+        assert abs(plan["psnr_db"] - _db_of(m, batches, ref)) < 1e-6
+    # a floor no FP8 layer clears: every layer back to float, the float function exactly
+    m, batches, shapes, rows = _three_convs()
+    none = fp8_static.keep_within(m, rows, batches, 300.0)
+    assert none == {"psnr_db": math.inf, "kept": 0, "of": 3} and fp8_static.plain_layers(m) == 0
+
+
+def test_a_plan_that_misses_its_floor_when_measured_gives_back_its_least_efficient_layer(monkeypatch):
+    from lab import metrics
+
+    m, batches, shapes, rows = _three_convs()
+    fp8_static.keep_within(m, rows, batches, 1.0)
+    alone = {r["layer"]: r["alone_db"] for r in rows}
+    real = metrics.drift
+    m, batches, shapes, rows = _three_convs()
+
+    def correlated(ref, out, data_range=None):   # errors that add worse than the prediction once two layers are FP8
+        d = real(ref, out, data_range)
+        return {**d, "psnr_db": d["psnr_db"] - 6.0 * (sum(isinstance(x, fp8.FP8Conv2d) for x in m) >= 2)}
+
+    monkeypatch.setattr(metrics, "drift", correlated)
+    for r in rows:
+        r["fp8_ms"], r["float_ms"] = 1.0, {"0": 50.0, "2": 40.0, "4": 1.06}[r["layer"]]
+    floor = min(alone["0"], alone["2"]) - 4.0       # predicted: 0 and 2 together clear it; measured they miss
+    plan = fp8_static.keep_within(m, rows, batches, floor, shapes=shapes)
+    by = {r["layer"]: r for r in rows}
+    assert plan["kept"] == 1 and plan["psnr_db"] >= floor and by["0"]["fp8"] and not by["2"]["fp8"]
+
+
+def test_the_error_floor_refuses_what_it_cannot_measure():
+    m, batches, shapes, rows = _three_convs()
+    for bad in (0, -3.0, float("inf"), float("nan")):
+        with pytest.raises(InputError, match="min_db is the PSNR floor"):
+            fp8_static.keep_within(m, rows, batches, bad)
+    with pytest.raises(InputError, match="at least one batch"):
+        fp8_static.keep_within(m, rows, [], 40.0)
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = m
+
+        def forward(self, x):
+            return self.c(x), x
+
+    with pytest.raises(InputError, match="returns one tensor, got tuple"):
+        fp8_static.keep_within(Pair(), [{**r, "layer": "c." + r["layer"]} for r in rows], batches, 40.0)
+
+
 def test_emulated_fp8_is_never_judged_by_its_speed():
     m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1))
     batches, shapes = [(torch.randn(2, 16, 8, 8),)], {}
@@ -327,6 +420,12 @@ def test_ditto_fp8_conv_runs_the_decoder_convs_in_fp8_calibrated_on_the_warped_f
     from lab.experiments.ditto_variants import renderer_notes   # notebook 06's renderer rows carry the same note
 
     assert "conv_img.0" in renderer_notes(eng) and renderer_notes(engine) == ""
+    import re
+
+    plan = [re.search(r"(\d+) of the decoder's (\d+) convs in FP8: its faces ([\d.]+) dB PSNR from the fp32 decoder's "
+                      r"on the calibration frames \(floor 50 dB\)", n) for n in rep.notes]
+    kept, convs, db = next(map(lambda g: (int(g[1]), int(g[2]), float(g[3])), filter(None, plan)))
+    assert 0 < kept == len(twins) < convs and db >= 50.0                 # the error half of the per-layer choice
     p = psnr(rep.faces.float() / 255, ref.faces.float() / 255)
     assert 20 < p < 100                                             # approximate (random weights: a bound, no finding)
     calls = fp8_calibration(engine, "fp32", ())

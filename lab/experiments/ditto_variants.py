@@ -104,8 +104,9 @@ VARIANT_TEXT = {
     BEST + "+gconv": "the exact preset's renderer with the merged decoder's convs as cuDNN graph convs, each block's "
                      "skip add in its last conv's epilogue (lab.runtime.conv_graphs; the same function)",
     BEST + "+fp8": "approximate: the exact preset's renderer with the merged decoder's convs in cuDNN FP8, static "
-                   "activation scales, each conv FP8 only where its kernel beat fp16's when built (lab.techniques."
-                   "fp8_static); its PSNR is a bound on the arithmetic with random weights, never the best exact renderer",
+                   "activation scales, each conv FP8 only where its kernel beat fp16's when built and while the faces "
+                   "stay within 50 dB of the fp16 decoder's (lab.techniques.fp8_static); its PSNR is a bound on the "
+                   "arithmetic with random weights, never the best exact renderer",
 }
 
 

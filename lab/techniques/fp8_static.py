@@ -1,9 +1,11 @@
 """FP8 layers with static activation scales, calibrated over a set of calls and rewritten into a network in place.
 
-    amax = calibrate(model, batches)          # each layer's input range over every call
-    rows = fp8_rewrite(model, amax)           # in place: those layers as FP8 GEMMs / convs with static scales
-    fused_qkv(model, True)                    # a self-attention's q, k, v as one FP8 GEMM
-    plain_layers(model)                       # undone: the float layers back, unchanged
+    amax = calibrate(model, batches, shapes=shapes)   # each layer's input range (and shape) over every call
+    rows = fp8_rewrite(model, amax)                   # in place: those layers as FP8 GEMMs / convs, static scales
+    keep_faster(model, rows, shapes)                  # per layer: FP8 only where its kernel is faster (a GPU)
+    keep_within(model, rows, batches, 50.0)           # and while the output stays within 50 dB of the float one's
+    fused_qkv(model, True)                            # a self-attention's q, k, v as one FP8 GEMM
+    plain_layers(model)                               # undone: the float layers back, unchanged
 
 Why static: a dynamic activation scale is an amax reduction over each input before its cast, one more pass and a
 dependency per layer, and it measured slower than fp16 on LatentSync's UNet even compiled (0.95×). A static scale
@@ -183,6 +185,75 @@ def keep_faster(model: nn.Module, rows: list[dict[str, Any]], shapes: dict[str, 
             row.update(fp8=False, reason=f"its FP8 kernel was not {min_gain:g}× as fast as the float one at its input "
                                          f"shape (timed when built)")
     return rows
+
+
+def _saved(row: dict[str, Any], shape: tuple[int, ...] | None, layer: nn.Module) -> float:
+    """What keeping a layer FP8 saves: its measured kernel time saved (`keep_faster`'s), else (no timer: a CPU) its
+    weights × input positions, the GEMM work the FP8 kernel would speed up."""
+    if row.get("fp8_ms") is not None and row.get("float_ms") is not None:
+        return max(row["float_ms"] - row["fp8_ms"], 0.0)
+    conv = isinstance(layer, fp8.FP8Conv2d)
+    positions = (shape[0] * math.prod(shape[2:]) if conv else math.prod(shape[:-1])) if shape else 1
+    return float(layer.plain.weight.numel() * positions)
+
+
+def keep_within(model: nn.Module, rows: list[dict[str, Any]], batches: Sequence[tuple], min_db: float,
+                data_range: float = 1.0, shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
+    """Per layer, FP8 only while the model's output stays within `min_db` PSNR of the float model's on `batches` —
+    the error half of the per-layer choice (`keep_faster` is the speed half; notebook 03's mixed plan, as an engine
+    builds it). Each FP8 layer of `rows` is measured alone (the others float); their noise powers add, so layers are
+    taken in order of time saved per noise while the predicted PSNR clears `min_db`; the plan is then measured, and
+    while it misses, its least efficient layer goes back. The rows are updated (`alone_db` each; fp8 False with the
+    reason for a layer put back); returns the measured plan: {"psnr_db", "kept", "of"}."""
+    from lab.metrics import drift
+
+    if not 0 < min_db < math.inf:
+        raise InputError(f"min_db is the PSNR floor (dB) the FP8 model's output must keep from the float model's, "
+                         f"a finite number > 0; got {min_db}")
+    batches = list(batches)
+    if not batches:
+        raise InputError("keep_within needs at least one batch of the model's inputs to measure the output on")
+    live = [r for r in rows if r["fp8"]]
+    twins = {r["layer"]: model.get_submodule(r["layer"]) for r in live}
+
+    def put(names: Iterable[str]) -> None:
+        names = set(names)
+        for n, t in twins.items():
+            fp8._set_module(model, n, t if n in names else t.plain)
+
+    def output(names: Iterable[str]) -> torch.Tensor:
+        put(names)
+        with torch.no_grad():
+            outs = [model(*b) for b in batches]
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            raise InputError(f"keep_within measures a model that returns one tensor, got {type(outs[0]).__name__}")
+        return torch.cat([o.float().flatten() for o in outs])
+
+    ref = output(())
+
+    def db(names: Iterable[str]) -> float:
+        return drift(ref, output(names), data_range)["psnr_db"]
+
+    noise, saved = {}, {}
+    for r in live:
+        r["alone_db"] = db([r["layer"]])
+        noise[r["layer"]] = math.inf if math.isnan(r["alone_db"]) else 10 ** (-r["alone_db"] / 10)
+        saved[r["layer"]] = _saved(r, (shapes or {}).get(r["layer"]), twins[r["layer"]])
+    budget, spent, plan = 10 ** (-min_db / 10), 0.0, []
+    for n in sorted(twins, key=lambda n: saved[n] / noise[n] if noise[n] > 0 else math.inf, reverse=True):
+        if spent + noise[n] <= budget:
+            plan.append(n)
+            spent += noise[n]
+    got = db(plan) if plan else math.inf
+    while plan and not got >= min_db:   # the noises were not quite independent: the least efficient goes back
+        plan.pop()
+        got = db(plan) if plan else math.inf
+    put(plan)
+    for r in live:
+        if r["layer"] not in plan:
+            r.update(fp8=False, reason=f"put back to keep the output within {min_db:g} dB PSNR of the float model's "
+                                       f"(the layers kept save the most time per unit of error)")
+    return {"psnr_db": got, "kept": len(plan), "of": len(live)}
 
 
 def rewritten(model: nn.Module) -> bool:

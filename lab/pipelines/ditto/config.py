@@ -71,7 +71,9 @@ declare("fp8_conv", FAMILY, False, "The merged SPADE decoder's convolutions as c
         "network's features for the bundled avatar driven by the bundled sentence), the descale and bias in each "
         "conv's epilogue, on a GPU the decoder channels-last (NHWC operands); convs off the FP8 shapes (the image "
         "conv) stay fp16, and on a GPU so does each conv whose FP8 kernel is not 1.05× as fast as its fp16 one at its "
-        "shape (timed when the decoder is built). Approximate. Needs FP8 tensor cores and the cuDNN frontend on a GPU; a CPU emulates the FP8 "
+        "shape (timed when the decoder is built); then convs go back to fp16, least time saved per unit of error "
+        "first, until the decoder's faces on the calibration frames are within 50 dB PSNR of the fp16 decoder's "
+        "(the family's gate). Approximate. Needs FP8 tensor cores and the cuDNN frontend on a GPU; a CPU emulates the FP8 "
         "arithmetic.", requires=("fuse_spade",),
         conflicts=("graph_conv",), where="lab.techniques.fp8_static")
 

@@ -142,6 +142,7 @@ def _module(engine: Engine, name: str, precision: str, switches: tuple[str, ...]
 
 
 CALIBRATION_FRAMES = 48   # ~2 s of the bundled sentence: closed, opening and open mouths
+FP8_FLOOR_DB = 50.0       # fp8_conv's faces vs the float decoder's: the family's quality gate (notebook 06)
 
 
 def _fp8_decoder(engine: Engine, dec: torch.nn.Module, precision: str, switches: tuple[str, ...] | frozenset) -> None:
@@ -154,8 +155,13 @@ def _fp8_decoder(engine: Engine, dec: torch.nn.Module, precision: str, switches:
     fp8_static.emulated(engine.device, convs=True)   # BackendUnavailable before any work where FP8 cannot run
     batches, shapes = fp8_calibration(engine, precision, switches), {}
     rows = fp8_static.fp8_rewrite(dec, fp8_static.calibrate(dec, batches, types=(torch.nn.Conv2d,), shapes=shapes))
-    # on a GPU each conv stays FP8 only where its kernel is measurably faster (the others cost error for nothing)
-    engine.notes["fp8_conv"] = left_as_is(fp8_static.keep_faster(dec, rows, shapes), "decoder")
+    # on a GPU each conv stays FP8 only where its kernel is measurably faster (the others cost error for nothing),
+    # then only while the decoder's faces stay within the family's gate of the fp16 decoder's
+    fp8_static.keep_faster(dec, rows, shapes)
+    plan = fp8_static.keep_within(dec, rows, batches, FP8_FLOOR_DB, shapes=shapes)
+    engine.notes["fp8_conv"] = left_as_is(rows, "decoder") + [
+        f"{plan['kept']} of the decoder's {len(rows)} convs in FP8: its faces {plan['psnr_db']:.1f} dB PSNR from the "
+        f"{precision} decoder's on the calibration frames (floor {FP8_FLOOR_DB:g} dB)"]
 
 
 def fp8_calibration(engine: Engine, precision: str, switches: tuple[str, ...] | frozenset) -> list[tuple[torch.Tensor]]:
