@@ -747,8 +747,7 @@ _TUNED: dict[tuple, tuple[tuple[int, ...], float]] = {}
 
 
 def time_layer(layer: nn.Module, x: torch.Tensor, iters: int = 5, warmup: int = 2) -> float:
-    """Median GPU milliseconds of `layer(x)`'s kernels (a short loop for choosing kernels; `lab.timing.bench`
-    benchmarks): kernels only, as a CUDA graph replays them, so paths of unequal launch work compare fairly."""
+    """Median GPU ms of `layer(x)`'s kernels alone, as a CUDA graph replays them (fair to unequal launch work)."""
     return gpu_ms(lambda: layer(x), iters, warmup, kernels_only=True)
 
 
