@@ -423,7 +423,8 @@ def ledger_rows(rep: ABReport, command: str) -> list[Any]:
             (f"B/A speed-up (paired, {rep.frames} frames)", rep.ratio, "×",
              f"{rep.verdict.text}{'; B bit-equal to A' if same else ''}; {rep.different_work or 'same batch and precision'}"),
             ("A FPS", rep.side("A"), "FPS", ""), ("B FPS", rep.side("B"), "FPS", "")):
-        rows.append(L.Row(metric=metric, value=float(m.value), unit=unit, spread=f"{m.lo:.4g}–{m.hi:.4g}",
+        # the value to the spread's precision: a ratio's seventh digit below 1 is noise, not a figure
+        rows.append(L.Row(metric=metric, value=float(f"{m.value:.4g}"), unit=unit, spread=f"{m.lo:.4g}–{m.hi:.4g}",
                           repeats=len(rep.fps_a), note=note, **base))
     if g and "error" not in g and not same and math.isfinite(g["psnr_db"]):
         frames = f"{g['frames']} of {g['of']} frames, one run per side"

@@ -249,6 +249,8 @@ def test_ledger_rows_carry_the_ratio_each_side_and_the_output_drift_of_a_family_
     assert all(r.command == "lab ab ditto --b 'exact -fuse'" and r.date for r in rows)
     path = L.append(tmp_path / "results.csv", rows)
     assert L.read(path) == rows                                   # the ledger reads them back as written
+    rep.fps_b = [99.43833542943666] * 3                           # to the spread's 4 digits, not float noise
+    assert AB.ledger_rows(rep, "lab ab")[0].value == 0.9944
     rep.agreement = {**rep.agreement, "psnr_db": float("inf"), "ssim": 1.0}   # bit-equal: named, not a figure
     rows = AB.ledger_rows(rep, "lab ab")
     assert "B vs A PSNR" not in {r.metric for r in rows} and "B bit-equal to A" in rows[0].note
