@@ -97,3 +97,40 @@ def test_fp8_linears_stay_only_where_their_gemm_is_faster():
     rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, [(x,)], shapes=shapes))
     assert all(r["fp8"] for r in rows) and shapes["2"] == (8192, 64)
     _choice_follows_the_times(m, rows, shapes, x, fp8.FP8Linear)
+
+
+def test_fp8_convs_stay_only_while_the_output_clears_its_floor():
+    """The error half on the GPU (cuDNN FP8 convs, fp16 around them): the plan's reported PSNR is the model's, and a
+    floor above what the whole FP8 model reaches puts some convs back, a floor nothing reaches all of them."""
+    import math
+
+    from torch import nn
+
+    from lab.techniques import fp8, fp8_static
+
+    _fp8_convs_or_skip()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(64, 128, 3, padding=1), nn.LeakyReLU(0.2), nn.Conv2d(128, 128, 3, padding=1),
+                      nn.LeakyReLU(0.2), nn.Conv2d(128, 64, 3, padding=1), nn.Sigmoid()).cuda().half()
+    m = m.to(memory_format=torch.channels_last)
+    batches = [(torch.randn(4, 64, 64, 64, device="cuda", dtype=torch.float16)
+                .contiguous(memory_format=torch.channels_last),) for _ in range(2)]
+    with torch.inference_mode():
+        ref = torch.cat([m(*b).float().flatten() for b in batches])
+    rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, batches, types=(nn.Conv2d,)))
+    assert all(r["fp8"] and r["path"] == "cudnn" for r in rows)
+    every = fp8_static.keep_within(m, rows, batches, 1.0)
+    alone = sorted(r["alone_db"] for r in rows)
+    assert every["kept"] == 3 and every["psnr_db"] < alone[0]
+    floor = (every["psnr_db"] + alone[-1]) / 2                     # between all FP8 and the gentlest layer alone
+    fp8_static.plain_layers(m)
+    rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, batches, types=(nn.Conv2d,)))
+    plan = fp8_static.keep_within(m, rows, batches, floor)
+    with torch.inference_mode():
+        got = torch.cat([m(*b).float().flatten() for b in batches])
+    assert 1 <= plan["kept"] < 3 and plan["psnr_db"] >= floor
+    assert sum(isinstance(x, fp8.FP8Conv2d) for x in m) == plan["kept"]
+    assert abs(psnr(got, ref, data_range=1.0) - plan["psnr_db"]) < 1e-3
+    fp8_static.plain_layers(m)
+    rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, batches, types=(nn.Conv2d,)))
+    assert fp8_static.keep_within(m, rows, batches, 200.0) == {"psnr_db": math.inf, "kept": 0, "of": 3}
