@@ -241,13 +241,18 @@ def test_convs_take_per_channel_weight_scales_and_the_ones_off_the_fp8_shapes_st
     assert fp8_static.plain_layers(m) == 1 and type(m[0]) is nn.Conv2d
 
 
-def test_each_layer_stays_fp8_only_where_its_kernel_is_measurably_faster():
+def _three_convs():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
                       nn.Conv2d(32, 16, 1))
     g = torch.Generator().manual_seed(1)
     batches, shapes = [(torch.randn(2, 16, 12, 12, generator=g),) for _ in range(2)], {}
     rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, batches, types=(nn.Conv2d,), shapes=shapes), emulate=True)
+    return m, batches, shapes, rows
+
+
+def test_each_layer_stays_fp8_only_where_its_kernel_is_measurably_faster():
+    m, batches, shapes, rows = _three_convs()
     assert shapes == {"0": (2, 16, 12, 12), "2": (2, 32, 12, 12), "4": (2, 32, 12, 12)}
     # per layer (fp8 ms, float ms): 1.3× (stays), 1.02× (within the margin: back to float), 0.8× (slower: back)
     times = {"0": (1.0, 1.3), "2": (1.0, 1.02), "4": (1.0, 0.8)}
@@ -273,16 +278,6 @@ def test_each_layer_stays_fp8_only_where_its_kernel_is_measurably_faster():
     rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, batches, types=(nn.Conv2d,)), emulate=True)
     with pytest.raises(InputError, match="no calibrated input shape for FP8 layer '0'"):
         fp8_static.keep_faster(m, rows, {}, timer=timer)
-
-
-def _three_convs():
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-                      nn.Conv2d(32, 16, 1))
-    g = torch.Generator().manual_seed(1)
-    batches, shapes = [(torch.randn(2, 16, 12, 12, generator=g),) for _ in range(2)], {}
-    rows = fp8_static.fp8_rewrite(m, fp8_static.calibrate(m, batches, types=(nn.Conv2d,), shapes=shapes), emulate=True)
-    return m, batches, shapes, rows
 
 
 def _db_of(m, batches, ref):
@@ -332,14 +327,13 @@ def test_a_plan_that_misses_its_floor_when_measured_gives_back_its_least_efficie
     m, batches, shapes, rows = _three_convs()
     fp8_static.keep_within(m, rows, batches, 1.0)
     alone = {r["layer"]: r["alone_db"] for r in rows}
-    real = metrics.drift
+    real = metrics.psnr
     m, batches, shapes, rows = _three_convs()
 
-    def correlated(ref, out, data_range=None):   # errors that add worse than the prediction once two layers are FP8
-        d = real(ref, out, data_range)
-        return {**d, "psnr_db": d["psnr_db"] - 6.0 * (sum(isinstance(x, fp8.FP8Conv2d) for x in m) >= 2)}
+    def correlated(a, b, data_range=None):   # errors that add worse than the prediction once two layers are FP8
+        return real(a, b, data_range=data_range) - 6.0 * (sum(isinstance(x, fp8.FP8Conv2d) for x in m) >= 2)
 
-    monkeypatch.setattr(metrics, "drift", correlated)
+    monkeypatch.setattr(metrics, "psnr", correlated)
     for r in rows:
         r["fp8_ms"], r["float_ms"] = 1.0, {"0": 50.0, "2": 40.0, "4": 1.06}[r["layer"]]
     floor = min(alone["0"], alone["2"]) - 4.0       # predicted: 0 and 2 together clear it; measured they miss
@@ -422,9 +416,10 @@ def test_ditto_fp8_conv_runs_the_decoder_convs_in_fp8_calibrated_on_the_warped_f
     assert "conv_img.0" in renderer_notes(eng) and renderer_notes(engine) == ""
     import re
 
-    plan = [re.search(r"(\d+) of the decoder's (\d+) convs in FP8: its faces ([\d.]+) dB PSNR from the fp32 decoder's "
-                      r"on the calibration frames \(floor 50 dB\)", n) for n in rep.notes]
-    kept, convs, db = next(map(lambda g: (int(g[1]), int(g[2]), float(g[3])), filter(None, plan)))
+    plan = next(filter(None, (re.search(r"(\d+) of the decoder's (\d+) convs in FP8: its faces ([\d.]+) dB PSNR from "
+                                        r"the fp32 decoder's on the calibration frames \(floor 50 dB\)", n)
+                              for n in rep.notes)))
+    kept, convs, db = int(plan[1]), int(plan[2]), float(plan[3])
     assert 0 < kept == len(twins) < convs and db >= 50.0                 # the error half of the per-layer choice
     p = psnr(rep.faces.float() / 255, ref.faces.float() / 255)
     assert 20 < p < 100                                             # approximate (random weights: a bound, no finding)

@@ -35,11 +35,10 @@ def _choice_follows_the_times(m, rows, shapes, x, twin_type):
 def test_ditto_fp8_conv_renderer_compiled_and_captured_stays_near_fp16(monkeypatch):
     from lab.pipelines import config
     from lab.pipelines import ditto as P
+    from lab.pipelines.ditto import engine as ditto_engine
     from lab.techniques import fp8, fp8_static
 
     _fp8_convs_or_skip()
-    from lab.pipelines.ditto import engine as ditto_engine
-
     monkeypatch.setattr(fp8_static, "MIN_GAIN", 1e-6)   # every eligible conv FP8: the tiny shapes would not pay
     monkeypatch.setattr(ditto_engine, "FP8_FLOOR_DB", 1.0)   # nor be judged by their error: the captured FP8 graph
     cfg = config("ditto", "exact", device="cuda", size="tiny", batch_size=4, frame_size=(128, 192))

@@ -205,7 +205,7 @@ def keep_within(model: nn.Module, rows: list[dict[str, Any]], batches: Sequence[
     taken in order of time saved per noise while the predicted PSNR clears `min_db`; the plan is then measured, and
     while it misses, its least efficient layer goes back. The rows are updated (`alone_db` each; fp8 False with the
     reason for a layer put back); returns the measured plan: {"psnr_db", "kept", "of"}."""
-    from lab.metrics import drift
+    from lab import metrics
 
     if not 0 < min_db < math.inf:
         raise InputError(f"min_db is the PSNR floor (dB) the FP8 model's output must keep from the float model's, "
@@ -232,7 +232,7 @@ def keep_within(model: nn.Module, rows: list[dict[str, Any]], batches: Sequence[
     ref = output(())
 
     def db(names: Iterable[str]) -> float:
-        return drift(ref, output(names), data_range)["psnr_db"]
+        return metrics.psnr(output(names), ref, data_range=data_range)
 
     noise, saved = {}, {}
     for r in live:
