@@ -402,14 +402,14 @@ class Claim:
         return (self.notebook, self.row, self.metric) if self.notebook and self.metric else None
 
 
-def check_claims(claims: Sequence[Claim]) -> list[Claim]:
-    """Every claim well formed: a known write-up and status, a unique id, a ledger key where measured, a
-    note (what differs, or why not) where not."""
+def check_claims(claims: Sequence[Claim], writeups: Mapping[str, str] = WRITEUPS) -> list[Claim]:
+    """Every claim well formed: a known write-up (of `writeups`) and status, a unique id, a ledger key where
+    measured, a note (what differs, or why not) where not."""
     seen: set[str] = set()
     for c in claims:
         where = f"claim {c.id or '?'} ({c.writeup})"
-        if c.writeup not in WRITEUPS:
-            raise InputError(f"{where}: unknown write-up; the write-ups are {tuple(WRITEUPS)}")
+        if c.writeup not in writeups:
+            raise InputError(f"{where}: unknown write-up; the write-ups are {tuple(writeups)}")
         if not c.id or c.id in seen:
             raise InputError(f"{where}: ids must be present and unique")
         seen.add(c.id)
@@ -428,14 +428,32 @@ def check_claims(claims: Sequence[Claim]) -> list[Claim]:
     return list(claims)
 
 
-def load_claims(path: str | Path = CLAIMS_FILE) -> list[Claim]:
+def load_claims(path: str | Path = CLAIMS_FILE, writeups: Mapping[str, str] = WRITEUPS) -> list[Claim]:
     """The claims file, checked (`check_claims`)."""
     path = Path(path)
     reader = csv.DictReader(io.StringIO(path.read_text(encoding="utf-8")))
     missing = [c for c in CLAIM_COLUMNS if c not in (reader.fieldnames or [])]
     if missing:
         raise InputError(f"{path}: the header lacks column(s) {', '.join(missing)}")
-    return check_claims([Claim(**{k: (rec.get(k) or "").strip() for k in CLAIM_COLUMNS}) for rec in reader])
+    return check_claims([Claim(**{k: (rec.get(k) or "").strip() for k in CLAIM_COLUMNS}) for rec in reader], writeups)
+
+
+# The lab's own targets for its engines, in the claims' format (write-up "lab"; `note`: what stands in the way):
+# each judged against the newest ledger row of its key on the machine its `hardware` names
+TARGETS_FILE = Path(__file__).with_name("targets.csv")
+TARGET_SOURCE = {"lab": "the lab's own targets for its engines"}
+
+
+def load_targets(path: str | Path = TARGETS_FILE) -> list[Claim]:
+    """The targets file, checked as claims and each a judgeable target: measured (a ledger key), a direction and
+    one number as its value."""
+    targets = load_claims(path, TARGET_SOURCE)
+    for t in targets:
+        if t.status != "measured" or not t.direction or their_number(t.value, t.direction) is None:
+            raise InputError(f"{path}: target {t.id} needs status 'measured' with a ledger key, a direction (higher "
+                             f"or lower) and one number as its value; got status {t.status!r}, direction "
+                             f"{t.direction!r}, value {t.value!r}")
+    return targets
 
 
 def counts(claims: Sequence[Claim]) -> dict[str, Any]:
@@ -553,6 +571,22 @@ def join(claims: Sequence[Claim], ledger_rows: Sequence[Any]) -> list[dict[str, 
                     "theirs": f"{c.value} {c.unit} ({c.hardware})".replace("  ", " "), "ours": ours,
                     "key": " / ".join(c.key) if c.key else "", "status": c.status, "verdict": judge(c, m)})
     return out
+
+
+def judge_target(t: Claim, ledger_rows: Sequence[Any]) -> dict[str, Any]:
+    """One target (`load_targets`) beside one machine's ledger rows: the goal, our newest figure, the verdict by
+    `judge`, and the newest row of its key (None: no row yet). A target that no row of its key ever reached is
+    "not met" whatever the repeats: more repeats of a miss cannot meet it."""
+    ours, m, hits = _ours(t, ledger_rows)
+    text, goal = judge(t, m), their_number(t.value, t.direction)
+    vals = [convert(float(_row_get(r, "value")), str(_row_get(r, "unit") or ""), t.unit) for r in hits]
+    vals = [v for v in vals if v is not None]
+    if vals and goal is not None and not any(_clears(v, goal, t.direction == "higher") for v in vals):
+        best = (max if t.direction == "higher" else min)(vals)
+        n = len(vals)
+        text = f"not met: no run reached it (the best of {n} ledger row{'s' * (n > 1)}: {_fmt(best)} {t.unit})"
+    return {"target": f"{'≥' if t.direction == 'higher' else '≤'} {t.value} {t.unit}", "ours": ours, "verdict": text,
+            "row": max(hits, key=_date) if hits else None}
 
 
 def unresolved(claims: Sequence[Claim], ledger_rows: Sequence[Any]) -> list[tuple[str, str, str, str]]:

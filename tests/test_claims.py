@@ -209,3 +209,59 @@ def test_their_number():
     assert C.their_number("< 38") == 38
     assert C.their_number("34–48", "higher") == 34 and C.their_number("34–48", "lower") == 48
     assert C.their_number("1 / 0.844 / 0.5") is None
+
+
+# ------------------------------------------------------------------ the lab's own targets
+
+def test_the_lab_targets_load_each_with_a_ledger_key_of_a_notebook_and_a_goal():
+    from lab.results import ROOT
+
+    targets = C.load_targets()
+    assert len(targets) >= 5 and len({t.id for t in targets}) == len(targets)
+    for t in targets:
+        assert (ROOT / "notebooks" / f"{t.notebook}.ipynb").is_file(), t.id
+        assert t.direction in ("higher", "lower") and C.their_number(t.value, t.direction) is not None, t.id
+        assert t.hardware == "H200" and t.note, t.id
+
+
+def _targets_file(tmp_path, **kw):
+    rec = dict(writeup="lab", id="x", claim="renderer FPS", value="480", unit="FPS", hardware="H200", work="w",
+               ours="06", notebook="06_ditto", row="*", metric="m", status="measured", note="n", direction="higher",
+               mode="plain")
+    rec.update(kw)
+    path = tmp_path / "targets.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=C.CLAIM_COLUMNS)
+        w.writeheader()
+        w.writerow(rec)
+    return path
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(direction=""), "needs status 'measured'"),
+    (dict(value="1 / 2"), "one number"),
+    (dict(status="to measure", notebook="", row="", metric=""), "needs status 'measured'"),
+    (dict(writeup="000"), "unknown write-up"),
+])
+def test_a_target_that_cannot_be_judged_is_refused_by_name(tmp_path, kw, needle):
+    with pytest.raises(InputError, match=needle) as e:
+        C.load_targets(_targets_file(tmp_path, **kw))
+    assert "x" in str(e.value)
+
+
+def test_a_target_is_judged_on_its_newest_row_and_a_miss_in_every_run_is_not_met(tmp_path):
+    t = C.load_targets(_targets_file(tmp_path, metric="sd-vae best FPS b16 fp16", notebook="02_taesd_vs_vae"))[0]
+    got = C.judge_target(t, [])
+    assert got["target"] == "≥ 480 FPS" and got["ours"] == "no ledger row yet" and got["row"] is None
+    rows = [_row(420.0, "2026-01-01"), _row(401.0, "2026-01-02", repeats="20")]
+    got = C.judge_target(t, rows)
+    assert got["verdict"] == "not met: no run reached it (the best of 2 ledger rows: 420 FPS)"
+    assert got["row"]["value"] == "401.0"   # the newest row, not the best
+    rows.append(_row(500.0, "2026-01-03"))   # one run above: not a verdict yet
+    assert C.judge_target(t, rows)["verdict"].startswith("not enough repeats")
+    rows.append(_row(490.0, "2026-01-04", repeats="3", spread="482.0–495.0"))
+    assert C.judge_target(t, rows)["verdict"].startswith("met: 490 FPS (median of 3, 482–495)")
+    lower = C.load_targets(_targets_file(tmp_path, value="2.5", unit="s", direction="lower",
+                                         metric="sd-vae best FPS b16 fp16", notebook="02_taesd_vs_vae"))[0]
+    got = C.judge_target(lower, [_row(3.2, "2026-01-01", unit="s"), _row(3.3, "2026-01-02", unit="s")])
+    assert got["target"] == "≤ 2.5 s" and got["verdict"].endswith("(the best of 2 ledger rows: 3.2 s)")

@@ -230,3 +230,23 @@ def test_a_shortened_docs_table_keeps_each_runs_readme_figures_first(tmp_path):
     # the run's README figures (eager ms per step, dpm8, the VAE) come before its other rows; the A/B run keeps a share
     assert sorted(table) == sorted(["eager ms per step", "dpm8 fast: s per output second",
                                     "A/B fast vs exact: B/A speed-up", "A/B fast vs exact: A FPS"])
+
+
+def test_the_targets_page_judges_each_target_on_its_own_machines_rows_only(tmp_path):
+    from lab import claims as C
+
+    t = C.load_targets()[0]
+    hit = dict(notebook=t.notebook, row="some table", metric=t.metric, unit=t.unit, repeats=3,
+               value=C.their_number(t.value, t.direction) * (2.0 if t.direction == "higher" else 0.5))
+    hit["spread"] = f"{hit['value']:g}–{hit['value']:g}"
+    line = lambda text: next(x for x in text.splitlines() if x.startswith(f"| {t.claim}"))
+    elsewhere = line(R.targets_section([_row(**hit, machine="NVIDIA H100 80GB HBM3 (sm_90)")]))
+    assert "no ledger row yet" in elsewhere          # an H100 row does not answer an H200 target
+    here = line(R.targets_section([_row(**hit)], changed=lambda c: {"lab/x.py"}))
+    assert "| met: " in here and f"({t.hardware})" in here and t.note in here
+    page = tmp_path / "docs" / R.TARGETS_PAGE
+    page.parent.mkdir()
+    page.write_text("# Targets\n\nprose\n\n" + "\n".join(R.DOCS_MARKERS) + "\n\nmore prose\n")
+    assert page in R.write_docs(tmp_path, [_row(**hit)], changed=lambda c: None)
+    text = page.read_text()
+    assert text.startswith("# Targets\n\nprose\n") and text.endswith("\nmore prose\n") and "| met: " in text
