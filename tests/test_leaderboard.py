@@ -192,3 +192,19 @@ def test_hud_overhead_times_a_refreshing_hud(musetalk):
     # a measurement renders as often as it takes to last min_wall_s, counted from this call's own warm-up render: on a
     # busy 2-core host that one may run slower than the first call's median, so 3 renders' time can take only 2
     assert long["renders_per_measurement"] >= 2
+
+
+def test_the_targets_table_is_the_targets_pages_without_its_markup():
+    from types import SimpleNamespace
+
+    from lab import claims as C
+    from lab import ledger
+    from lab import readme as R
+
+    kept = {}
+    L.targets(SimpleNamespace(table=lambda name, rows: kept.setdefault(name, rows)))
+    rows, page = kept["targets"], R.target_rows(ledger.read_all())
+    assert len(rows) == len(C.load_targets()) == len(page)
+    assert [r["target"] for r in rows] == [r["target"] for r in page]
+    assert [r["verdict"] for r in rows] == [r["verdict"].replace("`", "") for r in page]
+    assert not any("`" in v or "**" in v for r in rows for v in r.values())

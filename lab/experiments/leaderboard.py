@@ -190,6 +190,17 @@ def stages_table(run: Run) -> Any:
     return run.table("stages_ms_per_frame", rows)
 
 
+def targets(run: Run) -> Any:
+    """The lab's targets against the committed ledgers, each on the machine it names: the same table as the
+    targets page (`lab report --docs`); this run's own figures join a ledger when it runs under
+    outputs/reference/<machine>/."""
+    from lab import ledger as L
+    from lab.readme import target_rows
+
+    rows = target_rows(L.read_all(), L.staleness())
+    return run.table("targets", [{k: v.replace("`", "").replace("**", "") for k, v in r.items()} for r in rows])
+
+
 # ----------------------------------------------------------------------------- calibration
 
 def calibration(run: Run) -> Any:
