@@ -239,7 +239,9 @@ def test_the_targets_page_judges_each_target_on_its_own_machines_rows_only(tmp_p
     hit = dict(notebook=t.notebook, row="some table", metric=t.metric, unit=t.unit, repeats=3,
                value=C.their_number(t.value, t.direction) * (2.0 if t.direction == "higher" else 0.5))
     hit["spread"] = f"{hit['value']:g}–{hit['value']:g}"
-    line = lambda text: next(x for x in text.splitlines() if x.startswith(f"| {t.claim}"))
+    def line(text: str) -> str:
+        return next(x for x in text.splitlines() if x.startswith(f"| {t.claim}"))
+
     elsewhere = line(R.targets_section([_row(**hit, machine="NVIDIA H100 80GB HBM3 (sm_90)")]))
     assert "no ledger row yet" in elsewhere          # an H100 row does not answer an H200 target
     here = line(R.targets_section([_row(**hit)], changed=lambda c: {"lab/x.py"}))
