@@ -261,19 +261,6 @@ def test_encoder_module_is_the_encode_path():
         load_vae("taesd", size="tiny").encoder_module()
 
 
-def test_kernel_kinds_from_names():
-    from lab.experiments.latentsync import kernel_kind
-
-    assert kernel_kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>") == "attention"
-    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
-    assert kernel_kind("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc") == "convolution"
-    assert kernel_kind("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_TNN") == "GEMM (linear)"
-    assert kernel_kind("triton_red_fused_native_group_norm_12") == "Triton reduction (norms)"
-    assert kernel_kind("triton_poi_fused_add_gelu_mul_7") == "Triton pointwise"
-    assert kernel_kind("triton_poi_fused__scaled_dot_product_cudnn_attention_3") == "Triton pointwise"
-    assert kernel_kind("something_else") == "other"
-
-
 def test_attention_shapes_cover_the_step_and_padding_keeps_the_result():
     from lab.experiments.latentsync import attention_kernel_rows, attention_shapes
     from lab.models.latentsync import FULL, TINY, attention_sites, build_unet

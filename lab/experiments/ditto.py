@@ -31,6 +31,7 @@ from lab import env, metrics, params, plots
 from lab.techniques import silence as sil
 from lab.experiments import inputs
 from lab.experiments.common import markdown, notebook_path, run_steps, section
+from lab.experiments.ditto_bounds import dense_budget, headline as kernels_headline, renderer_kernels
 from lab.progress import step as progress_step
 from lab.experiments.ditto_variants import (AGREEMENT_VARIANTS, BEST, CL, FOLD, FULL_VARIANTS, VARIANT_TEXT, VARIANTS,
                                             _compiles, _graphs, exact, renderer_notes, with_renderer, with_techniques)
@@ -59,7 +60,8 @@ RULES: dict[str, params.Rule] = {"sections": _sections, "weights": inputs.weight
     "render a longer one with lab render")}
 TARGETS = {"renderer_fps": 360.0, "renderer_psnr_db": 50.0, "e2e_fps": 150.0, "encoder_share": 0.90, "rss_growth": 0.05}
 # s per step at full size on an H200, for the deadline (motion: ~100 s measured; compiled: 60 s measured + cuDNN builds, guessed)
-ESTIMATE_S = {"motion": 120, "final": 100, "renderer": 30, "stages": 15, "waterfall": 60, "strides": 60, "encoder": 10, "memory": 60, "compiled": 240}
+ESTIMATE_S = {"motion": 120, "final": 100, "renderer": 30, "stages": 15, "waterfall": 60, "strides": 60, "encoder": 10, "memory": 60, "compiled": 240,
+              "kernels": 150}
 
 
 ALL_STRIDES = [("output", 2), ("output", 3), ("feature", 2), ("feature", 3), ("motion", 2)]
@@ -1083,6 +1085,7 @@ COLUMNS = {
     "stages": ["stage", "ms_per_frame", "share_of_renderer", "ms_per_window", "new_frames_per_window", "batch", "runs"],
     "waterfall": ["step", "fps", "fps_min", "fps_max", "runs", "ms_per_frame", "psnr_vs_dense_db", "status", "reason"],
     "e2e_stages": ["stage", "ms_per_frame", "share", "calls"],
+    "kernels": ["variant", "kind", "ms_per_call", "pct_of_busy", "launches_per_call", "top_kernel", "status", "reason"],
     "motion": ["variant", "steps", "ms_per_window", "ms_per_ddim_step", "speedup_vs_eager", "kernels_per_step",
                "max_abs_diff_vs_eager", "eager_abs_max", "build_s", "runs", "status", "reason"],
     "strides": ["step", "config", "fps", "runs", "speedup", "rendered", "psnr_vs_dense_db", "ssim_vs_dense",
@@ -1121,6 +1124,9 @@ def stage_section(ctx: Context) -> Any:
     from lab.experiments.common import markdown as Markdown
 
     md = table(stage_profile(ctx), COLUMNS["stages"], f"stage profile{ctx.suffix}").data
+    md += "\n\n" + table(renderer_kernels(ctx), COLUMNS["kernels"], f"renderer GPU time by kernel kind, ms per batch of "
+                         f"{ctx.prof.batch} (compiled, no graph){ctx.suffix}").data
+    md += "\n\n" + table(ctx.res.tables.get("renderer_bound", []), None, f"what that split bounds{ctx.suffix}").data
     md += "\n\n" + table(motion_costs(ctx), COLUMNS["motion"], f"one LMDM window{ctx.suffix}").data
     return Markdown(md)
 
@@ -1193,38 +1199,6 @@ def finish(ctx: Context) -> Any:
     return table([{"headline": k, "value": v} for k, v in ctx.res.headline.items()], None, f"saved {path}")
 
 
-def dense_budget(ctx: Context, encoder_fps: float) -> dict:
-    """GPU work per dense output frame against what 90 % of the encoder ceiling allows per frame: the best renderer's
-    ms per frame alone and the motion model's (the fastest exact window over the frames it adds, offline). Both run
-    on the one GPU and, measured, barely overlap, so their sum is what the dense run needs. Then where the last
-    end-to-end row's time went per clip frame (render stage, putback and hand-off, the writer's drain), and the rate
-    of its per-frame stages alone against the encoder: what a longer clip of the same make-up would approach."""
-    out = {"dense ms per frame allowed (90 % of the encoder)": round(1e3 / (TARGETS["encoder_share"] * encoder_fps), 2)}
-    _, _, best = best_variant(ctx)
-    if best:
-        out["renderer alone ms per frame"] = round(1e3 / best["fps"], 2)
-    mot = {r["variant"]: r for r in ctx.res.tables.get("motion", []) if r.get("status") == "ok"}
-    exact = [mot[n] for n in (PDL_ROW, ATTENTION_ROW, GEMM_ROW, "compiled + CUDA graph", "CUDA graph", "eager")
-             if n in mot and mot[n].get("new_frames_per_window")]
-    if exact:
-        w = min(exact, key=lambda r: r["ms_per_window"])
-        out["motion model ms per new frame"] = round(w["ms_per_window"] / w["new_frames_per_window"], 2)
-    if best and exact:
-        out["renderer + motion ms per frame"] = round(out["renderer alone ms per frame"] + out["motion model ms per new frame"], 2)
-    # the last end-to-end row's main loop per clip frame: the per-frame stages bound a clip of any length (the start
-    # and the writer's drain after the last frame are the parts a longer clip shrinks)
-    rows = e2e_rows(ctx)
-    last = rows[-1] if rows else {}
-    if last.get("render_ms") and last.get("putback_encode_ms") is not None:
-        per_frame = last["render_ms"] + last["putback_encode_ms"]
-        out["final run render stage ms per frame"] = round(last["render_ms"], 2)
-        out["final run putback + hand-off ms per frame"] = round(last["putback_encode_ms"], 2)
-        if last.get("writer_close_ms") is not None:
-            out["final run writer drain ms per frame"] = round(last["writer_close_ms"], 2)
-        out["final run per-frame stages alone / encoder ceiling"] = round(1e3 / per_frame / encoder_fps, 3)
-    return out
-
-
 def headline(ctx: Context) -> dict:
     h: dict[str, Any] = {}
     full = ctx.prof.full_gpu and ctx.prof.size == "full"
@@ -1270,6 +1244,7 @@ def headline(ctx: Context) -> dict:
                 h["target stride 3 ≥ 90 % of the encoder"] = "met" if st3["fps"] >= TARGETS["encoder_share"] * enc3 else "not met"
     if enc and wf:
         h |= dense_budget(ctx, enc["encoder_fps"])
+    h |= kernels_headline(ctx)
     mem = ctx.res.metrics.get("memory")
     if mem:
         h["host RSS growth long vs short clip"] = round(mem["rss_growth"], 3)
@@ -1293,7 +1268,8 @@ def _eager_renderer(ctx: Context) -> list[dict]:
 # headless order: what the targets need first, so a deadline cuts the least important steps
 STEPS = (("renderer", _eager_renderer), ("motion", motion_costs), ("waterfall", waterfall), ("final", final_step),
          ("encoder", encoder_ceiling),
-         ("memory", memory_flat), ("compiled", compiled_step), ("strides", stride_table), ("stages", stage_profile))
+         ("memory", memory_flat), ("compiled", compiled_step), ("strides", stride_table), ("stages", stage_profile),
+         ("kernels", renderer_kernels))
 DEFAULT_STEPS = tuple(s for s, _ in STEPS if s != "final")   # "final": only asked for (a short GPU run)
 
 

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from lab import params, plots
+from lab import kernel_time, params, plots
 from lab.techniques import fp8_mixed as FM
 from lab.techniques import fp8_triton
 from lab.techniques.fp8 import (ACTIVATIONS, CONV_IMPLS, MODES, SCHEMES, FP8Conv2d, FP8Report, _is_pointwise,
@@ -448,46 +448,26 @@ def torchao_rows(case: Case, ref: torch.Tensor, scheme: str = "per_tensor", comp
 
 # ----------------------------------------------------------------------------- where a compiled model's GPU time goes
 
-# Kernel name → kind, first match wins. Inductor's generated kernels start with "triton_" and carry
-# the names of the ops they fused (a "_scaled_mm" in one is the cast before a GEMM, not the GEMM).
-KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("fused elementwise / norms (Inductor)", ("triton_",)),
-    ("attention", ("sdpa", "fmha", "flash", "attention")),
-    ("conv", ("fprop", "_conv_body", "_conv_tma_body", "implicit_gemm", "conv")),
-    ("GEMM", ("nvjet", "gemm", "cutlass", "cublas", "_scaled_mm")),
-)
+# The split's columns: lab.kernel_time's kinds gathered into what an FP8 change touches (its convs and GEMMs), what
+# it adds casts to (inductor's fused passes) and the rest.
+FUSED = "fused elementwise / norms (Inductor)"
+COLUMN = {"convolution": "conv", "GEMM (linear)": "GEMM", "attention": "attention", "Triton pointwise": FUSED,
+          "Triton reduction (norms)": FUSED}
 
 
 def kernel_kind(name: str) -> str:
-    """What a GPU kernel does, from its name (see KERNEL_KINDS); "other" when nothing matches."""
-    low = name.lower()
-    for kind, keys in KERNEL_KINDS:
-        if any(low.startswith(k) if k == "triton_" else k in low for k in keys):
-            return kind
-    return "other"
+    """The split column of a GPU kernel, from its name (lab.kernel_time's kind, gathered by COLUMN)."""
+    return COLUMN.get(kernel_time.kind(name), "other")
 
 
 def kernel_split(fn: Any, args: tuple, iters: int = 3) -> dict[str, float]:
-    """GPU milliseconds per call of `fn(*args)`, by kernel kind (conv, GEMM, attention, fused
-    elementwise, other) and in total, from the profiler's kernel records over `iters` calls
-    (after one warm call). Kernel time only: gaps between kernels (launch overhead) are the
-    difference to a wall-clock median."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.inference_mode():
-        fn(*args)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                fn(*args)
-            torch.cuda.synchronize()
+    """GPU milliseconds per call of `fn(*args)` by split column (conv, GEMM, attention, fused elementwise, other)
+    and in total, from lab.kernel_time's profile of `iters` calls after a warm one. Kernel time only: gaps between
+    kernels (launch overhead) are the difference to a wall-clock median."""
     out: dict[str, float] = {}
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", 0.0) or 0.0
-        if us <= 0:
-            continue
-        kind = kernel_kind(e.key)
-        out[kind] = out.get(kind, 0.0) + us / 1e3 / iters
+    for k, ms in kernel_time.by_kind(kernel_time.split(fn, args, "cuda", runs=iters)).items():
+        if k != "total":
+            out[COLUMN.get(k, "other")] = out.get(COLUMN.get(k, "other"), 0.0) + ms
     out["total"] = sum(out.values())
     return out
 
@@ -645,7 +625,7 @@ SHAPE_COLS = ["model", "label", "count", "M", "N", "K", "fp16_ms", "fp8_im2col_m
               "fp8_gemm_ms", "fp8_gemm_only_ms", "act_cast_ms", "speedup", "triton_kernel", "fp16_TFLOPs",
               "fp8_gemm_TFLOPs", "note", "status"]
 SPLIT_COLS = ["model", "variant", "wall_ms", "total", "conv", "GEMM", "attention",
-              "fused elementwise / norms (Inductor)", "other"]
+              FUSED, "other"]
 COMPARE_COLS = ["claim", "their_value", "their_hardware", "our_value", "unit", "verdict", "reason"]
 WRITEUP = "000 §4.2 (Blackwell FP8)"
 

@@ -7,7 +7,7 @@ Steps (each returns table rows; the notebook shows them, `run_all` runs them hea
                       zero-padded, the temporal attention as compiled matmuls) and the fastest per shape
    `step_waterfall`   one guided UNet call (2 × 16 frames) per switch of the exact path (the per-shape
                       kernels among them): ms per step, UNet seconds per output second at 20 steps,
-                      cosine / PSNR vs eager, % of ceiling; GPU time by kernel kind (`kernel_split`)
+                      cosine / PSNR vs eager, % of ceiling; GPU time by kernel kind (`lab.kernel_time`)
 3. `vae_cost`         two encodes + one decode per 16-frame block, seconds per output second
 4. `mode_table`       the pipeline per mode (exact20 eager, exact20 fast, ddim/dpm 12 / 8 / 4, DeepCache-style 3),
                       wall, s per output second, change vs exact20, peak VRAM, host RSS, drift vs exact20
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lab import env, metrics, params, plots
+from lab import env, kernel_time, metrics, params, plots
 from lab.experiments import inputs
 from lab.experiments.common import run_steps
 from lab.pipelines import latentsync as P
@@ -418,7 +418,7 @@ def _build_runner(target, how: str, ex, dtype: torch.dtype, compiled: Any = None
 
 def _split_or_note(fn, ex, dev: torch.device, top: list[dict], label: str) -> list[dict]:
     try:
-        return kernel_split(fn, ex, dev, top=top, label=label)
+        return kernel_time.split(fn, ex, dev, top=top, label=label)
     except Exception as e:  # the profiler is a diagnostic: its failure costs no figures
         return [{"kind": "failed", "note": f"{type(e).__name__}: {str(e)[:160]}"}]
 
@@ -605,73 +605,6 @@ def _op_kind(op: str) -> str:
     if "attention" in op or "bmm" in op or "baddbmm" in op:
         return "attention"
     return op
-
-
-KERNEL_KINDS = (  # (kind, name fragments), first match wins (Triton's names quote the ops they fuse)
-    ("Triton reduction (norms)", ("triton_red", "triton_per")),
-    ("Triton pointwise", ("triton_poi", "triton_")),
-    ("attention", ("fmha", "flash", "attention", "sdpa", "attn")),
-    ("convolution", ("conv", "fprop", "implicit", "winograd", "dgrad", "wgrad")),
-    ("GEMM (linear)", ("gemm", "nvjet", "cutlass", "cublas", "xmma", "matmul", "_mm_")),
-    ("norm (eager)", ("norm", "welford")),
-    ("reduction (eager)", ("reduce",)),
-    ("copy / cat / layout", ("copy", "cat", "memcpy", "memset", "transpose", "permute", "fill")),
-    ("elementwise (eager)", ("elementwise", "vectorized", "unrolled")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    """The kind of a CUDA kernel from its (mangled or demangled) name."""
-    n = name.lower()
-    for kind, keys in KERNEL_KINDS:
-        if any(k in n for k in keys):
-            return kind
-    return "other"
-
-
-def kernel_split(fn, ex, dev: torch.device, runs: int = 3, top: list[dict] | None = None, label: str = "",
-                 n_top: int = 15) -> list[dict]:
-    """GPU time of one call by kernel kind (torch.profiler, `runs` calls after a warm-up): ms per call,
-    share of the GPU's busy time, number of kernel launches per call, the costliest kernel. `top`:
-    a list that receives the `n_top` costliest kernels by name (run = `label`)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.inference_mode():
-        fn(*ex)
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(runs):
-                fn(*ex)
-            torch.cuda.synchronize(dev)
-        wall_ms = (time.perf_counter() - t0) * 1e3 / runs
-    kinds: dict[str, dict] = {}
-    named = []
-    for e in prof.key_averages():
-        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
-            continue
-        us = float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0))
-        if us <= 0:
-            continue
-        k = kinds.setdefault(kernel_kind(e.key), {"us": 0.0, "launches": 0, "top": ("", 0.0)})
-        k["us"] += us
-        k["launches"] += e.count
-        named.append((us, e.key, e.count))
-        if us > k["top"][1]:
-            k["top"] = (e.key, us)
-    busy = sum(k["us"] for k in kinds.values()) or 1.0
-    rows = [{"kind": kind, "ms_per_call": v["us"] / 1e3 / runs, "pct_of_busy": 100 * v["us"] / busy,
-             "launches_per_call": v["launches"] / runs, "top_kernel": v["top"][0][:90],
-             "top_kernel_ms": v["top"][1] / 1e3 / runs}
-            for kind, v in sorted(kinds.items(), key=lambda kv: -kv[1]["us"])]
-    rows.append({"kind": "total GPU busy", "ms_per_call": busy / 1e3 / runs, "pct_of_busy": 100.0,
-                 "launches_per_call": sum(v["launches"] for v in kinds.values()) / runs,
-                 "note": f"wall under the profiler {wall_ms:.1f} ms per call"})
-    if top is not None:
-        for us, name, count in sorted(named, reverse=True)[:n_top]:
-            top.append({"run": label, "kernel": name[:120], "kind": kernel_kind(name), "ms_per_call": us / 1e3 / runs,
-                        "pct_of_busy": 100 * us / busy, "launches_per_call": count / runs})
-    return rows
 
 
 def best_runner(ctx: Context) -> tuple[str, Any]:

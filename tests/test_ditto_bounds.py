@@ -1,0 +1,87 @@
+"""Notebook 06's bounds: the renderer's kernel split, what it bounds, and the figures it gives the ledger."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lab import kernel_time
+from lab.experiments import ditto_bounds as B
+from lab.experiments.ditto_variants import BEST, VARIANTS
+from lab.ledger import rows_from_result
+
+EXACT = {"convolution": 24.0, "Triton pointwise": 6.0, "FFT": 4.0, "grid_sample": 1.0, "total": 35.0}
+
+
+def test_the_renderer_targets_come_from_the_targets_file():
+    got = dict(B.renderer_targets())
+    assert got == {"ditto-renderer-exact": 480.0, "ditto-renderer-fp8": 560.0}
+
+
+def test_the_best_exact_renderer_and_its_fp8_twin_are_profiled():
+    assert B.profiled_variants(BEST) == [BEST, BEST + "+fp8"]
+    assert B.profiled_variants("upstream") == [BEST, BEST + "+fp8"]   # no renderer table: the exact preset's
+    assert B.profiled_variants(BEST + "+fp8") == [BEST, BEST + "+fp8"]   # an approximate variant is never the base
+    other = next(v for v in VARIANTS if v not in (BEST, "upstream") and "+fp8" not in v)
+    assert B.profiled_variants(other) == [other]
+
+
+def test_bounds_from_the_split():
+    rows = {r["figure"]: (r["value"], r["unit"]) for r in
+            B.bounds(EXACT, {"convolution": 20.0, "total": 31.0}, 16, 1.6, [("t480", 480.0), ("t560", 560.0)])}
+    assert rows["GPU busy per batch"] == (35.0, "ms")
+    assert rows["passes between convolutions per batch"] == (11.0, "ms")
+    assert rows["FPS at the GPU busy time"][0] == pytest.approx(16e3 / 35)
+    assert rows["FPS bound: passes between convolutions free"][0] == pytest.approx(16e3 / 24)
+    assert rows["FPS bound: every convolution sped up by the FP8 / fp16 matrix rate"][0] == pytest.approx(16e3 / 26)
+    assert rows["FPS bound: the exact renderer with the FP8 build's convolution time"][0] == pytest.approx(16e3 / 31)
+    assert rows["time to take off per batch to reach t480"][0] == pytest.approx(35 - 16e3 / 480)
+    assert rows["time to take off per batch to reach t560"][0] == pytest.approx(35 - 16e3 / 560)
+
+
+def test_bounds_without_fp8_or_convs_leave_those_rows_out():
+    figs = [r["figure"] for r in B.bounds(EXACT, None, 16, None, [])]
+    assert not any("FP8" in f for f in figs) and len(figs) == 5
+    figs = [r["figure"] for r in B.bounds({"FFT": 2.0, "total": 2.0}, None, 16, 1.7, [])]
+    assert not any("bound" in f for f in figs)   # nothing to bound without a conv in the split
+
+
+def _ctx(dev: str = "cuda", batch: int = 16):
+    res = SimpleNamespace(tables={}, params={}, metrics={})
+    return SimpleNamespace(dev=torch.device(dev), prof=SimpleNamespace(batch=batch), res=res, ceiling_tflops=700.0,
+                           partial=lambda: None)
+
+
+def test_the_split_needs_a_gpu():
+    ctx = _ctx("cpu")
+    rows = B.renderer_kernels(ctx)
+    assert rows == [{"variant": "-", "status": "skipped", "reason": "needs a CUDA device"}]
+    assert "renderer_bound" not in ctx.res.tables and B.headline(ctx) == {}
+
+
+def test_the_split_feeds_the_bound_table_and_the_ledger(monkeypatch):
+    def split(ctx, name, batch):
+        if name.endswith("+fp8"):
+            raise RuntimeError("cuDNN declined the plan")
+        events = [(us * 3e3, kname, 3) for us, kname in ((24.0, "sm90_xmma_fprop_implicit_gemm"),
+                                                         (6.0, "triton_poi_fused_mul_0"), (4.0, "vector_fft_r2c"))]
+        return kernel_time.rows_of(events, runs=3)
+
+    monkeypatch.setattr(B, "_split_of", split)
+    monkeypatch.setattr(B, "fp8_matrix_ratio", lambda ctx: 1.76)
+    ctx = _ctx()
+    rows = B.renderer_kernels(ctx)
+    assert [(r["variant"], r["status"]) for r in rows if r.get("kind") in ("convolution", None)] == \
+        [(BEST, "ok"), (BEST + "+fp8", "failed")]
+    assert "cuDNN declined the plan" in rows[-1]["reason"]
+    h = B.headline(ctx)
+    assert h["renderer kernels: GPU busy per batch (ms)"] == 34.0
+    assert h["renderer kernels: FPS bound: passes between convolutions free"] == round(16e3 / 24, 1)
+    assert h["renderer kernels: time to take off per batch to reach ditto-renderer-exact (ms)"] == round(34 - 16e3 / 480, 2)
+    assert not any("FP8 build" in k for k in h)   # the FP8 twin failed: no bound from its convs
+    led = {r.metric: (r.value, r.unit) for r in rows_from_result({"headline": h}, "06_ditto", "lab run 06")}
+    assert led["renderer kernels: GPU busy per batch (ms)"] == (34.0, "ms")
+    assert led["renderer kernels: FP8 / fp16 matrix-rate ratio"] == (1.76, "×")
+    assert led["renderer kernels: time to take off per batch to reach ditto-renderer-fp8 (ms)"][1] == "ms"
+    assert all(led[k][1] == "FPS" for k in led if "FPS" in k)
+    assert len(led) == len(h) and all(math.isfinite(v) for v, _ in led.values())

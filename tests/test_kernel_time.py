@@ -1,0 +1,59 @@
+"""lab.kernel_time: kernel names sorted into kinds, the profiler's events into a split, and a split's bound."""
+import math
+
+import pytest
+
+from lab import kernel_time as K
+from lab.errors import InputError
+
+
+def test_kernel_kinds_from_names():
+    assert K.kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>") == "attention"
+    assert K.kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
+    assert K.kind("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc") == "convolution"
+    assert K.kind("_conv_tma_body") == "convolution"   # the lab's own Triton FP8 conv
+    assert K.kind("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_TNN") == "GEMM (linear)"
+    assert K.kind("triton_red_fused_native_group_norm_12") == "Triton reduction (norms)"
+    assert K.kind("triton_poi_fused_add_gelu_mul_7") == "Triton pointwise"
+    # a fused pass is a pass whatever ops its name quotes
+    assert K.kind("triton_poi_fused__scaled_dot_product_cudnn_attention_3") == "Triton pointwise"
+    assert K.kind("triton_poi_fused_convolution_grid_sampler_3d_4") == "Triton pointwise"
+    assert K.kind("void regular_fft<256u, EPT<16u>, 16u, 8u>") == K.kind("vector_fft_c2r") == "FFT"
+    assert K.kind("void at::native::grid_sampler_3d_kernel<c10::Half>") == "grid_sample"
+    assert K.kind("void cudnn::ops::nchwToNhwcKernel<__half>") == "copy / cat / layout"
+    assert K.kind("something_else") == "other"
+
+
+def test_rows_sum_by_kind_with_the_costliest_kernel_and_a_total():
+    events = [(3000.0, "sm90_xmma_fprop_implicit_gemm_a", 6), (1500.0, "sm90_xmma_fprop_implicit_gemm_b", 3),
+              (900.0, "triton_poi_fused_add_0", 30), (600.0, "vector_fft_r2c", 3)]
+    top: list[dict] = []
+    rows = K.rows_of(events, runs=3, wall_ms=2.5, top=top, label="x", n_top=2)
+    assert [r["kind"] for r in rows] == ["convolution", "Triton pointwise", "FFT", K.TOTAL]
+    conv = rows[0]
+    assert conv["ms_per_call"] == pytest.approx(1.5) and conv["launches_per_call"] == 3
+    assert conv["top_kernel"] == "sm90_xmma_fprop_implicit_gemm_a" and conv["top_kernel_ms"] == pytest.approx(1.0)
+    assert rows[-1]["ms_per_call"] == pytest.approx(2.0) and sum(r["pct_of_busy"] for r in rows[:-1]) == pytest.approx(100)
+    assert [t["kernel"] for t in top] == ["sm90_xmma_fprop_implicit_gemm_a", "sm90_xmma_fprop_implicit_gemm_b"]
+    ms = K.by_kind(rows)
+    assert ms == pytest.approx({"convolution": 1.5, "Triton pointwise": 0.3, "FFT": 0.2, "total": 2.0})
+
+
+def test_a_bound_changes_only_the_kinds_it_names():
+    ms = {"convolution": 24.0, "Triton pointwise": 6.0, "FFT": 4.0, "total": 34.0}
+    assert K.with_kinds_faster(ms, {}) == pytest.approx(34.0)
+    assert K.with_kinds_faster(ms, {"convolution": 2.0}) == pytest.approx(22.0)
+    assert K.with_kinds_faster(ms, {"Triton pointwise": math.inf, "FFT": math.inf}) == pytest.approx(24.0)
+
+
+@pytest.mark.parametrize("faster, match", [({"GEMM (linear)": 2.0}, "not in the split"),
+                                           ({"convolution": 0.0}, "must be > 0"),
+                                           ({"convolution": float("nan")}, "must be > 0")])
+def test_a_bound_refuses_kinds_the_split_lacks_and_bad_factors(faster, match):
+    with pytest.raises(InputError, match=match):
+        K.with_kinds_faster({"convolution": 1.0, "total": 1.0}, faster)
+
+
+def test_a_split_needs_a_profiled_call():
+    with pytest.raises(InputError, match="runs=0"):
+        K.split(lambda: None, (), "cpu", runs=0)
