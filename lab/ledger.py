@@ -215,7 +215,7 @@ FAMILY_CODE: dict[str, tuple[str, ...]] = {
     "05": ("lab/experiments/stride.py",) + _MUSETALK,
     "06": ("lab/experiments/ditto.py", "lab/experiments/ditto_variants.py", "lab/experiments/ditto_bounds.py",
            "lab/kernel_time.py") + _DITTO,
-    "07": ("lab/experiments/latentsync.py", "lab/kernel_time.py") + _LATENTSYNC,
+    "07": ("lab/experiments/latentsync.py", "lab/experiments/latentsync_bounds.py", "lab/kernel_time.py") + _LATENTSYNC,
     "08": ("lab/experiments/serving.py", "lab/serving/*", "lab/models/ditto.py", "lab/models/musetalk.py"),
     "09": ("lab/experiments/leaderboard.py", "lab/experiments/compare.py", "lab/experiments/calibrate.py",
            "lab/experiments/studio.py", "lab/pipelines/*") + _MUSETALK + _DITTO + _LATENTSYNC,

@@ -35,6 +35,7 @@ from lab.pipelines import latentsync as P
 from lab.pipelines.latentsync import sampling
 from lab.progress import step as progress_step
 from lab.results import Result, atomic_write_text, run_dir, save_figure
+from lab.experiments.latentsync_bounds import headline as bounds_headline
 from lab.runtime import compile_budget
 
 NAME = "07_latentsync"
@@ -1233,8 +1234,8 @@ def headline(ctx: Context) -> dict:
             f"{ak['auto_ms_per_step']:.2f} → {ak['chosen_ms_per_step']:.2f}"
     if "vae" in ctx.res.metrics:
         h["VAE s per output second"] = round(ctx.res.metrics["vae"]["vae_s_per_output_s"], 3)
-    ctx.res.headline = h
-    return h
+    ctx.res.headline = h | bounds_headline(ctx)
+    return ctx.res.headline
 
 
 def save(ctx: Context) -> Path:
@@ -1250,8 +1251,7 @@ def finish(ctx: Context) -> Any:
     return table(rows, ["headline", "value"], f"saved {path} in {ctx.res.timings['total_s']:.1f} s")
 
 
-def run_all(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str | None = None,
-            weights: Any = "random",
+def run_all(device: str = "auto", quick: bool = False, seed: int = 0, out_dir: str | None = None, weights: Any = "random",
             steps: tuple[str, ...] = ("waterfall", "attention", "vae", "modes", "loop", "jobs", "memory", "fp8"),
             deadline_s: float | None = None) -> Context:
     """The notebook's steps in order, headless (what the GPU reference run executes). `deadline_s`: a step
