@@ -232,6 +232,27 @@ def test_a_shortened_docs_table_keeps_each_runs_readme_figures_first(tmp_path):
                                     "A/B fast vs exact: B/A speed-up", "A/B fast vs exact: A FPS"])
 
 
+def test_a_shortened_docs_table_gives_current_runs_their_rows_before_stale_runs(tmp_path):
+    def run(cmd, commit, date, n):
+        return [_row(row=f"r{cmd[-3:]}{i}", metric="FPS", command=cmd, commit=commit, date=date) for i in range(n)]
+
+    old = run("lab run 06 --old", "aaaaaaa1", "2026-12-06T10:00:00Z", 3) + \
+        run("lab run 06 --older", "aaaaaaa2", "2026-12-05T10:00:00Z", 3)
+    new = run("lab run 06 --new", "bbbbbbb1", "2026-12-01T10:00:00Z", 4)   # older date, current code
+
+    def changed(commit):
+        return {"lab/experiments/ditto.py"} if commit.startswith("a") else set()
+
+    text = R.docs_section(old + new, "06_ditto", changed, limit=5, root=tmp_path)
+    cmds = [line.split(" | ")[-1] for line in text.splitlines() if line.startswith("| ") and "figure" not in line]
+    runs = {n: line.split("`")[1] for line in text.splitlines() if (n := line[:3]) in ("[1]", "[2]", "[3]")}
+    assert sorted(runs[c.strip(" |")] for c in cmds).count("lab run 06 --new") == 4   # every current row shown
+    assert len(cmds) == 5 and sum("**stale**" in line for line in text.splitlines() if line.startswith("| r")) == 1
+    # without staleness the runs share the page in turn, as before
+    text = R.docs_section(old + new, "06_ditto", None, limit=5, root=tmp_path)
+    assert sum(line.startswith("| r") for line in text.splitlines()) == 5 and "--new" in text and "--older" in text
+
+
 def test_the_targets_page_judges_each_target_on_its_own_machines_rows_only(tmp_path):
     from lab import claims as C
 
