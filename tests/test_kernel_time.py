@@ -21,6 +21,10 @@ def test_kernel_kinds_from_names():
     assert K.kind("void regular_fft<256u, EPT<16u>, 16u, 8u>") == K.kind("vector_fft_c2r") == "FFT"
     assert K.kind("void at::native::grid_sampler_3d_kernel<c10::Half>") == "grid_sample"
     assert K.kind("void cudnn::ops::nchwToNhwcKernel<__half>") == "copy / cat / layout"
+    assert K.kind("void nhwcAddPaddingKernel<__half, __half, float, true, (cudnnReduceTensorOp_t)0>") == \
+        "copy / cat / layout"
+    assert K.kind("void at::native::reduce_kernel<512, 1, ReduceOp<float, MeanOps>>") == "reduction (eager)"
+    assert K.kind("_fft_contract_kernel") == "FFT"   # the FFT mask conv's own Triton contraction
     assert K.kind("something_else") == "other"
 
 

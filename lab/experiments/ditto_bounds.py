@@ -3,8 +3,9 @@ and what that split bounds (the FPS with the passes between convolutions free, w
 FP8 / fp16 matrix rate or at the FP8 build's measured conv time, and how much time each renderer target needs taken
 off). And the dense run's budget: GPU work per output frame against what 90 % of the encoder ceiling allows.
 
-Each renderer is compiled without its CUDA graph for the profile: a graph replay hides its kernels from the profiler,
-and the graph adds no kernels of its own. The figures are kernel time (GPU busy), not a wall-clock median.
+Each renderer is compiled without its CUDA graph for the profile: the same kernels, launched one by one (the graph
+removes only the launch gaps, which a split of kernel time does not count). The figures are kernel time (GPU busy),
+not a wall-clock median.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def _split_of(ctx: "Context", name: str, batch: int) -> list[dict]:
     from lab.experiments.ditto import _inputs
 
     v = VARIANTS[name]
-    e = P.reconfigure(ctx.engine, batch_size=batch, **(v | {"runtime": "compile" if "compile" in v["runtime"] else "eager"}))
+    runtime = "compile" if "compile" in v["runtime"] else "eager"
+    e = P.reconfigure(ctx.engine, batch_size=batch, **(v | {"runtime": runtime}))
     fn = P.stage_fn(e, "render", batch)
     args = tuple(x.to(P._in_dtype(e)) for x in _inputs(ctx, batch, 1)[0])
     return kernel_time.split(fn, args, ctx.dev, runs=3)

@@ -59,8 +59,8 @@ def smooth_size(n: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _contract_kernel(x_ptr, w_ptr, y_ptr, B, O, F, C: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_O: tl.constexpr,
-                         BLOCK_O2: tl.constexpr, BLOCK_F: tl.constexpr, STAGES: tl.constexpr):
+    def _fft_contract_kernel(x_ptr, w_ptr, y_ptr, B, O, F, C: tl.constexpr, BLOCK_B: tl.constexpr,
+                             BLOCK_O: tl.constexpr, BLOCK_O2: tl.constexpr, BLOCK_F: tl.constexpr, STAGES: tl.constexpr):
         # y[b, o, f] = sum_c x[b, c, f] * w[c, o, f] (complex, interleaved re/im): one program per BLOCK_F
         # frequencies holds every (b, o) accumulator, so x and w are each read once; each row of a tile is
         # 2·BLOCK_F contiguous floats (re/im interleaved), loaded whole and split in registers. The output
@@ -128,7 +128,7 @@ def _contract_triton(xf: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
     xr = torch.view_as_real(xf.contiguous())
     t = TRITON_TILE
     o1, o2 = _o_blocks(o, t["split_o"])
-    _contract_kernel[(triton.cdiv(f, t["block_f"]),)](xr, w_hat, y, b, o, f, C=c, BLOCK_B=triton.next_power_of_2(b),
+    _fft_contract_kernel[(triton.cdiv(f, t["block_f"]),)](xr, w_hat, y, b, o, f, C=c, BLOCK_B=triton.next_power_of_2(b),
                                                      BLOCK_O=o1, BLOCK_O2=o2, BLOCK_F=t["block_f"], STAGES=t["stages"],
                                                      num_warps=t["num_warps"])
     return torch.view_as_complex(y)
