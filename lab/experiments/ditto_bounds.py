@@ -10,6 +10,7 @@ not a wall-clock median.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,7 +47,7 @@ def _split_of(ctx: "Context", name: str, batch: int) -> list[dict]:
     return kernel_time.split(fn, args, ctx.dev, runs=3)
 
 
-def renderer_targets(path: Any = claims.TARGETS_FILE) -> list[tuple[str, float]]:
+def renderer_targets(path: str | Path = claims.TARGETS_FILE) -> list[tuple[str, float]]:
     """(target id, FPS) of each FPS target of this notebook in the lab's targets file: the renderer's (the end to end
     targets are ratios to the encoder)."""
     out = []
