@@ -966,6 +966,15 @@ def test_kernel_kind_sorts_profiler_names():
     assert kernel_kind("Memset (Device)") == "other"
 
 
+def test_split_columns_gather_the_kinds_an_fp8_change_touches():
+    from lab.experiments.fp8 import FUSED, columns
+
+    ms = {"convolution": 12.0, "Triton pointwise": 5.0, "Triton reduction (norms)": 3.0, "GEMM (linear)": 0.4,
+          "attention": 0.2, "copy / cat / layout": 0.3, "other": 0.1, "total": 21.0}
+    got = columns(ms)
+    assert got == pytest.approx({"conv": 12.0, FUSED: 8.0, "GEMM": 0.4, "attention": 0.2, "other": 0.4, "total": 21.0})
+
+
 def test_conv_rate_bound_replaces_only_the_conv_time():
     from lab.experiments.fp8 import conv_rate_bound
 

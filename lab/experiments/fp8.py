@@ -448,8 +448,7 @@ def torchao_rows(case: Case, ref: torch.Tensor, scheme: str = "per_tensor", comp
 
 # ----------------------------------------------------------------------------- where a compiled model's GPU time goes
 
-# The split's columns: lab.kernel_time's kinds gathered into what an FP8 change touches (its convs and GEMMs), what
-# it adds casts to (inductor's fused passes) and the rest.
+# The split's columns: lab.kernel_time's kinds by what an FP8 change touches (convs, GEMMs, the passes it adds casts to)
 FUSED = "fused elementwise / norms (Inductor)"
 COLUMN = {"convolution": "conv", "GEMM (linear)": "GEMM", "attention": "attention", "Triton pointwise": FUSED,
           "Triton reduction (norms)": FUSED}
@@ -461,15 +460,17 @@ def kernel_kind(name: str) -> str:
 
 
 def kernel_split(fn: Any, args: tuple, iters: int = 3) -> dict[str, float]:
-    """GPU milliseconds per call of `fn(*args)` by split column (conv, GEMM, attention, fused elementwise, other)
-    and in total, from lab.kernel_time's profile of `iters` calls after a warm one. Kernel time only: gaps between
-    kernels (launch overhead) are the difference to a wall-clock median."""
+    """GPU ms per call of `fn(*args)` by split column and in total (`columns` of lab.kernel_time's profile of `iters`
+    calls after a warm one): kernel time only; launch gaps are the difference to a wall-clock median."""
+    return columns(kernel_time.by_kind(kernel_time.split(fn, args, "cuda", runs=iters)))
+
+
+def columns(ms: dict[str, float]) -> dict[str, float]:
+    """kernel_time.by_kind's ms per kind summed into the split's columns (COLUMN, else "other"), and their total."""
     out: dict[str, float] = {}
-    for k, ms in kernel_time.by_kind(kernel_time.split(fn, args, "cuda", runs=iters)).items():
-        if k != "total":
-            out[COLUMN.get(k, "other")] = out.get(COLUMN.get(k, "other"), 0.0) + ms
-    out["total"] = sum(out.values())
-    return out
+    for k, v in ((k, v) for k, v in ms.items() if k != "total"):
+        out[COLUMN.get(k, "other")] = out.get(COLUMN.get(k, "other"), 0.0) + v
+    return out | {"total": sum(out.values())}
 
 
 def conv_rate_bound(base_split: dict[str, float], base_ms: float,
@@ -624,8 +625,7 @@ DRIFT_COLS = ["model", "variant", "FP8 layers", "mae", "max_abs", "psnr_db", "co
 SHAPE_COLS = ["model", "label", "count", "M", "N", "K", "fp16_ms", "fp8_im2col_ms", "fp8_triton_ms", "fp8_cudnn_ms",
               "fp8_gemm_ms", "fp8_gemm_only_ms", "act_cast_ms", "speedup", "triton_kernel", "fp16_TFLOPs",
               "fp8_gemm_TFLOPs", "note", "status"]
-SPLIT_COLS = ["model", "variant", "wall_ms", "total", "conv", "GEMM", "attention",
-              FUSED, "other"]
+SPLIT_COLS = ["model", "variant", "wall_ms", "total", "conv", "GEMM", "attention", FUSED, "other"]
 COMPARE_COLS = ["claim", "their_value", "their_hardware", "our_value", "unit", "verdict", "reason"]
 WRITEUP = "000 §4.2 (Blackwell FP8)"
 
