@@ -456,6 +456,17 @@ def load_targets(path: str | Path = TARGETS_FILE) -> list[Claim]:
     return targets
 
 
+def fps_targets(notebooks: Sequence[str], path: str | Path = TARGETS_FILE) -> list[tuple[str, float]]:
+    """(target id, FPS) of each target in the targets file keyed to one of `notebooks` (their stems) whose unit is
+    FPS: what a kernel split's bounds measure the distance to."""
+    out = []
+    for t in load_targets(path):
+        goal = their_number(t.value, t.direction)
+        if t.key and t.key[0] in notebooks and t.unit == "FPS" and goal:
+            out.append((t.id, goal))
+    return out
+
+
 def counts(claims: Sequence[Claim]) -> dict[str, Any]:
     """How many claims, by status, overall and per write-up."""
     def tally(cs: Sequence[Claim]) -> dict[str, int]:

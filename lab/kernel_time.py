@@ -3,6 +3,7 @@
     rows = split(fn, args, device)              # torch.profiler over a few calls: ms per call for each kind
     ms = by_kind(rows)                          # {"convolution": 23.9, "Triton pointwise": 6.2, …, "total": 38.8}
     with_kinds_faster(ms, {"convolution": 1.3}) # the call's GPU time had its convs run 1.3× faster, the rest as is
+    bounds(ms, batch=16, targets=[("t", 480.0)]) # what that split bounds: FPS with the passes free, convs faster, …
 
 The kind comes from the kernel's name (cuDNN, cuBLAS, cuFFT and inductor name what they do), first match of KINDS
 winning, so a fused Triton kernel whose name quotes a convolution is a Triton pass, not a conv. Kernel time only:
@@ -111,3 +112,39 @@ def with_kinds_faster(ms: Mapping[str, float], faster: Mapping[str, float]) -> f
         raise InputError(f"speed-up factors must be > 0, got {bad}")
     return sum(v if k not in faster else (0.0 if math.isinf(faster[k]) else v / faster[k])
                for k, v in ms.items() if k != "total")
+
+
+CONV = "convolution"
+
+
+def bounds(ms: Mapping[str, float], fp8_ms: Mapping[str, float] | None, batch: int, fp8_ratio: float | None,
+           targets: Sequence[tuple[str, float]], subject: str = "renderer") -> list[dict]:
+    """What an exact model's split (`by_kind`, ms per batch of `batch` frames) bounds, one row per figure (value,
+    unit): its busy time in convolutions and between them, the FPS at that time, with the passes between
+    convolutions free, with every convolution sped up by the FP8 / fp16 matrix rate (`fp8_ratio`) or at an FP8
+    build's measured conv time (`fp8_ms`, that build's split), and per (target id, FPS) the ms per batch still to
+    take off. `subject` names the model in the FP8 build's row."""
+    total, conv = ms["total"], ms.get(CONV, 0.0)
+    rows = [("GPU busy per batch", total, "ms"), ("convolutions per batch", conv, "ms"),
+            ("passes between convolutions per batch", total - conv, "ms"),
+            ("FPS at the GPU busy time", batch * 1e3 / total, "FPS")]
+    if conv > 0:
+        rows.append(("FPS bound: passes between convolutions free", batch * 1e3 / conv, "FPS"))
+        if fp8_ratio:
+            rows += [("FP8 / fp16 matrix-rate ratio", fp8_ratio, "×"),
+                     ("FPS bound: every convolution sped up by the FP8 / fp16 matrix rate",
+                      batch * 1e3 / with_kinds_faster(ms, {CONV: fp8_ratio}), "FPS")]
+        if fp8_ms and fp8_ms.get(CONV):
+            rows.append((f"FPS bound: the exact {subject} with the FP8 build's convolution time",
+                         batch * 1e3 / (total - conv + fp8_ms[CONV]), "FPS"))
+    for tid, goal in targets:
+        rows.append((f"time to take off per batch to reach {tid}", total - batch * 1e3 / goal, "ms"))
+    return [{"figure": f, "value": v, "unit": u} for f, v, u in rows]
+
+
+def bound_headline(rows: Sequence[Mapping[str, Any]], prefix: str) -> dict[str, float]:
+    """`bounds`' rows as headline figures ("<prefix>: <figure>", " (ms)" where the unit must be ms) for the ledger;
+    non-finite values left out."""
+    return {f"{prefix}: {r['figure']}{' (ms)' if r['unit'] == 'ms' else ''}":
+            round(r["value"], 1 if r["unit"] == "FPS" else 2) for r in rows if math.isfinite(r["value"])}
+

@@ -265,3 +265,10 @@ def test_a_target_is_judged_on_its_newest_row_and_a_miss_in_every_run_is_not_met
                                          metric="sd-vae best FPS b16 fp16", notebook="02_taesd_vs_vae"))[0]
     got = C.judge_target(lower, [_row(3.2, "2026-01-01", unit="s"), _row(3.3, "2026-01-02", unit="s")])
     assert got["target"] == "≤ 2.5 s" and got["verdict"].endswith("(the best of 2 ledger rows: 3.2 s)")
+
+
+def test_fps_targets_by_notebook():
+    from lab.claims import fps_targets
+
+    assert dict(fps_targets(("02_taesd_vs_vae", "03_fp8_quantization"))) == {"sdvae-exact": 1000.0, "sdvae-fp8": 1200.0}
+    assert fps_targets(("07_latentsync",)) == []   # its targets are seconds per output second, not FPS

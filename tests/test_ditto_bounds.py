@@ -26,26 +26,6 @@ def test_the_best_exact_renderer_and_its_fp8_twin_are_profiled():
     assert B.profiled_variants(other) == [other]
 
 
-def test_bounds_from_the_split():
-    rows = {r["figure"]: (r["value"], r["unit"]) for r in
-            B.bounds(EXACT, {"convolution": 20.0, "total": 31.0}, 16, 1.6, [("t480", 480.0), ("t560", 560.0)])}
-    assert rows["GPU busy per batch"] == (35.0, "ms")
-    assert rows["passes between convolutions per batch"] == (11.0, "ms")
-    assert rows["FPS at the GPU busy time"][0] == pytest.approx(16e3 / 35)
-    assert rows["FPS bound: passes between convolutions free"][0] == pytest.approx(16e3 / 24)
-    assert rows["FPS bound: every convolution sped up by the FP8 / fp16 matrix rate"][0] == pytest.approx(16e3 / 26)
-    assert rows["FPS bound: the exact renderer with the FP8 build's convolution time"][0] == pytest.approx(16e3 / 31)
-    assert rows["time to take off per batch to reach t480"][0] == pytest.approx(35 - 16e3 / 480)
-    assert rows["time to take off per batch to reach t560"][0] == pytest.approx(35 - 16e3 / 560)
-
-
-def test_bounds_without_fp8_or_convs_leave_those_rows_out():
-    figs = [r["figure"] for r in B.bounds(EXACT, None, 16, None, [])]
-    assert not any("FP8" in f for f in figs) and len(figs) == 5
-    figs = [r["figure"] for r in B.bounds({"FFT": 2.0, "total": 2.0}, None, 16, 1.7, [])]
-    assert not any("bound" in f for f in figs)   # nothing to bound without a conv in the split
-
-
 def _ctx(dev: str = "cuda", batch: int = 16):
     res = SimpleNamespace(tables={}, params={}, metrics={})
     return SimpleNamespace(dev=torch.device(dev), prof=SimpleNamespace(batch=batch), res=res, ceiling_tflops=700.0,

@@ -61,3 +61,43 @@ def test_a_bound_refuses_kinds_the_split_lacks_and_bad_factors(faster, match):
 def test_a_split_needs_a_profiled_call():
     with pytest.raises(InputError, match="runs=0"):
         K.split(lambda: None, (), "cpu", runs=0)
+
+
+EXACT = {"convolution": 24.0, "Triton pointwise": 6.0, "FFT": 4.0, "grid_sample": 1.0, "total": 35.0}
+
+
+def test_bounds_from_the_split():
+    rows = {r["figure"]: (r["value"], r["unit"]) for r in
+            K.bounds(EXACT, {"convolution": 20.0, "total": 31.0}, 16, 1.6, [("t480", 480.0), ("t560", 560.0)])}
+    assert rows["GPU busy per batch"] == (35.0, "ms")
+    assert rows["passes between convolutions per batch"] == (11.0, "ms")
+    assert rows["FPS at the GPU busy time"][0] == pytest.approx(16e3 / 35)
+    assert rows["FPS bound: passes between convolutions free"][0] == pytest.approx(16e3 / 24)
+    assert rows["FPS bound: every convolution sped up by the FP8 / fp16 matrix rate"][0] == pytest.approx(16e3 / 26)
+    assert rows["FPS bound: the exact renderer with the FP8 build's convolution time"][0] == pytest.approx(16e3 / 31)
+    assert rows["time to take off per batch to reach t480"][0] == pytest.approx(35 - 16e3 / 480)
+    assert rows["time to take off per batch to reach t560"][0] == pytest.approx(35 - 16e3 / 560)
+
+
+def test_bounds_without_fp8_or_convs_leave_those_rows_out():
+    figs = [r["figure"] for r in K.bounds(EXACT, None, 16, None, [])]
+    assert not any("FP8" in f for f in figs) and len(figs) == 5
+    figs = [r["figure"] for r in K.bounds({"FFT": 2.0, "total": 2.0}, None, 16, 1.7, [])]
+    assert not any("bound" in f for f in figs)   # nothing to bound without a conv in the split
+
+
+def test_the_fp8_build_row_names_its_subject():
+    rows = K.bounds(EXACT, {"convolution": 20.0}, 16, None, [], subject="decoder")
+    assert rows[-1]["figure"] == "FPS bound: the exact decoder with the FP8 build's convolution time"
+
+
+def test_bound_headline_names_ms_rows_and_drops_non_finite_ones():
+    rows = K.bounds(EXACT, None, 16, 1.5, [("t", 400.0)])
+    rows.append({"figure": "broken", "value": float("nan"), "unit": "FPS"})
+    h = K.bound_headline(rows, "sd-vae kernels")
+    assert h["sd-vae kernels: GPU busy per batch (ms)"] == 35.0
+    assert h["sd-vae kernels: FPS at the GPU busy time"] == round(16e3 / 35, 1)
+    assert h["sd-vae kernels: time to take off per batch to reach t (ms)"] == round(35 - 16e3 / 400, 2)
+    assert h["sd-vae kernels: FP8 / fp16 matrix-rate ratio"] == 1.5
+    assert "sd-vae kernels: broken" not in h and len(h) == len(rows) - 1
+

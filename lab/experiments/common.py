@@ -219,3 +219,15 @@ def budget_report(run: Run) -> str:
     not_run = [s for s in run.budget.table() if s["status"] in ("skipped", "aborted", "failed")]
     return "\n\n**Steps not run or not finished**\n\n" + table_markdown(not_run, STEP_COLS) if not_run else ""
 
+
+
+def fp8_matrix_ratio(device: torch.device | str, fp16_tflops: float | None) -> float | None:
+    """The measured FP8 / fp16 dense matrix-multiply rate on this GPU (`fp16_tflops` measured before): what an FP8
+    build could speed matrix work up by at most. None where FP8 does not run or no fp16 rate is known."""
+    from lab.techniques import fp8
+    from lab.timing import matmul_ceiling
+
+    dev = torch.device(device)
+    if not fp16_tflops or not fp8.fp8_supported(dev)[0]:
+        return None
+    return matmul_ceiling(torch.float8_e4m3fn, dev) / fp16_tflops

@@ -75,6 +75,7 @@ COMPILED = tuple(_COMPILE_MODE)
 _SUBPIXEL = {v: "phases" if v.endswith("phases") else "transpose" for v in VARIANTS if "subpixel" in v}
 _INDUCTOR = {"compile_subpixel_frozen": {"freezing": True, "conv_1x1_as_mm": True}}  # patched while it compiles
 _GRAPHED = ("cuda_graph",) + tuple(v for v, m in _COMPILE_MODE.items() if m in ("reduce-overhead", "max-autotune"))
+_NO_GRAPH = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}   # the same, graphs off
 # the rewrites a variant applies to the (folded) decoder before compiling: lab.techniques module, function
 _REWRITE = {"compile_subpixel_groupnorm": [("group_norm", "fuse_group_norms")],
             "compile_subpixel_graph": [("group_norm", "fuse_group_norms"), ("graph_conv", "graph_convs")]}
@@ -280,10 +281,12 @@ def skip_reason(variant: str, device: torch.device | str, quick: bool, compile: 
     return None
 
 
-def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor,
+                  graph: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
     """A callable latents → images in [0, 1] for one variant, built on a private copy of the model
     (so channels_last / dtype changes never leak into other variants). First call already done
-    for compiled variants (that is where compilation happens)."""
+    for compiled variants (that is where compilation happens). graph=False: the variant without its
+    CUDA graph (the same kernels launched one by one, which a profiler sees one by one)."""
     # one private copy; folded (subpixel variants) in the model's own precision, then cast
     model = _folded(vae, _SUBPIXEL[variant]).model if variant in _SUBPIXEL else None
     with quiet_diffusers():
@@ -293,14 +296,13 @@ def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor) -> 
     for mod, fn in _REWRITE.get(variant, []):
         getattr(importlib.import_module(f"lab.techniques.{mod}"), fn)(model.decoder)
     dec = VAE(vae.kind, model, vae.scaling_factor, vae.weights).decoder_module().eval()
-    if variant in ("eager", "channels_last", "cudnn_benchmark", "subpixel"):
-        return dec
-    if variant == "cuda_graph":
-        return _cuda_graphed(dec, example)
+    if variant in ("eager", "channels_last", "cudnn_benchmark", "subpixel", "cuda_graph"):
+        return _cuda_graphed(dec, example) if variant == "cuda_graph" and graph else dec
     import torch._inductor.config as inductor_config
 
-    compiled = compile_budget.compiled(dec, mode=_COMPILE_MODE[variant], dynamic=False)
-    if _COMPILE_MODE[variant] in ("reduce-overhead", "max-autotune"):  # both capture CUDA graphs
+    mode = _COMPILE_MODE[variant] if graph else _NO_GRAPH.get(_COMPILE_MODE[variant], _COMPILE_MODE[variant])
+    compiled = compile_budget.compiled(dec, mode=mode, dynamic=False)
+    if mode in ("reduce-overhead", "max-autotune"):  # both capture CUDA graphs
         def run(z: torch.Tensor) -> torch.Tensor:
             # tell CUDA-graph trees each call is a new step, so the previous output's memory is reused
             torch.compiler.cudagraph_mark_step_begin()
@@ -926,7 +928,6 @@ def _show(*objs: Any) -> None:
 
 def _md(title: str, rows: Sequence[dict], cols: Sequence[str] | None = None, note: str = "") -> Any:
     from lab.experiments.common import markdown as Markdown
-
     from lab.plots import table_markdown
 
     return Markdown(f"**{title}**{note}\n\n" + table_markdown(rows, cols))
@@ -1007,7 +1008,6 @@ def speed_headline(run: Run, rows: Sequence[dict]) -> Any:
     """`headline` at the headline batch and dtype, plus the SD-VAE FPS target on a full-size GPU run;
     kept in the Result's headline."""
     from lab.experiments.common import markdown as Markdown
-
     from lab.plots import table_markdown
 
     hl = headline(rows, run.headline_batch, run.headline_dtype)
@@ -1140,7 +1140,6 @@ def compare(run: Run, speed_rows: Sequence[dict], seam: Inpainting, rt: RoundTri
     """The write-up's figures and claims beside ours (`compare_speed`, `compare_quality`), replacing
     this run's earlier comparison rows; returns them as a table."""
     from lab.experiments.common import markdown as Markdown
-
     from lab.plots import table_markdown
 
     run.result.comparisons = []

@@ -9,22 +9,18 @@ not a wall-clock median.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from lab import claims, kernel_time
+from lab.experiments import common
 from lab.experiments.ditto_variants import BEST, VARIANTS, exact
 from lab.pipelines import ditto as P
 from lab.progress import step as progress_step
-from lab.timing import matmul_ceiling
 
 if TYPE_CHECKING:
     from lab.experiments.ditto import Context
 
-CONV = "convolution"
 NAME = "06_ditto"
 
 
@@ -50,42 +46,12 @@ def _split_of(ctx: "Context", name: str, batch: int) -> list[dict]:
 def renderer_targets(path: str | Path = claims.TARGETS_FILE) -> list[tuple[str, float]]:
     """(target id, FPS) of each FPS target of this notebook in the lab's targets file: the renderer's (the end to end
     targets are ratios to the encoder)."""
-    out = []
-    for t in claims.load_targets(path):
-        goal = claims.their_number(t.value, t.direction)
-        if t.key and t.key[0] == NAME and t.unit == "FPS" and goal:
-            out.append((t.id, goal))
-    return out
-
-
-def bounds(exact_ms: dict[str, float], fp8_ms: dict[str, float] | None, batch: int, fp8_ratio: float | None,
-           targets: list[tuple[str, float]]) -> list[dict]:
-    """What the exact renderer's split (kernel_time.by_kind) bounds, one row per figure (value, unit)."""
-    total, conv = exact_ms["total"], exact_ms.get(CONV, 0.0)
-    rows = [("GPU busy per batch", total, "ms"), ("convolutions per batch", conv, "ms"),
-            ("passes between convolutions per batch", total - conv, "ms"),
-            ("FPS at the GPU busy time", batch * 1e3 / total, "FPS")]
-    if conv > 0:
-        rows.append(("FPS bound: passes between convolutions free", batch * 1e3 / conv, "FPS"))
-        if fp8_ratio:
-            rows += [("FP8 / fp16 matrix-rate ratio", fp8_ratio, "×"),
-                     ("FPS bound: every convolution sped up by the FP8 / fp16 matrix rate",
-                      batch * 1e3 / kernel_time.with_kinds_faster(exact_ms, {CONV: fp8_ratio}), "FPS")]
-        if fp8_ms and fp8_ms.get(CONV):
-            rows.append(("FPS bound: the exact renderer with the FP8 build's convolution time",
-                         batch * 1e3 / (total - conv + fp8_ms[CONV]), "FPS"))
-    for tid, goal in targets:
-        rows.append((f"time to take off per batch to reach {tid}", total - batch * 1e3 / goal, "ms"))
-    return [{"figure": f, "value": v, "unit": u} for f, v, u in rows]
+    return claims.fps_targets((NAME,), path)
 
 
 def fp8_matrix_ratio(ctx: "Context") -> float | None:
     """The measured FP8 / fp16 dense matrix-multiply rate on this GPU (None where FP8 does not run)."""
-    from lab.techniques import fp8
-
-    if not ctx.ceiling_tflops or not fp8.fp8_supported(ctx.dev)[0]:
-        return None
-    return matmul_ceiling(torch.float8_e4m3fn, ctx.dev) / ctx.ceiling_tflops
+    return common.fp8_matrix_ratio(ctx.dev, ctx.ceiling_tflops)
 
 
 def renderer_kernels(ctx: "Context") -> list[dict]:
@@ -110,16 +76,15 @@ def renderer_kernels(ctx: "Context") -> list[dict]:
     names = [n for n in ms if exact(n)]
     if names:
         fp8 = next((ms[n] for n in ms if not exact(n)), None)
-        ctx.res.tables["renderer_bound"] = bounds(ms[names[0]], fp8, batch, fp8_matrix_ratio(ctx), renderer_targets())
+        ctx.res.tables["renderer_bound"] = kernel_time.bounds(ms[names[0]], fp8, batch, fp8_matrix_ratio(ctx),
+                                                              renderer_targets())
     ctx.partial()
     return rows
 
 
 def headline(ctx: "Context") -> dict[str, Any]:
     """The bound table's figures for the run's headline (the ledger's rows)."""
-    return {f"renderer kernels: {r['figure']}{' (ms)' if r['unit'] == 'ms' else ''}":
-            round(r["value"], 1 if r["unit"] == "FPS" else 2)
-            for r in ctx.res.tables.get("renderer_bound", []) if math.isfinite(r["value"])}
+    return kernel_time.bound_headline(ctx.res.tables.get("renderer_bound", []), "renderer kernels")
 
 
 def dense_budget(ctx: "Context", encoder_fps: float) -> dict:
