@@ -20,7 +20,9 @@ import torch
 from lab.errors import InputError
 
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (   # (kind, name fragments, lower case), first match wins
-    ("Triton reduction (norms)", ("triton_red", "triton_per")),
+    # the lab's own norm kernels (lab.techniques.group_norm / block_norm: statistics, then normalize + activation)
+    ("Triton reduction (norms)", ("triton_red", "triton_per", "_norm_partial_kernel", "_norm_combine_kernel",
+                                  "_norm_apply_kernel")),
     ("Triton pointwise", ("triton_poi", "triton_")),
     ("attention", ("fmha", "flash", "attention", "sdpa", "attn")),
     ("FFT", ("fft",)),

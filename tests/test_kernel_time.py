@@ -15,6 +15,11 @@ def test_kernel_kinds_from_names():
     assert K.kind("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_TNN") == "GEMM (linear)"
     assert K.kind("triton_red_fused_native_group_norm_12") == "Triton reduction (norms)"
     assert K.kind("triton_poi_fused_add_gelu_mul_7") == "Triton pointwise"
+    # the lab's own Triton kernels name what they do
+    for name in ("_group_norm_partial_kernel", "_group_norm_apply_kernel", "_block_norm_combine_kernel"):
+        assert K.kind(name) == "Triton reduction (norms)"
+    assert K.kind("_tf32x3_gemm_kernel") == "GEMM (linear)"
+    assert K.kind("_short_attention_kernel") == "attention"
     # a fused pass is a pass whatever ops its name quotes
     assert K.kind("triton_poi_fused__scaled_dot_product_cudnn_attention_3") == "Triton pointwise"
     assert K.kind("triton_poi_fused_convolution_grid_sampler_3d_4") == "Triton pointwise"

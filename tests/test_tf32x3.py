@@ -78,7 +78,7 @@ def test_motion_model_gemms_take_the_fixed_tile_and_deeper_ones_are_autotuned(mo
         def __getitem__(self, grid):
             return lambda *a, **kw: seen.append((self.name, grid if isinstance(grid, tuple) else "by config", kw))
 
-    monkeypatch.setattr(tf32x3, "_linear_kernel", Recorder("fixed"))
+    monkeypatch.setattr(tf32x3, "_tf32x3_gemm_kernel", Recorder("fixed"))
     monkeypatch.setattr(tf32x3, "_tuned", Recorder("autotuned"))
     w = torch.randn(512, 530)
     tf32x3.linear_triton(torch.randn(2, 80, 530), w)

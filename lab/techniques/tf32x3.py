@@ -51,7 +51,7 @@ if triton is not None:
                                          (64, 64, 64, 8, 3), (128, 64, 32, 8, 3))]
 
     @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, sxm, sxk, swn, swk, sym, syn, K: tl.constexpr,
+    def _tf32x3_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, sxm, sxk, swn, swk, sym, syn, K: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr = False):
         wait_and_release(USE_PDL)   # launched early (lab.runtime.pdl)
@@ -70,7 +70,7 @@ if triton is not None:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0)[None, :]
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
-    _tuned = triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "HAS_BIAS", "PREC"])(_linear_kernel)
+    _tuned = triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "HAS_BIAS", "PREC"])(_tf32x3_gemm_kernel)
 
     @triton.jit
     def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, LQ, LK, scale, sq_n, sq_l, sk_n, sk_l, sv_n, sv_l, so_n, so_l,
@@ -117,7 +117,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         _tuned[grid](*args, K=k, HAS_BIAS=has_bias, PREC=precision, **launch_options())
     else:
         t = SMALL_M_TILE
-        _linear_kernel[(triton.cdiv(m, t["BM"]), triton.cdiv(n, t["BN"]))](*args, K=k, HAS_BIAS=has_bias, PREC=precision,
+        _tf32x3_gemm_kernel[(triton.cdiv(m, t["BM"]), triton.cdiv(n, t["BN"]))](*args, K=k, HAS_BIAS=has_bias, PREC=precision,
                                                                            **t, **launch_options())
     return y.reshape(*x.shape[:-1], n)
 
