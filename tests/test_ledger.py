@@ -273,3 +273,33 @@ def test_the_targets_page_judges_each_target_on_its_own_machines_rows_only(tmp_p
     assert page in R.write_docs(tmp_path, [_row(**hit)], changed=lambda c: None)
     text = page.read_text()
     assert text.startswith("# Targets\n\nprose\n") and text.endswith("\nmore prose\n") and "| met: " in text
+
+
+def test_the_readme_shows_the_reference_machines_figure_before_a_newer_one_from_another_gpu(tmp_path):
+    assert R.reference_machine() == "H200"   # the GPU lab/targets.csv names
+    spec = (("06", "headline", "e2e final FPS"), ("06", "headline", "stride 3 FPS"))
+    h200 = _row(value=400.0, date="2026-12-01T00:00:00Z",
+                machine="NVIDIA H200 (sm_90)", spread="", repeats=None)
+    h100 = _row(value=380.0, date="2026-12-07T00:00:00Z",
+                machine="NVIDIA H100 80GB HBM3 (sm_90)", spread="", repeats=None)
+    only_h100 = _row(metric="stride 3 FPS", value=450.0, date="2026-12-07T00:00:00Z",
+                     machine="NVIDIA H100 80GB HBM3 (sm_90)", spread="", repeats=None)
+    assert R.pick([h200, h100, only_h100], spec, "H200") == [h200, only_h100]   # the H100's where the H200 has none
+    assert R.pick([h200, h100, only_h100], spec) == [h100, only_h100]           # no reference: the newest of any
+    text = R.readme_section([h200, h100, only_h100], machine="H200")
+    assert "| 400 FPS | H200 |" in text and "| 450 FPS | H100 |" in text and "380" not in text
+    assert "on the H200 (the GPU the lab's targets name)" in text
+    targets = tmp_path / "targets.csv"
+    two = (ROOT / "lab" / "targets.csv").read_text().replace(",H200,", ",H100,", 1)
+    targets.write_text(two)
+    assert R.reference_machine(targets) is None   # targets on two GPUs: no one machine to prefer
+
+
+def test_a_docs_page_keeps_each_machines_newest_row_of_a_figure():
+    h200 = _row(value=400.0, date="2026-12-01T00:00:00Z", spread="", repeats=None)
+    h100 = _row(value=380.0, date="2026-12-07T00:00:00Z", spread="", repeats=None,
+                machine="NVIDIA H100 80GB HBM3 (sm_90)")
+    old_h100 = _row(value=300.0, date="2026-12-05T00:00:00Z", spread="", repeats=None,
+                    machine="NVIDIA H100 80GB HBM3 (sm_90)")
+    text = R.docs_section([h200, old_h100, h100], "06")
+    assert text.index("| 380 FPS | H100 |") < text.index("| 400 FPS | H200 |") and "300 FPS" not in text
