@@ -220,7 +220,6 @@ def budget_report(run: Run) -> str:
     return "\n\n**Steps not run or not finished**\n\n" + table_markdown(not_run, STEP_COLS) if not_run else ""
 
 
-
 def fp8_matrix_ratio(device: torch.device | str, fp16_tflops: float | None) -> float | None:
     """The measured FP8 / fp16 dense matrix-multiply rate on this GPU (`fp16_tflops` measured before): what an FP8
     build could speed matrix work up by at most. None where FP8 does not run or no fp16 rate is known."""
