@@ -14,7 +14,7 @@ from lab.models.vae import load_vae
 
 def _row(variant, fps, decoder="sd-vae", batch=16, dtype="fp16", status="ok", gflops=300.0):
     return dict(decoder=decoder, variant=variant, fps=fps, batch=batch, dtype=dtype, status=status,
-                gflops_per_frame=gflops)
+                gflops_per_frame=gflops, ms_per_batch=batch * 1e3 / fps)
 
 
 ROWS = [_row("eager", 200.0), _row("compile_subpixel_graph", 850.0), _row("compile_subpixel", 700.0),
@@ -79,6 +79,11 @@ def test_the_split_feeds_the_bound_table_and_the_ledger(monkeypatch):
         round(16e3 / (6 + 14 / 1.8), 1)
     assert h["sd-vae kernels: time to take off per batch to reach sdvae-exact (ms)"] == round(20 - 16e3 / 1000, 2)
     assert h["sd-vae kernels: time to take off per batch to reach sdvae-fp8 (ms)"] == round(20 - 16e3 / 1200, 2)
+    # the timed row's wall time (850 FPS in its graph) against its 20 ms busy: the gaps, and the distance that counts
+    assert h["sd-vae kernels: wall time per batch (its timed median) (ms)"] == round(16e3 / 850, 2)
+    assert h["sd-vae kernels: gaps between kernels per batch (wall − busy) (ms)"] == round(16e3 / 850 - 20, 2)
+    assert h["sd-vae kernels: time to take off the wall time per batch to reach sdvae-exact (ms)"] == \
+        round(16e3 / 850 - 16, 2)
     # 300 GFLOP per frame × 16 over 15 ms in convs and attention
     assert h["sd-vae kernels: TFLOP/s in the matrix kernels (convolution, GEMM, attention)"] == 320.0
     assert h["sd-vae kernels: matrix kernels' rate as % of the measured fp16 matrix rate"] == round(32000 / 750, 2)

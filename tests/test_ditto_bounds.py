@@ -65,3 +65,24 @@ def test_the_split_feeds_the_bound_table_and_the_ledger(monkeypatch):
     assert led["renderer kernels: time to take off per batch to reach ditto-renderer-fp8 (ms)"][1] == "ms"
     assert all(led[k][1] == "FPS" for k in led if "FPS" in k)
     assert len(led) == len(h) and all(math.isfinite(v) for v, _ in led.values())
+
+
+def test_the_bound_takes_the_wall_time_of_the_timed_renderer_it_profiled(monkeypatch):
+    def split(ctx, name, batch):
+        return kernel_time.rows_of([(24.0 * 3e3, "sm90_xmma_fprop_implicit_gemm", 3),
+                                    (10.0 * 3e3, "triton_poi_fused_mul_0", 3)], runs=3)
+
+    monkeypatch.setattr(B, "_split_of", split)
+    monkeypatch.setattr(B, "fp8_matrix_ratio", lambda ctx: None)
+    ctx = _ctx()
+    ctx.res.tables["renderer"] = [{"variant": BEST, "status": "ok", "batch": 16, "fps": 400.0},
+                                  {"variant": "compile+graph", "status": "ok", "batch": 16, "fps": 250.0}]
+    B.renderer_kernels(ctx)
+    h = B.headline(ctx)
+    assert h["renderer kernels: wall time per batch (its timed median) (ms)"] == 40.0
+    assert h["renderer kernels: gaps between kernels per batch (wall − busy) (ms)"] == 6.0
+    assert h["renderer kernels: time to take off the wall time per batch to reach ditto-renderer-exact (ms)"] == \
+        round(40 - 16e3 / 480, 2)
+    ctx.res.tables["renderer"][0]["batch"] = 32   # timed at another batch: no wall time to hold the split against
+    B.renderer_kernels(ctx)
+    assert not any("wall" in k for k in B.headline(ctx))

@@ -106,3 +106,12 @@ def test_bound_headline_names_ms_rows_and_drops_non_finite_ones():
     assert h["sd-vae kernels: FP8 / fp16 matrix-rate ratio"] == 1.5
     assert "sd-vae kernels: broken" not in h and len(h) == len(rows) - 1
 
+
+
+def test_a_known_wall_time_adds_the_gaps_and_the_wall_distance_to_each_target():
+    rows = {r["figure"]: r["value"] for r in K.bounds(EXACT, None, 16, None, [("t", 480.0)], wall_ms=38.0)}
+    assert rows["wall time per batch (its timed median)"] == 38.0
+    assert rows["gaps between kernels per batch (wall − busy)"] == pytest.approx(3.0)
+    assert rows["time to take off per batch to reach t"] == pytest.approx(35 - 16e3 / 480)
+    assert rows["time to take off the wall time per batch to reach t"] == pytest.approx(38 - 16e3 / 480)
+    assert not any("wall" in f for f in (r["figure"] for r in K.bounds(EXACT, None, 16, None, [("t", 480.0)])))

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 import torch
 
 from lab import claims, kernel_time
-from lab.experiments import decoders as D
 from lab.experiments import common
+from lab.experiments import decoders as D
 from lab.experiments.common import Run
 from lab.progress import step as progress_step
 
@@ -50,9 +50,10 @@ def _split_of(run: Run, variant: str) -> list[dict]:
 
 def bound_rows(ms: dict[str, float], row: dict, batch: int, fp8_ratio: float | None, fp16_tflops: float | None,
                targets: Sequence[tuple[str, float]]) -> list[dict]:
-    """kernel_time.bounds of the split (`by_kind`'s ms per batch), then the rate of its matrix kernels: the row's
-    FLOPs per batch over the time in convolutions, GEMMs and attention, and that as a share of the fp16 rate."""
-    out = kernel_time.bounds(ms, None, batch, fp8_ratio, targets, subject="decoder")
+    """kernel_time.bounds of the split (`by_kind`'s ms per batch) with the row's timed wall time, then the rate of its
+    matrix kernels: the row's FLOPs per batch over the time in convolutions, GEMMs and attention, and that as a share
+    of the fp16 rate."""
+    out = kernel_time.bounds(ms, None, batch, fp8_ratio, targets, subject="decoder", wall_ms=row.get("ms_per_batch"))
     matrix_ms = sum(ms.get(k, 0.0) for k in MATRIX)
     if matrix_ms > 0 and row.get("gflops_per_frame"):
         tflops = row["gflops_per_frame"] * batch / matrix_ms   # GFLOP per ms is TFLOP/s

@@ -63,7 +63,8 @@ def renderer_kernels(ctx: "Context") -> list[dict]:
         ctx.res.tables["renderer_kernels"] = [{"variant": "-", "status": "skipped", "reason": "needs a CUDA device"}]
         return ctx.res.tables["renderer_kernels"]
     batch, rows, ms = ctx.prof.batch, [], {}
-    for name in profiled_variants(best_variant(ctx)[0]):
+    best, _, timed = best_variant(ctx)
+    for name in profiled_variants(best):
         progress_step(f"renderer kernels: {name} …")
         try:
             split = _split_of(ctx, name, batch)
@@ -76,8 +77,10 @@ def renderer_kernels(ctx: "Context") -> list[dict]:
     names = [n for n in ms if exact(n)]
     if names:
         fp8 = next((ms[n] for n in ms if not exact(n)), None)
+        # the timed row's wall time where the table timed the profiled renderer at this batch
+        wall = batch * 1e3 / timed["fps"] if timed.get("variant") == names[0] and timed.get("batch") == batch else None
         ctx.res.tables["renderer_bound"] = kernel_time.bounds(ms[names[0]], fp8, batch, fp8_matrix_ratio(ctx),
-                                                              renderer_targets())
+                                                              renderer_targets(), wall_ms=wall)
     ctx.partial()
     return rows
 
