@@ -194,6 +194,34 @@ def layer_errors(reports: dict[str, Sequence[dict]], value: str = "out_rel_err",
     return fig
 
 
+def kernel_split(splits: dict[str, dict[str, float]], title: str = "", unit: str = "GPU ms per batch"):
+    """One horizontal stacked bar per run of its GPU time by kernel kind (`lab.kernel_time.by_kind`'s figures; its
+    "total" is the bar's end), each kind in the same colour in every run, the costliest first."""
+    kinds = list(dict.fromkeys(k for ms in splits.values()
+                               for k in sorted((k for k in ms if k != "total"), key=lambda k: -ms[k])))
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.5 * len(splits)))
+    cmap = plt.get_cmap("tab20")
+    ends, named = [], set()
+    for i, ms in enumerate(splits.values()):
+        left = 0.0
+        for j, k in enumerate(kinds):
+            v = ms.get(k, 0.0)
+            if v > 0:
+                ax.barh(i, v, left=left, color=cmap(j % 20), label=None if k in named else k)
+                named.add(k)
+            left += v
+        ends.append(left)
+        ax.text(left, i, f" {left:.2f}", va="center", fontsize=8)
+    ax.set_yticks(range(len(splits)), list(splits), fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(ends, default=1.0) * 1.12 or 1.0)
+    ax.set_xlabel(unit)
+    ax.set_title(title, fontsize=9)
+    ax.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    fig.tight_layout()
+    return fig
+
+
 def grouped_bars(labels: Sequence[str], series: dict[str, Sequence[float | None]], ylabel: str, title: str = "",
                  logy: bool = False):
     """Bars grouped per label (e.g. ms per conv shape for fp16 / fp8 paths); None values are left out."""

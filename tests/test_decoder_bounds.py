@@ -36,6 +36,10 @@ class FakeRun:
     def suffix(self):
         return " · random weights"
 
+    def figure(self, fig, name):
+        self.figures = getattr(self, "figures", []) + [name]
+        return fig
+
 
 def test_the_fastest_sd_vae_row_that_ran_is_profiled():
     assert B.profiled_row(ROWS, 16, "fp16")["variant"] == "compile_subpixel_graph"
@@ -52,7 +56,7 @@ def test_no_split_without_a_gpu_fp16_or_a_row(device, dtype, rows, why):
     out = B.kernels(run, rows)
     assert out[0]["status"] == "skipped" and why in out[0]["reason"]
     assert "decoder_bound" not in run.result.tables and run.result.headline == {}
-    assert "not profiled here" in B.show(run).data
+    assert "not profiled here" in B.tables_text(run) and B.show(run) is None
 
 
 def _split(run, variant):
@@ -94,8 +98,10 @@ def test_the_split_feeds_the_bound_table_and_the_ledger(monkeypatch):
     assert units["TFLOP/s in the matrix kernels (convolution, GEMM, attention)"] == "TFLOP/s"
     assert units["matrix kernels' rate as % of the measured fp16 matrix rate"] == "%"
     assert all(u == "FPS" for k, u in units.items() if "FPS" in k)
-    text = B.show(run).data
+    text = B.tables_text(run)
     assert "compile_subpixel_graph" in text and "What that split bounds" in text and "random weights" in text
+    fig = B.show(run)
+    assert run.figures == ["decoder_kernels"] and fig.axes[0].get_title().startswith("sd-vae decoder")
 
 
 def test_a_failing_split_is_a_row_with_its_reason(monkeypatch):

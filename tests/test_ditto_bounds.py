@@ -86,3 +86,23 @@ def test_the_bound_takes_the_wall_time_of_the_timed_renderer_it_profiled(monkeyp
     ctx.res.tables["renderer"][0]["batch"] = 32   # timed at another batch: no wall time to hold the split against
     B.renderer_kernels(ctx)
     assert not any("wall" in k for k in B.headline(ctx))
+
+
+def test_the_split_figure_draws_each_profiled_renderer(monkeypatch):
+    def split(ctx, name, batch):
+        extra = [(2.0 * 3e3, "_fft_contract_kernel", 3)] if name.endswith("+fp8") else []
+        return kernel_time.rows_of([(24.0 * 3e3, "sm90_xmma_fprop_implicit_gemm", 3)] + extra, runs=3)
+
+    monkeypatch.setattr(B, "_split_of", split)
+    monkeypatch.setattr(B, "fp8_matrix_ratio", lambda ctx: None)
+    ctx = _ctx()
+    ctx.suffix = " (random weights · H100)"
+    assert B.split_figure(ctx) is None   # nothing profiled yet
+    B.renderer_kernels(ctx)
+    fig = B.split_figure(ctx)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [BEST, BEST + "+fp8"]
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == ["FFT", "convolution"]   # each kind once
+    assert "random weights" in ax.get_title()
+    ends = sorted(p.get_x() + p.get_width() for p in ax.patches)
+    assert ends[-1] == pytest.approx(26.0)   # the FP8 twin's bar ends at its busy time

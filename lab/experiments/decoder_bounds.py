@@ -98,18 +98,33 @@ def headline(run: Run) -> dict[str, Any]:
     return kernel_time.bound_headline(run.result.tables.get("decoder_bound", []), HEADLINE)
 
 
-def show(run: Run) -> Any:
-    """Both tables as Markdown (the split's reason where it did not run)."""
-    from lab.experiments.common import markdown as Markdown
+def tables_text(run: Run) -> str:
+    """Both tables as Markdown text (the split's reason where it did not run)."""
     from lab.plots import table_markdown
 
     t = run.result.tables
     split = t.get("decoder_kernels", [])
     if not split or split[0]["status"] != "ok":
         why = split[0].get("reason", "") if split else "not run"
-        return Markdown(f"**Where the fastest exact decoder's GPU time goes**: not profiled here ({why}).")
+        return f"**Where the fastest exact decoder's GPU time goes**: not profiled here ({why})."
     cols = ["kind", "ms_per_call", "pct_of_busy", "launches_per_call", "top_kernel", "top_kernel_ms"]
-    return Markdown(f"**Where `{split[0]['variant']}`'s GPU time goes** (batch {run.headline_batch}, "
-                    f"{run.headline_dtype}, without its CUDA graph, ms per batch{run.suffix()})\n\n"
-                    + table_markdown(split, cols) + f"\n\n**What that split bounds**{run.suffix()}\n\n"
-                    + table_markdown(t.get("decoder_bound", []), ["figure", "value", "unit"]))
+    return (f"**Where `{split[0]['variant']}`'s GPU time goes** (batch {run.headline_batch}, {run.headline_dtype}, "
+            f"without its CUDA graph, ms per batch{run.suffix()})\n\n" + table_markdown(split, cols)
+            + f"\n\n**What that split bounds**{run.suffix()}\n\n"
+            + table_markdown(t.get("decoder_bound", []), ["figure", "value", "unit"]))
+
+
+def show(run: Run) -> Any:
+    """Both tables, then the split as a stacked bar (figure decoder_kernels), which it returns; None where the split
+    did not run."""
+    from lab.experiments.common import markdown as Markdown
+    from lab.plots import kernel_split
+
+    D._show(Markdown(tables_text(run)))
+    split = run.result.tables.get("decoder_kernels", [])
+    if not split or split[0]["status"] != "ok":
+        return None
+    fig = kernel_split({split[0]["variant"]: kernel_time.by_kind(split)},
+                       f"sd-vae decoder, GPU time by kernel kind, batch {run.headline_batch} {run.headline_dtype}"
+                       f"{run.suffix()}")
+    return run.figure(fig, "decoder_kernels")

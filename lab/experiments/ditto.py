@@ -31,7 +31,7 @@ from lab import env, metrics, params, plots
 from lab.techniques import silence as sil
 from lab.experiments import inputs
 from lab.experiments.common import markdown, notebook_path, run_steps, section
-from lab.experiments.ditto_bounds import dense_budget, headline as kernels_headline, renderer_kernels
+from lab.experiments.ditto_bounds import dense_budget, headline as kernels_headline, renderer_kernels, split_figure
 from lab.progress import step as progress_step
 from lab.experiments.ditto_variants import (AGREEMENT_VARIANTS, BEST, CL, FOLD, FULL_VARIANTS, VARIANT_TEXT, VARIANTS,
                                             _compiles, _graphs, exact, renderer_notes, with_renderer, with_techniques)
@@ -1121,14 +1121,14 @@ def agreement_section(ctx: Context) -> Any:
 @section("stages")
 def stage_section(ctx: Context) -> Any:
     """Section 2: the stage profile, then one LMDM window eager / CUDA graph / compiled / both."""
-    from lab.experiments.common import markdown as Markdown
-
     md = table(stage_profile(ctx), COLUMNS["stages"], f"stage profile{ctx.suffix}").data
     md += "\n\n" + table(renderer_kernels(ctx), COLUMNS["kernels"], f"renderer GPU time by kernel kind, ms per batch of "
                          f"{ctx.prof.batch} (compiled, no graph){ctx.suffix}").data
+    if (fig := split_figure(ctx)) is not None:   # shown under the section, saved as renderer_kernels.png
+        save_figure(fig, ctx.folder, "renderer_kernels", ctx.res)
     md += "\n\n" + table(ctx.res.tables.get("renderer_bound", []), None, f"what that split bounds{ctx.suffix}").data
     md += "\n\n" + table(motion_costs(ctx), COLUMNS["motion"], f"one LMDM window{ctx.suffix}").data
-    return Markdown(md)
+    return markdown(md)
 
 
 @section("waterfall")

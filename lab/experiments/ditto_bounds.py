@@ -85,6 +85,20 @@ def renderer_kernels(ctx: "Context") -> list[dict]:
     return rows
 
 
+def split_figure(ctx: "Context") -> Any:
+    """The profiled renderers' splits as stacked bars, one per renderer (None where none was profiled)."""
+    from lab.plots import kernel_split
+
+    runs: dict[str, list[dict]] = {}
+    for r in ctx.res.tables.get("renderer_kernels", []):
+        if r.get("status") == "ok":
+            runs.setdefault(r["variant"], []).append(r)
+    if not runs:
+        return None
+    return kernel_split({v: kernel_time.by_kind(rows) for v, rows in runs.items()},
+                        f"renderer GPU time by kernel kind, batch {ctx.prof.batch} (compiled, no graph){ctx.suffix}")
+
+
 def headline(ctx: "Context") -> dict[str, Any]:
     """The bound table's figures for the run's headline (the ledger's rows)."""
     return kernel_time.bound_headline(ctx.res.tables.get("renderer_bound", []), "renderer kernels")
