@@ -102,6 +102,16 @@ def by_kind(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return ms | {"total": sum(ms.values())}
 
 
+def by_run(rows: Sequence[Mapping[str, Any]], key: str = "run") -> dict[str, dict[str, float]]:
+    """`by_kind` of each run in a table of several runs' splits (the run named in column `key`), in table order;
+    rows without a kind's ms (a skipped or failed run's) left out."""
+    runs: dict[str, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        if "ms_per_call" in r and "kind" in r:
+            runs.setdefault(str(r.get(key)), []).append(r)
+    return {k: by_kind(v) for k, v in runs.items()}
+
+
 def with_kinds_faster(ms: Mapping[str, float], faster: Mapping[str, float]) -> float:
     """The total of `by_kind`'s figures had each kind in `faster` run that many times faster (math.inf: it took no
     time), every other kind as measured: what a change confined to those kernels could give at most."""

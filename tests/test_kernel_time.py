@@ -115,3 +115,11 @@ def test_a_known_wall_time_adds_the_gaps_and_the_wall_distance_to_each_target():
     assert rows["time to take off per batch to reach t"] == pytest.approx(35 - 16e3 / 480)
     assert rows["time to take off the wall time per batch to reach t"] == pytest.approx(38 - 16e3 / 480)
     assert not any("wall" in f for f in (r["figure"] for r in K.bounds(EXACT, None, 16, None, [("t", 480.0)])))
+
+
+def test_by_run_splits_a_table_of_several_runs():
+    rows = [dict(r, run=run) for run, us in (("a", 3e3), ("b", 6e3))
+            for r in K.rows_of([(us, "sm90_xmma_fprop_implicit_gemm", 3)], runs=3)]
+    rows.append({"run": "c", "status": "skipped", "reason": "needs a GPU"})
+    got = K.by_run(rows)
+    assert list(got) == ["a", "b"] and got["b"] == pytest.approx({"convolution": 2.0, "total": 2.0})

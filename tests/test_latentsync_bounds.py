@@ -46,3 +46,17 @@ def test_goals_and_split_become_ledger_rows():
 
 def test_no_budget_and_no_gpu_split_give_no_rows():
     assert headline(_ctx({"kernel_split": [{"run": "compiled", "kind": "failed", "note": "x"}]}, {})) == {}
+
+
+def test_the_split_figure_draws_each_profiled_step(tmp_path):
+    from lab.experiments import latentsync_bounds as B
+
+    rows = [dict(r, run=run) for run, conv in (("eager", 40.0), ("compiled", 30.0))
+            for r in kernel_time.rows_of([(conv * 3e3, "sm90_xmma_fprop_implicit_gemm", 3),
+                                          (5.0 * 3e3, "fmha_cutlassF_f16", 3)], runs=3)]
+    res = SimpleNamespace(tables={"kernel_split": rows}, figures=[])
+    ctx = SimpleNamespace(res=res, folder=tmp_path, suffix=" (random weights · H100)")
+    fig = B.split_figure(ctx)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["eager", "compiled"]
+    assert (tmp_path / "kernel_split.png").exists() and res.figures == ["kernel_split.png"]
+    assert B.split_figure(SimpleNamespace(res=SimpleNamespace(tables={}), folder=tmp_path, suffix="")) is None

@@ -89,14 +89,10 @@ def split_figure(ctx: "Context") -> Any:
     """The profiled renderers' splits as stacked bars, one per renderer (None where none was profiled)."""
     from lab.plots import kernel_split
 
-    runs: dict[str, list[dict]] = {}
-    for r in ctx.res.tables.get("renderer_kernels", []):
-        if r.get("status") == "ok":
-            runs.setdefault(r["variant"], []).append(r)
+    runs = kernel_time.by_run(ctx.res.tables.get("renderer_kernels", []), "variant")
     if not runs:
         return None
-    return kernel_split({v: kernel_time.by_kind(rows) for v, rows in runs.items()},
-                        f"renderer GPU time by kernel kind, batch {ctx.prof.batch} (compiled, no graph){ctx.suffix}")
+    return kernel_split(runs, f"renderer GPU time by kernel kind, batch {ctx.prof.batch} (compiled, no graph){ctx.suffix}")
 
 
 def headline(ctx: "Context") -> dict[str, Any]:

@@ -39,3 +39,17 @@ def headline(ctx: "Context") -> dict[str, Any]:
                  "attention": ms.get("attention", 0.0), "pointwise and norm passes": sum(ms.get(k, 0.0) for k in PASSES)}
         h |= {f"compiled exact step, {k} ms": round(v, 2) for k, v in parts.items()}
     return h
+
+
+def split_figure(ctx: "Context") -> Any:
+    """The `kernel_split` table's runs (the eager step, each compiled one, the FP8 one) as stacked bars by kernel kind,
+    saved as kernel_split.png; None on a run without a split (a CPU's)."""
+    from lab.plots import kernel_split
+    from lab.results import save_figure
+
+    runs = kernel_time.by_run(ctx.res.tables.get("kernel_split", []))
+    if not runs:
+        return None
+    fig = kernel_split(runs, f"GPU time by kernel kind, one guided call{ctx.suffix}", unit="GPU ms per call")
+    save_figure(fig, ctx.folder, "kernel_split", ctx.res)
+    return fig
