@@ -51,8 +51,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
     @triton.jit
-    def _block_norm_partial_kernel(x_ptr, shift_ptr, mean_ptr, m2_ptr, R, S, SHIFT_N, ROWS: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
-                        BLOCK: tl.constexpr, HAS_SHIFT: tl.constexpr, USE_PDL: tl.constexpr = False):
+    def _block_norm_partial_kernel(x_ptr, shift_ptr, mean_ptr, m2_ptr, R, S, SHIFT_N, ROWS: tl.constexpr,
+                                   C: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr, HAS_SHIFT: tl.constexpr,
+                                   USE_PDL: tl.constexpr = False):
         wait_and_release(USE_PDL)   # launched early (lab.runtime.pdl)
         n = tl.program_id(0)
         s = tl.program_id(1)
@@ -79,8 +80,9 @@ if triton is not None:
         tl.store(m2_ptr + (n * S + s) * C + cols, m2, mask=cm)
 
     @triton.jit
-    def _block_norm_combine_kernel(mean_ptr, m2_ptr, stats_ptr, R, S, eps, ROWS: tl.constexpr, C: tl.constexpr, G: tl.constexpr,
-                        CG: tl.constexpr, CGP: tl.constexpr, SP: tl.constexpr, USE_PDL: tl.constexpr = False):
+    def _block_norm_combine_kernel(mean_ptr, m2_ptr, stats_ptr, R, S, eps, ROWS: tl.constexpr, C: tl.constexpr,
+                                   G: tl.constexpr, CG: tl.constexpr, CGP: tl.constexpr, SP: tl.constexpr,
+                                   USE_PDL: tl.constexpr = False):
         wait_and_release(USE_PDL)   # launched early (lab.runtime.pdl)
         n = tl.program_id(0)
         g = tl.program_id(1)
@@ -104,9 +106,9 @@ if triton is not None:
         tl.store(stats_ptr + (n * G + g) * 2 + 1, 1.0 / tl.sqrt(var + eps))
 
     @triton.jit
-    def _block_norm_apply_kernel(x_ptr, y_ptr, stats_ptr, w_ptr, b_ptr, shift_ptr, R, SHIFT_N, C: tl.constexpr, G: tl.constexpr,
-                      CG: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr,
-                      HAS_SHIFT: tl.constexpr, USE_PDL: tl.constexpr = False):
+    def _block_norm_apply_kernel(x_ptr, y_ptr, stats_ptr, w_ptr, b_ptr, shift_ptr, R, SHIFT_N, C: tl.constexpr,
+                                 G: tl.constexpr, CG: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr,
+                                 SILU: tl.constexpr, HAS_SHIFT: tl.constexpr, USE_PDL: tl.constexpr = False):
         wait_and_release(USE_PDL)   # launched early (lab.runtime.pdl)
         n = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -164,14 +166,15 @@ def block_group_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     sh = shift.contiguous() if has else weight
     shift_n = c if has and sh.shape[0] > 1 else 0
     cg = c // groups
-    _block_norm_partial_kernel[(n, s, strips)](x, sh, mean, m2, rows, s, shift_n, ROWS=per, C=c, CB=STRIP, BLOCK=ROW_TILE,
-                                    HAS_SHIFT=has, num_warps=4, **launch_options())
+    _block_norm_partial_kernel[(n, s, strips)](x, sh, mean, m2, rows, s, shift_n, ROWS=per, C=c, CB=STRIP,
+                                               BLOCK=ROW_TILE, HAS_SHIFT=has, num_warps=4, **launch_options())
     _block_norm_combine_kernel[(n, groups)](mean, m2, stats, rows, s, float(eps), ROWS=per, C=c, G=groups, CG=cg,
-                                 CGP=triton.next_power_of_2(cg), SP=triton.next_power_of_2(s), num_warps=4,
-                                 **launch_options())
-    _block_norm_apply_kernel[(n, triton.cdiv(rows, ROW_TILE), strips)](x, y, stats, weight, bias, sh, rows, shift_n, C=c, G=groups,
-                                                             CG=cg, CB=STRIP, BLOCK=ROW_TILE, SILU=bool(silu),
-                                                             HAS_SHIFT=has, num_warps=4, **launch_options())
+                                            CGP=triton.next_power_of_2(cg), SP=triton.next_power_of_2(s), num_warps=4,
+                                            **launch_options())
+    _block_norm_apply_kernel[(n, triton.cdiv(rows, ROW_TILE), strips)](x, y, stats, weight, bias, sh, rows, shift_n,
+                                                                       C=c, G=groups, CG=cg, CB=STRIP, BLOCK=ROW_TILE,
+                                                                       SILU=bool(silu), HAS_SHIFT=has, num_warps=4,
+                                                                       **launch_options())
     return y if given is x else torch.empty_like(given).copy_(y)
 
 

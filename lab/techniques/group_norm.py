@@ -52,7 +52,7 @@ MAX_CHANNELS = 512
 if triton is not None:
     @triton.jit
     def _group_norm_partial_kernel(x_ptr, bias_ptr, mean_ptr, m2_ptr, HW, S2, ROWS: tl.constexpr, C: tl.constexpr,
-                        BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+                                   BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
         # per (sample n, split s): each channel's mean and centred sum of squares over the split's ROWS pixels.
         # Sums of x − k and (x − k)² are accumulated elementwise in registers and reduced once at the end (a
         # reduction per tile would serialize the loads); k, the split's first pixel, sits near each channel's
@@ -82,7 +82,7 @@ if triton is not None:
 
     @triton.jit
     def _group_norm_combine_kernel(mean_ptr, m2_ptr, stats_ptr, HW, eps, ROWS: tl.constexpr, S: tl.constexpr,
-                        C: tl.constexpr, G: tl.constexpr):
+                                   C: tl.constexpr, G: tl.constexpr):
         # per sample: the splits' per-channel (count, mean, M2) merged over the splits, then over each group's
         # channels, into each group's mean and 1/std
         n = tl.program_id(0)
@@ -105,8 +105,8 @@ if triton is not None:
         tl.store(stats_ptr + (n * G + g) * 2 + 1, 1.0 / tl.sqrt(var + eps))
 
     @triton.jit
-    def _group_norm_apply_kernel(x_ptr, y_ptr, stats_ptr, w_ptr, b_ptr, bias_ptr, HW, C: tl.constexpr, G: tl.constexpr,
-                      BLOCK: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def _group_norm_apply_kernel(x_ptr, y_ptr, stats_ptr, w_ptr, b_ptr, bias_ptr, HW, C: tl.constexpr,
+                                 G: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr):
         n = tl.program_id(0)
         p = tl.program_id(1)
         rows = p * BLOCK + tl.arange(0, BLOCK)
@@ -173,10 +173,12 @@ def group_norm_nhwc_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     y = torch.empty_like(x, memory_format=torch.channels_last)
     has_bias = pre_bias is not None
     pb = pre_bias if has_bias else weight
-    _group_norm_partial_kernel[(n, s)](x, pb, mean, m2, hw, s2, ROWS=rows, C=c, BLOCK=block, HAS_BIAS=has_bias, num_warps=NUM_WARPS)
+    _group_norm_partial_kernel[(n, s)](x, pb, mean, m2, hw, s2, ROWS=rows, C=c, BLOCK=block, HAS_BIAS=has_bias,
+                                       num_warps=NUM_WARPS)
     _group_norm_combine_kernel[(n,)](mean, m2, stats, hw, float(eps), ROWS=rows, S=s2, C=c, G=groups, num_warps=8)
-    _group_norm_apply_kernel[(n, triton.cdiv(hw, block))](x, y, stats, weight, bias, pb, hw, C=c, G=groups, BLOCK=block,
-                                               SILU=bool(silu), HAS_BIAS=has_bias, num_warps=NUM_WARPS)
+    _group_norm_apply_kernel[(n, triton.cdiv(hw, block))](x, y, stats, weight, bias, pb, hw, C=c, G=groups,
+                                                          BLOCK=block, SILU=bool(silu), HAS_BIAS=has_bias,
+                                                          num_warps=NUM_WARPS)
     return y
 
 

@@ -52,8 +52,8 @@ if triton is not None:
 
     @triton.jit
     def _tf32x3_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, sxm, sxk, swn, swk, sym, syn, K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr = False):
+                            HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr = False):
         wait_and_release(USE_PDL)   # launched early (lab.runtime.pdl)
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -117,8 +117,8 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         _tuned[grid](*args, K=k, HAS_BIAS=has_bias, PREC=precision, **launch_options())
     else:
         t = SMALL_M_TILE
-        _tf32x3_gemm_kernel[(triton.cdiv(m, t["BM"]), triton.cdiv(n, t["BN"]))](*args, K=k, HAS_BIAS=has_bias, PREC=precision,
-                                                                           **t, **launch_options())
+        _tf32x3_gemm_kernel[(triton.cdiv(m, t["BM"]), triton.cdiv(n, t["BN"]))](*args, K=k, HAS_BIAS=has_bias,
+                                                                                PREC=precision, **t, **launch_options())
     return y.reshape(*x.shape[:-1], n)
 
 
