@@ -110,17 +110,19 @@ def reference_machine(path: str | Path | None = None) -> str | None:
     return names.pop() if len(names) == 1 else None
 
 
+def _matching(rows: list[L.Row], key: tuple[str, str, str]) -> list[L.Row]:
+    num, row, pat = key
+    return [r for r in rows if r.notebook.split("_")[0] == num and r.row == row and fnmatch.fnmatch(r.metric, pat)]
+
+
 def pick(rows: Iterable[L.Row], spec: tuple[tuple[str, str, str], ...], machine: str | None = None) -> list[L.Row]:
     """The newest row for each (notebook number, row, metric pattern) of `spec` that the ledger has: `machine`'s
     (as `_machine` names it) where it has one, so that a run on another GPU never displaces its figures."""
     rows = list(rows)
     ours, new = L.newest([r for r in rows if machine and _machine(r) == machine]), L.newest(rows)
     out = []
-    for num, row, pat in spec:
-        def match(rs: list[L.Row]) -> list[L.Row]:
-            return [r for r in rs if r.notebook.split("_")[0] == num and r.row == row and fnmatch.fnmatch(r.metric, pat)]
-
-        hits = match(ours) or match(new)
+    for key in spec:
+        hits = _matching(ours, key) or _matching(new, key)
         if hits:
             out.append(max(hits, key=L._when))
     return out

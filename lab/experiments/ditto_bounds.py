@@ -92,7 +92,8 @@ def split_figure(ctx: "Context") -> Any:
     runs = kernel_time.by_run(ctx.res.tables.get("renderer_kernels", []), "variant")
     if not runs:
         return None
-    return kernel_split(runs, f"renderer GPU time by kernel kind, batch {ctx.prof.batch} (compiled, no graph){ctx.suffix}")
+    return kernel_split(runs, f"renderer GPU time by kernel kind, batch {ctx.prof.batch} (compiled, no graph)"
+                              f"{ctx.suffix}")
 
 
 def headline(ctx: "Context") -> dict[str, Any]:
