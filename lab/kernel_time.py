@@ -130,7 +130,7 @@ CONV = "convolution"
 
 
 def bounds(ms: Mapping[str, float], fp8_ms: Mapping[str, float] | None, batch: int, fp8_ratio: float | None,
-           targets: Sequence[tuple[str, float]], subject: str = "renderer", wall_ms: float | None = None) -> list[dict]:
+           targets: Sequence[tuple[str, float]], subject: str = "model", wall_ms: float | None = None) -> list[dict]:
     """What an exact model's split (`by_kind`, ms per batch of `batch` frames) bounds, one row per figure (value,
     unit): its busy time in convolutions and between them, the FPS at that time, with the passes between
     convolutions free, with every convolution sped up by the FP8 / fp16 matrix rate (`fp8_ratio`) or at an FP8

@@ -283,8 +283,9 @@ def write_readme(root: str | Path | None = None, rows: list[L.Row] | None = None
     path = base / "README.md"
     rows = L.read_all(base) if rows is None else rows
     changed = L.staleness(base) if changed is None else changed
+    machine = reference_machine()   # read once: _fit builds the section again for each shorter limit
     text = _fit(path, path.read_text(encoding="utf-8"), README_MARKERS,
-                lambda limit: readme_section(rows, changed, limit, reference_machine()), README_BUDGET)
+                lambda limit: readme_section(rows, changed, limit, machine), README_BUDGET)
     return atomic_write_text(path, text, overwrite=True)
 
 

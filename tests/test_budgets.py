@@ -23,7 +23,7 @@ ALLOW_MODULES = {
 }
 ALLOW_FUNCTIONS = {
     "lab/experiments/backends.py:run_matrix": 193, "lab/experiments/decoders.py:bench_decoders": 91,
-    "lab/experiments/ditto_claims.py:comparisons": 84, "lab/experiments/fp8.py:speed_rows": 93,
+    "lab/experiments/ditto_claims.py:comparisons": 83, "lab/experiments/fp8.py:speed_rows": 93,
     "lab/experiments/latentsync.py:step_waterfall": 148, "lab/experiments/latentsync.py:comparisons": 101,
     "lab/experiments/serving.py:feature_cache": 99, "lab/experiments/serving.py:frame_infill": 88,
     "lab/experiments/serving.py:kv_cache": 184, "lab/experiments/serving.py:pyramid_cascade": 84,

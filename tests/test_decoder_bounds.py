@@ -141,6 +141,13 @@ def test_a_decoder_built_without_its_graph(monkeypatch):
     assert modes == ["default", "max-autotune-no-cudagraphs", "reduce-overhead"]
 
 
-def test_no_fp8_ratio_without_an_fp16_rate_or_fp8():
+def test_no_fp8_ratio_without_an_fp16_rate_or_fp8(monkeypatch):
     assert B.common.fp8_matrix_ratio("cpu", 700.0) is None
+    assert B.common.fp8_matrix_ratio("cpu", None) is None
+    from lab import timing
+    from lab.techniques import fp8
+
+    monkeypatch.setattr(fp8, "fp8_supported", lambda dev: (True, ""))   # a GPU with FP8: the measured rates' ratio
+    monkeypatch.setattr(timing, "matmul_ceiling", lambda dtype, dev: 1400.0 if dtype == torch.float8_e4m3fn else 0.0)
+    assert B.common.fp8_matrix_ratio("cpu", 700.0) == 2.0
     assert B.common.fp8_matrix_ratio("cpu", None) is None

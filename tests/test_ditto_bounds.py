@@ -106,3 +106,4 @@ def test_the_split_figure_draws_each_profiled_renderer(monkeypatch):
     assert "random weights" in ax.get_title()
     ends = sorted(p.get_x() + p.get_width() for p in ax.patches)
     assert ends[-1] == pytest.approx(26.0)   # the FP8 twin's bar ends at its busy time
+    assert "renderer kernels: FPS bound: the exact renderer with the FP8 build's convolution time" in B.headline(ctx)

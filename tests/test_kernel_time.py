@@ -73,7 +73,8 @@ EXACT = {"convolution": 24.0, "Triton pointwise": 6.0, "FFT": 4.0, "grid_sample"
 
 def test_bounds_from_the_split():
     rows = {r["figure"]: (r["value"], r["unit"]) for r in
-            K.bounds(EXACT, {"convolution": 20.0, "total": 31.0}, 16, 1.6, [("t480", 480.0), ("t560", 560.0)])}
+            K.bounds(EXACT, {"convolution": 20.0, "total": 31.0}, 16, 1.6, [("t480", 480.0), ("t560", 560.0)],
+                     subject="renderer")}
     assert rows["GPU busy per batch"] == (35.0, "ms")
     assert rows["passes between convolutions per batch"] == (11.0, "ms")
     assert rows["FPS at the GPU busy time"][0] == pytest.approx(16e3 / 35)

@@ -80,7 +80,7 @@ def renderer_kernels(ctx: "Context") -> list[dict]:
         # the timed row's wall time where the table timed the profiled renderer at this batch
         wall = batch * 1e3 / timed["fps"] if timed.get("variant") == names[0] and timed.get("batch") == batch else None
         ctx.res.tables["renderer_bound"] = kernel_time.bounds(ms[names[0]], fp8, batch, fp8_matrix_ratio(ctx),
-                                                              renderer_targets(), wall_ms=wall)
+                                                              renderer_targets(), subject="renderer", wall_ms=wall)
     ctx.partial()
     return rows
 
