@@ -6,9 +6,10 @@ With channels-last activations a group's values are not contiguous: 4–16 chann
 pixel row apart. Here every pass reads whole pixel rows (all C channels, contiguous) instead:
 
     partial  one program per (sample, split of pixels): per channel, sums of x − k and (x − k)² accumulated
-             elementwise over the split's tiles and reduced once (k: the split's first pixel)
-    combine  one program per sample: the splits merged per channel, then the channels per group
-             (Chan et al.'s parallel variance) into each group's mean and 1/std
+             elementwise over the split's tiles and reduced once (k: the split's first pixel), then the
+             channels merged into the split's per-group mean and centred sum of squares
+    combine  one program per sample: the splits' groups merged (Chan et al.'s parallel variance) into each
+             group's mean and 1/std
     apply    one program per (sample, tile of pixels): (x − mean) · rstd · γ + β, then SiLU if asked
 
 Two reads and one write of the tensor. Shifting by k keeps the sums from cancelling in fp32 when the
@@ -41,19 +42,21 @@ except ImportError:  # pragma: no cover - Triton ships with torch on Linux
     triton = None
 
 # tile sizes: pixels per program so one tile holds about TILE_ELEMS values (registers, not shared memory)
-TILE_ELEMS = 4096      # swept on an H200 (4096 / 8192 × 256 / 512 / 1024 programs): 4096 and 512 were fastest
+TILE_ELEMS = 4096      # the apply pass; swept on an H200 (4096 / 8192 × 256 / 512 / 1024 programs)
 NUM_WARPS = 8
-SPLIT_PROGRAMS = 512   # programs of the statistics pass (a few waves of the H200's 132 SMs)
-# the merge holds a sample's splits × channels in registers at once: at most 32 × 512 (the decoder's case at batch 16)
-MAX_SPLITS = 32
+STATS_TILE_ELEMS = 4096   # the statistics pass's tile and warps
+STATS_WARPS = 8
+SPLIT_PROGRAMS = 512   # programs of the statistics pass (a few waves of the GPU's 132 SMs)
+# the merge holds a sample's splits × groups in registers at once
+MAX_SPLITS = 256
 MAX_CHANNELS = 512
 
 
 if triton is not None:
     @triton.jit
-    def _group_norm_partial_kernel(x_ptr, bias_ptr, mean_ptr, m2_ptr, HW, S2, ROWS: tl.constexpr, C: tl.constexpr,
-                                   BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
-        # per (sample n, split s): each channel's mean and centred sum of squares over the split's ROWS pixels.
+    def _group_norm_partial_kernel(x_ptr, bias_ptr, mean_ptr, m2_ptr, HW, S, ROWS: tl.constexpr, C: tl.constexpr,
+                                   G: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+        # per (sample n, split s): each group's mean and centred sum of squares over the split's ROWS pixels.
         # Sums of x − k and (x − k)² are accumulated elementwise in registers and reduced once at the end (a
         # reduction per tile would serialize the loads); k, the split's first pixel, sits near each channel's
         # mean, so the shifted sums do not cancel in fp32. A producer's bias cancels in x − k: it only moves the mean.
@@ -77,30 +80,32 @@ if triton is not None:
         if HAS_BIAS:
             mean = mean + tl.load(bias_ptr + cols).to(tl.float32)
         m2 = tl.maximum(tl.sum(acc2, axis=0) - s1 * s1 / cnt, 0.0)
-        tl.store(mean_ptr + (n * S2 + s) * C + cols, mean)
-        tl.store(m2_ptr + (n * S2 + s) * C + cols, m2)
+        # the split's channels merged into its groups here (equal counts per channel), so the merge of the splits
+        # reads G values per split, not C, and its one program per sample stays short at many splits
+        gmean = tl.sum(tl.reshape(mean, (G, C // G)), axis=1) / (C // G)
+        dd = mean - tl.reshape(tl.broadcast_to(gmean[:, None], (G, C // G)), (C,))
+        gm2 = tl.sum(tl.reshape(m2 + cnt * dd * dd, (G, C // G)), axis=1)
+        g = tl.arange(0, G)
+        tl.store(mean_ptr + (n * S + s) * G + g, gmean)
+        tl.store(m2_ptr + (n * S + s) * G + g, gm2)
 
     @triton.jit
-    def _group_norm_combine_kernel(mean_ptr, m2_ptr, stats_ptr, HW, eps, ROWS: tl.constexpr, S: tl.constexpr,
+    def _group_norm_combine_kernel(mean_ptr, m2_ptr, stats_ptr, HW, S, eps, ROWS: tl.constexpr, S2: tl.constexpr,
                                    C: tl.constexpr, G: tl.constexpr):
-        # per sample: the splits' per-channel (count, mean, M2) merged over the splits, then over each group's
-        # channels, into each group's mean and 1/std
+        # per sample: the splits' per-group (count, mean, M2) merged (Chan et al.) into each group's mean and 1/std
         n = tl.program_id(0)
-        sp = tl.arange(0, S)
-        cols = tl.arange(0, C)
-        mp = tl.load(mean_ptr + (n * S + sp[:, None]) * C + cols[None, :])
-        qp = tl.load(m2_ptr + (n * S + sp[:, None]) * C + cols[None, :])
-        cp = tl.maximum(tl.minimum(HW - sp * ROWS, ROWS), 0).to(tl.float32)           # pixels per split
-        total = tl.sum(cp, axis=0)
-        cmean = tl.sum(cp[:, None] * mp, axis=0) / total                                  # (C,)
-        dm = mp - cmean[None, :]
-        cm2 = tl.sum(qp + cp[:, None] * dm * dm, axis=0)                                  # (C,)
-        gmean = tl.sum(tl.reshape(cmean, (G, C // G)), axis=1) / (C // G)                 # equal counts per channel
-        gm_c = tl.reshape(tl.broadcast_to(gmean[:, None], (G, C // G)), (C,))
-        dd = cmean - gm_c
-        gm2 = tl.sum(tl.reshape(cm2 + total * dd * dd, (G, C // G)), axis=1)
-        var = gm2 / (total * (C // G))
+        sp = tl.arange(0, S2)
         g = tl.arange(0, G)
+        live = sp < S
+        off = (n * S + sp[:, None]) * G + g[None, :]
+        mp = tl.load(mean_ptr + off, mask=live[:, None], other=0.0)
+        qp = tl.load(m2_ptr + off, mask=live[:, None], other=0.0)
+        cp = tl.where(live, tl.minimum(HW - sp * ROWS, ROWS), 0).to(tl.float32)        # pixels per split
+        total = tl.sum(cp, axis=0)
+        gmean = tl.sum(cp[:, None] * mp, axis=0) / total                                  # (G,)
+        dm = mp - gmean[None, :]
+        gm2 = tl.sum(qp + (C // G) * cp[:, None] * dm * dm, axis=0)
+        var = gm2 / (total * (C // G))
         tl.store(stats_ptr + (n * G + g) * 2, gmean)
         tl.store(stats_ptr + (n * G + g) * 2 + 1, 1.0 / tl.sqrt(var + eps))
 
@@ -143,16 +148,14 @@ def supported(x: torch.Tensor, groups: int) -> bool:
             and x.is_contiguous(memory_format=torch.channels_last) and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
 
 
-def _block(c: int) -> int:
-    return max(16, min(1024, TILE_ELEMS // c))
+def _block(c: int, elems: int) -> int:
+    return max(16, min(1024, elems // c))
 
 
 def _splits(n: int, hw: int, block: int) -> int:
     """Pixel splits per sample for the statistics pass: about SPLIT_PROGRAMS programs in all, at most MAX_SPLITS
-    per sample (the merge loads them at once), each at least one tile; a power of two, so the merge's tile
-    needs no padding where the pixels divide evenly."""
-    s = max(1, min(SPLIT_PROGRAMS // max(n, 1), MAX_SPLITS, triton.cdiv(hw, block)))
-    return 1 << (s.bit_length() - 1)
+    per sample (the merge loads them at once), each at least one tile."""
+    return max(1, min(triton.cdiv(SPLIT_PROGRAMS, max(n, 1)), MAX_SPLITS, triton.cdiv(hw, block)))
 
 
 def group_norm_nhwc_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float,
@@ -161,21 +164,20 @@ def group_norm_nhwc_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     a per-channel bias added to x before the norm (the producing conv's, which then runs without it)."""
     n, c, h, w = x.shape
     hw = h * w
-    block = _block(c)
-    s = _splits(n, hw, block)
-    rows = triton.cdiv(triton.cdiv(hw, s), block) * block
+    block, stats_block = _block(c, TILE_ELEMS), _block(c, STATS_TILE_ELEMS)
+    s = _splits(n, hw, stats_block)
+    rows = triton.cdiv(triton.cdiv(hw, s), stats_block) * stats_block
     s = triton.cdiv(hw, rows)
-    s2 = triton.next_power_of_2(s)
-    alloc = torch.empty if s2 == s else torch.zeros   # splits past the pixels (s..s2-1) must read as empty
-    mean = alloc(n, s2, c, device=x.device, dtype=torch.float32)
-    m2 = alloc(n, s2, c, device=x.device, dtype=torch.float32)
+    mean = torch.empty(n, s, groups, device=x.device, dtype=torch.float32)
+    m2 = torch.empty(n, s, groups, device=x.device, dtype=torch.float32)
     stats = torch.empty(n, groups, 2, device=x.device, dtype=torch.float32)
     y = torch.empty_like(x, memory_format=torch.channels_last)
     has_bias = pre_bias is not None
     pb = pre_bias if has_bias else weight
-    _group_norm_partial_kernel[(n, s)](x, pb, mean, m2, hw, s2, ROWS=rows, C=c, BLOCK=block, HAS_BIAS=has_bias,
-                                       num_warps=NUM_WARPS)
-    _group_norm_combine_kernel[(n,)](mean, m2, stats, hw, float(eps), ROWS=rows, S=s2, C=c, G=groups, num_warps=8)
+    _group_norm_partial_kernel[(n, s)](x, pb, mean, m2, hw, s, ROWS=rows, C=c, G=groups, BLOCK=stats_block,
+                                       HAS_BIAS=has_bias, num_warps=STATS_WARPS)
+    _group_norm_combine_kernel[(n,)](mean, m2, stats, hw, s, float(eps), ROWS=rows, S2=triton.next_power_of_2(s),
+                                     C=c, G=groups, num_warps=8)
     _group_norm_apply_kernel[(n, triton.cdiv(hw, block))](x, y, stats, weight, bias, pb, hw, C=c, G=groups,
                                                           BLOCK=block, SILU=bool(silu), HAS_BIAS=has_bias,
                                                           num_warps=NUM_WARPS)
