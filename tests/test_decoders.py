@@ -15,7 +15,7 @@ from lab.results import Result
 
 FIELDS = {"decoder", "batch", "dtype", "variant", "status", "reason", "fps", "ms_per_batch", "ms_per_frame",
           "gflops_per_frame", "tflops", "ceiling", "ceiling_tflops", "pct_of_ceiling", "psnr_vs_fp32",
-          "max_abs_vs_fp32", "setup_s", "peak_mem_gib", "iters"}
+          "max_abs_vs_fp32", "repeat_max_abs", "setup_s", "peak_mem_gib", "iters"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,6 +47,7 @@ def test_bench_rows_on_tiny_configs(vaes):
             assert r["pct_of_ceiling"] > 0 and r["ceiling"] == "fp32"
             # same latents, same function: eager is bit-identical to the fp32 reference
             assert r["psnr_vs_fp32"] > 100 and r["max_abs_vs_fp32"] < 1e-4
+            assert r["repeat_max_abs"] == 0.0   # one input decoded twice: the same bits
         else:
             assert r["status"] == "skipped" and r["fps"] is None
             assert len(r["reason"]) > 10
@@ -152,6 +153,49 @@ def test_inpaint_experiment_is_finite(vaes, photos):
         for k in ("seam", "seam_composite", "psnr_vs_composite_db", "d_sat", "da", "delta_e"):
             assert math.isfinite(r[k]), (k, r)
     assert all("vs_sdvae_d_sat" in r for r in rows if r["decoder"] == "taesd")
+
+
+def test_a_variant_right_only_on_its_example_is_scored_on_another_set_and_kept_off_the_best(vaes, monkeypatch):
+    # a decoder that is exact on the latents it was built with and off on any other (a stale buffer, a race):
+    # scoring only the build example would call it exact
+    real = D.build_decoder
+
+    def build(vae, variant, dtype, example, graph=True):
+        fn = real(vae, "eager", dtype, example, graph)
+        if variant != "subpixel":
+            return fn
+        first = example.clone()
+        calls = []
+
+        def run(z):
+            calls.append(1)
+            y = fn(z)
+            return y if torch.equal(z, first) else y + 0.01 * len(calls) % 3
+        return run
+
+    monkeypatch.setattr(D, "build_decoder", build)
+    rows = D.bench_decoders({"sd-vae": vaes["sd-vae"]}, [2], ["fp32"], ["eager", "subpixel"], latent_hw=4, device="cpu",
+                            quick=True, iters=2, warmup=1, n_sets=3, progress=False)
+    by = {r["variant"]: r for r in rows}
+    assert by["eager"]["psnr_vs_fp32"] > 100
+    bad = by["subpixel"]
+    assert bad["status"] == "ok" and bad["psnr_vs_fp32"] < D.EXACT_PSNR_DB and bad["repeat_max_abs"] > 0
+    assert not D.is_exact(bad) and D.is_exact(by["eager"])
+    fast = [dict(r, fps=r["fps"] * (10 if r["variant"] == "subpixel" else 1)) for r in rows]
+    assert D.best_rows(fast, 2, "fp32")["sd-vae"]["variant"] == "eager"   # the faster wrong one is not the best
+    h = D.headline(fast, 2, "fp32")
+    assert h["sd-vae best variant"] == "eager" and h["sd-vae variants below 50 dB vs fp32 (not exact)"] == "subpixel"
+
+
+def test_unscored_rows_count_as_exact_and_a_low_one_is_named():
+    rows = _rows(100.0, 1136.0)
+    assert D.is_exact(dict(rows[0], psnr_vs_fp32=None))
+    low = [rows[0], rows[1], dict(rows[2], psnr_vs_fp32=35.0)]
+    h = D.headline(low, 16, "fp16")
+    assert h["sd-vae best variant"] == "eager" and h["sd-vae best FPS b16 fp16"] == 100.0
+    assert h["sd-vae variants below 50 dB vs fp32 (not exact)"] == "compile"
+    assert h["sd-vae worst PSNR vs fp32 of the variants timed (dB)"] == 35.0
+    assert "sd-vae variants below 50 dB vs fp32 (not exact)" not in D.headline(rows, 16, "fp16")
 
 
 def test_flicker_experiment(vaes):

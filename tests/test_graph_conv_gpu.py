@@ -75,3 +75,23 @@ def test_ditto_decoder_with_graph_convs_matches_the_merged_one():
     d = D.dims("full")
     x = torch.randn(2, d.warp_out, d.feature_hw, d.feature_hw, device="cuda").half()
     assert _captured_psnr(base, g, x) > 50
+
+
+@pytest.mark.xfail(strict=True, reason="an H100 measured the compiled build 33–46 dB vs fp32 on latents other than its "
+                                      "example (and unlike itself from call to call) while the same rewritten decoder "
+                                      "run eagerly scored 68.7–68.8 dB; cause not found yet")
+@pytest.mark.parametrize("graph", [True, False])
+def test_notebook_02_graph_variant_is_exact_on_latents_it_was_not_built_on(graph):
+    _need_graphs()
+    from lab.experiments import decoders as D
+    from lab.models.vae import load_vae
+
+    vae = load_vae("sd-vae", "random", size="full", device="cuda", seed=0)
+    raw = D.random_latents(16, 32, 2, seed=16, device="cuda")
+    sets = [z.half().contiguous(memory_format=torch.channels_last) for z in raw]
+    ref = D._reference(vae, raw[1][:4])
+    with D._flags(cudnn_benchmark=True), torch.inference_mode():
+        fn = D.build_decoder(vae, "compile_subpixel_graph", "fp16", sets[0], graph=graph)
+        outs = [fn(sets[1])[:4].float().cpu() for _ in range(2)]
+    assert min(psnr(o, ref, data_range=1.0) for o in outs) > D.EXACT_PSNR_DB
+    assert torch.equal(outs[0], outs[1])

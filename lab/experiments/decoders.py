@@ -38,6 +38,7 @@ from lab import params
 from lab.errors import BackendUnavailable, InputError
 from lab.experiments import common
 from lab.experiments.common import Run, batched, row, to_uint8, weights_label
+from lab.experiments.decoder_quality import EXACT_PSNR_DB, QUALITY_FRAMES, best_rows, is_exact, scores, speed_ratio
 from lab.models.vae import KINDS, VAE
 from lab.models.weights import quiet_diffusers
 from lab.runtime import compile_budget, cudnn_graph
@@ -83,8 +84,6 @@ _REWRITE = {"compile_subpixel_groupnorm": [("group_norm", "fuse_group_norms")],
 # UNet-space latents (SD-VAE latents × 0.18215) have roughly unit standard deviation: that is how
 # Stable Diffusion chose the factor. Benchmark latents therefore use N(0, 1), never zeros.
 LATENT_STD = 1.0
-# Quality beside speed: the first few frames of latent set 0 are compared with a strict-fp32 decode.
-QUALITY_FRAMES = 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,7 +321,7 @@ def _bench_row(**kw: Any) -> dict[str, Any]:
     base = dict(decoder=None, batch=None, dtype=None, variant=None, status="ok", reason="", fps=None,
                 ms_per_batch=None, ms_per_frame=None, gflops_per_frame=None, tflops=None, ceiling=None,
                 ceiling_tflops=None, pct_of_ceiling=None, psnr_vs_fp32=None, max_abs_vs_fp32=None,
-                setup_s=None, peak_mem_gib=None, iters=None)
+                repeat_max_abs=None, setup_s=None, peak_mem_gib=None, iters=None)
     base.update(kw)
     return base
 
@@ -344,12 +343,12 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
 
     `vaes`: {"sd-vae": VAE, "taesd": VAE} loaded in fp32 (each variant makes its own dtype copy).
     Rows carry fps, ms/batch, GFLOPs/frame, achieved TFLOP/s, % of the measured matmul ceiling for
-    that dtype, and PSNR / max |Δ| vs a strict-fp32 eager decode of the first QUALITY_FRAMES
-    frames of latent set 0 (quality beside speed). A variant that cannot run here is a row with status "skipped" and the reason; one that
-    fails is a row with status "failed" and the error. Compiled variants stop being attempted once
+    that dtype, and the worst PSNR / max |Δ| vs a strict-fp32 eager decode of the first QUALITY_FRAMES
+    frames of latent set 0 (right after the build) and of the last set (twice, after the timed runs;
+    `repeat_max_abs`: how far those two decodes of one input differ) (quality beside speed). A variant
+    that cannot run here is a row with status "skipped" and the reason; one that fails is a row with status "failed" and the error. Compiled variants stop being attempted once
     `compile_budget_s` seconds were spent compiling + timing them (status "skipped", reason says so).
     """
-    from lab import metrics
     from lab.progress import tqdm
 
     if not vaes:
@@ -391,8 +390,8 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
         if variant != "eager":
             sets = [z.contiguous(memory_format=torch.channels_last) for z in sets]
         if (kind, batch) not in refs:  # frames decode independently (GroupNorm is per sample): score a few
-            z0 = random_latents(batch, latent_hw, 1, seed=seed + batch, device=dev)[0]
-            refs[kind, batch] = _reference(vae, z0[:QUALITY_FRAMES])
+            zs = random_latents(batch, latent_hw, n_sets, seed=seed + batch, device=dev)
+            refs[kind, batch] = [_reference(vae, z[:QUALITY_FRAMES]) for z in (zs[0], zs[-1])]
         fpf = flops_per_frame(vae, latent_hw, _SUBPIXEL.get(variant))
         ceil, ceil_label = ceiling_tflops(dtype, dev, quick)
         t0 = time.perf_counter()
@@ -407,12 +406,11 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
                 out = fn(sets[0])[:QUALITY_FRAMES].float().cpu()  # to host now: graph outputs get overwritten
                 r = bench(fn, inputs=[(z,) for z in sets], warmup=warmup, iters=iters, device=dev,
                           flops=fpf * batch, ceiling_tflops=ceil)
-            ref = refs[kind, batch]
+                quality = scores(fn, out, sets[-1], refs[kind, batch])
             rows.append(_bench_row(**info, fps=r.throughput(batch), ms_per_batch=1e3 * r.median_s,
                              ms_per_frame=1e3 * r.median_s / batch, gflops_per_frame=fpf / 1e9, tflops=r.tflops,
-                             ceiling=ceil_label, ceiling_tflops=ceil, pct_of_ceiling=r.pct_of_ceiling,
-                             psnr_vs_fp32=float(metrics.psnr(out, ref, data_range=1.0)),
-                             max_abs_vs_fp32=float(metrics.max_abs(out, ref)), setup_s=setup,
+                             ceiling=ceil_label, ceiling_tflops=ceil, pct_of_ceiling=r.pct_of_ceiling, **quality,
+                             setup_s=setup,
                              peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
                              iters=r.iters))
         except Exception as e:  # one variant failing (a compile error, OOM) must not sink the sweep
@@ -427,29 +425,6 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
     order = {c: i for i, c in enumerate((k, d, b, v) for k in vaes for d in dtypes for b in batch_sizes for v in variants)}
     rows.sort(key=lambda r: order[r["decoder"], r["dtype"], r["batch"], r["variant"]])
     return rows
-
-
-def best_rows(rows: Sequence[dict], batch: int, dtype: str) -> dict[str, dict]:
-    """Fastest ok row per decoder at (batch, dtype): {decoder: row}."""
-    best: dict[str, dict] = {}
-    for r in (r for r in rows if r["status"] == "ok" and r["batch"] == batch and r["dtype"] == dtype):
-        if r["decoder"] not in best or r["fps"] > best[r["decoder"]]["fps"]:
-            best[r["decoder"]] = r
-    return best
-
-
-def speed_ratio(rows: Sequence[dict], batch: int, dtype: str, variant: str | None = None,
-                fast: str = "taesd", slow: str = "sd-vae") -> float | None:
-    """FPS(fast) / FPS(slow) at (batch, dtype): same variant if given, else each decoder's best."""
-    if variant is None:
-        b = best_rows(rows, batch, dtype)
-        f, s = b.get(fast), b.get(slow)
-    else:
-        f = row(rows, status="ok", decoder=fast, batch=batch, dtype=dtype, variant=variant)
-        s = row(rows, status="ok", decoder=slow, batch=batch, dtype=dtype, variant=variant)
-    if not f or not s:
-        return None
-    return f["fps"] / s["fps"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -735,6 +710,12 @@ def headline(rows: Sequence[dict], batch: int, dtype: str) -> dict[str, Any]:
                     p = max(plain, key=lambda x: x["fps"])
                     h[f"{kind} best FPS without folding b{batch} {dtype}"] = round(p["fps"], 1)
                     h[f"{kind} best variant without folding"] = p["variant"]
+        timed = [x for x in rows if x["status"] == "ok" and x["decoder"] == kind and x["batch"] == batch
+                 and x["dtype"] == dtype]
+        low = [x for x in timed if not is_exact(x)]
+        if low:
+            h[f"{kind} variants below {EXACT_PSNR_DB:.0f} dB vs fp32 (not exact)"] = ", ".join(x["variant"] for x in low)
+            h[f"{kind} worst PSNR vs fp32 of the variants timed (dB)"] = round(min(x["psnr_vs_fp32"] for x in low), 1)
     for label, variant in (("eager vs eager", "eager"), ("best vs best", None)):
         ratio = speed_ratio(rows, batch, dtype, variant)
         if ratio is not None:
@@ -953,7 +934,7 @@ def show_throughput(run: Run, rows: Sequence[dict]) -> Any:
     from lab.plots import fps_and_ratio_vs_batch
 
     cols = ["decoder", "dtype", "variant", "batch", "fps", "ms_per_frame", "gflops_per_frame", "tflops",
-            "pct_of_ceiling", "ceiling", "psnr_vs_fp32", "max_abs_vs_fp32", "status"]
+            "pct_of_ceiling", "ceiling", "psnr_vs_fp32", "max_abs_vs_fp32", "repeat_max_abs", "status"]
     _show(_md(f"Decoder throughput at {run.image_size}²{run.suffix()}", rows, cols))
     fig = fps_and_ratio_vs_batch(rows, title=f"decoder throughput at {run.image_size}²{run.suffix()}")
     return run.figure(fig, "fps_vs_batch")
@@ -992,7 +973,7 @@ def show_variants(run: Run, rows: Sequence[dict]) -> None:
 
     b, d = run.headline_batch, run.headline_dtype
     cols = ["decoder", "variant", "fps", "ms_per_batch", "tflops", "pct_of_ceiling", "psnr_vs_fp32",
-            "max_abs_vs_fp32", "setup_s", "peak_mem_gib"]
+            "max_abs_vs_fp32", "repeat_max_abs", "setup_s", "peak_mem_gib"]
     ran = [r for r in rows if r["status"] == "ok"]
     _show(Markdown("\n".join(f"* `{k}`: {v}" for k, v in VARIANTS.items() if k in run.variants)),
           _md(f"Batch {b}, {d}{run.suffix()}", ran, cols, note=" (`setup_s` includes compilation)"),
