@@ -349,6 +349,40 @@ def test_run_matrix_rows_and_failures_do_not_stop_the_run(monkeypatch):
     assert out["models"]["taesd"]["clamped_pct"] >= 0 and out["weights"]["taesd"].startswith("random")
 
 
+def test_run_matrix_scores_a_build_on_another_input_twice(monkeypatch):
+    # a build exact on the example it was built with and off elsewhere, differently per call (a stale buffer, a
+    # race): scoring the example alone would call it exact
+    from lab.experiments import backends as BB
+
+    real = BB._build
+
+    def build(module, backend, ex, *a, **k):
+        r = real(module, backend, ex, *a, **k)
+        if backend != "compile":
+            return r
+        first, calls = ex[0].clone(), []
+
+        class Off:
+            def __getattr__(self, name):
+                return getattr(r, name)
+
+            def __call__(self, *xs):
+                calls.append(1)
+                y = r(*xs)
+                return y if torch.equal(xs[0], first) else y + 0.05 * len(calls)
+        return Off()
+
+    monkeypatch.setattr(BB, "_build", build)
+    out = BB.run_matrix(["taesd"], [1], ["compile"], "fp32", torch.device("cpu"), size="tiny", iters=2, warmup=1,
+                        progress=False)
+    rows = {r["backend"]: r for r in out["rows"]}
+    eager, off = rows["eager"], rows["compile"]
+    assert eager["repeat_max_abs"] == 0.0 and eager["psnr_vs_fp32"] > 100 and eager["psnr_vs_eager"] == float("inf")
+    assert off["status"] == "ok" and off["psnr_vs_eager"] < 40 and off["psnr_vs_fp32"] < 40
+    assert off["repeat_max_abs"] == pytest.approx(0.05, abs=1e-6)
+    assert BB.best_per_model(out["rows"])[("taesd", 1)]["backend"] == "eager"
+
+
 def _srow(model, batch, backend, fps, status="ok", **kw):
     return {"model": model, "batch": batch, "backend": backend, "status": status, "fps": fps,
             "ms_per_batch": 1e3 * batch / fps if fps else None, **kw}
