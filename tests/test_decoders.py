@@ -192,6 +192,9 @@ def test_unscored_rows_count_as_exact_and_a_low_one_is_named():
     assert D.is_exact(dict(rows[0], psnr_vs_fp32=None))
     low = [rows[0], rows[1], dict(rows[2], psnr_vs_fp32=35.0)]
     h = D.headline(low, 16, "fp16")
+    folded = [rows[0], rows[1], dict(rows[0], variant="subpixel", fps=500.0),
+              dict(rows[0], variant="compile", fps=400.0, psnr_vs_fp32=35.0)]
+    assert D.headline(folded, 16, "fp16")["sd-vae best FPS without folding b16 fp16"] == 100.0   # not the wrong one
     assert h["sd-vae best variant"] == "eager" and h["sd-vae best FPS b16 fp16"] == 100.0
     assert h["sd-vae variants below 50 dB vs fp32 (not exact)"] == "compile"
     assert h["sd-vae worst PSNR vs fp32 of the variants timed (dB)"] == 35.0

@@ -346,8 +346,9 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
     that dtype, and the worst PSNR / max |Δ| vs a strict-fp32 eager decode of the first QUALITY_FRAMES
     frames of latent set 0 (right after the build) and of the last set (twice, after the timed runs;
     `repeat_max_abs`: how far those two decodes of one input differ) (quality beside speed). A variant
-    that cannot run here is a row with status "skipped" and the reason; one that fails is a row with status "failed" and the error. Compiled variants stop being attempted once
-    `compile_budget_s` seconds were spent compiling + timing them (status "skipped", reason says so).
+    that cannot run here is a row with status "skipped" and the reason; one that fails is a row with
+    status "failed" and the error. Compiled variants stop being attempted once `compile_budget_s`
+    seconds were spent compiling + timing them (status "skipped", reason says so).
     """
     from lab.progress import tqdm
 
@@ -704,15 +705,14 @@ def headline(rows: Sequence[dict], batch: int, dtype: str) -> dict[str, Any]:
                 h[f"{kind} best % of {r['ceiling']} ceiling"] = round(r["pct_of_ceiling"], 1)
             h[f"{kind} best PSNR vs fp32 (dB)"] = round(r["psnr_vs_fp32"], 1)
             if r["variant"] in _SUBPIXEL:  # also the best that kept the original layer structure
-                plain = [x for x in rows if x["status"] == "ok" and x["decoder"] == kind and x["batch"] == batch
-                         and x["dtype"] == dtype and x["variant"] not in _SUBPIXEL]
+                plain = [x for x in rows if x["status"] == "ok" and is_exact(x) and x["decoder"] == kind
+                         and x["batch"] == batch and x["dtype"] == dtype and x["variant"] not in _SUBPIXEL]
                 if plain:
                     p = max(plain, key=lambda x: x["fps"])
                     h[f"{kind} best FPS without folding b{batch} {dtype}"] = round(p["fps"], 1)
                     h[f"{kind} best variant without folding"] = p["variant"]
-        timed = [x for x in rows if x["status"] == "ok" and x["decoder"] == kind and x["batch"] == batch
-                 and x["dtype"] == dtype]
-        low = [x for x in timed if not is_exact(x)]
+        low = [x for x in rows if x["status"] == "ok" and not is_exact(x) and x["decoder"] == kind
+               and x["batch"] == batch and x["dtype"] == dtype]
         if low:
             h[f"{kind} variants below {EXACT_PSNR_DB:.0f} dB vs fp32 (not exact)"] = ", ".join(x["variant"] for x in low)
             h[f"{kind} worst PSNR vs fp32 of the variants timed (dB)"] = round(min(x["psnr_vs_fp32"] for x in low), 1)
