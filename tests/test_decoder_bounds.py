@@ -44,6 +44,8 @@ class FakeRun:
 def test_the_fastest_sd_vae_row_that_ran_is_profiled():
     assert B.profiled_row(ROWS, 16, "fp16")["variant"] == "compile_subpixel_graph"
     assert B.profiled_row(ROWS, 4, "fp16") is None
+    wrong = [dict(r, psnr_vs_fp32=35.0) if r["variant"] == "compile_subpixel_graph" else r for r in ROWS]
+    assert B.profiled_row(wrong, 16, "fp16")["variant"] == "compile_subpixel"   # not the fast one that is not exact
 
 
 @pytest.mark.parametrize("device, dtype, rows, why", [

@@ -27,7 +27,8 @@ HEADLINE = "sd-vae kernels"
 
 
 def profiled_row(rows: Sequence[dict], batch: int, dtype: str) -> dict | None:
-    """The variants table's fastest SD-VAE row at (batch, dtype) that ran: every variant is exact."""
+    """The variants table's fastest exact SD-VAE row at (batch, dtype) (`best_rows`: one under the exact gate's PSNR
+    is not profiled)."""
     return D.best_rows(rows, batch, dtype).get(DECODER)
 
 
