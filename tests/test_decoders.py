@@ -71,6 +71,25 @@ def test_subpixel_variant_is_the_same_function_with_fewer_flops(vaes):
     assert h["sd-vae best variant"] == "subpixel" and h["sd-vae best FPS without folding b16 fp16"] == 100.0
 
 
+def test_the_uncompiled_graph_conv_variant_builds_the_compiled_ones_decoder(vaes):
+    from lab.runtime.conv_graphs import GraphConv2d, GraphResnet
+    from lab.techniques.group_norm import FusedGroupNorm
+
+    v = "cuda_graph_subpixel_graph"
+    assert v not in D.COMPILED and v in D.VARIANTS            # no torch.compile: a CUDA graph of the eager module
+    assert "CUDA" in D.skip_reason(v, "cpu", quick=False)
+    assert D.skip_reason(v, "cpu", quick=False, compile=False) == D.skip_reason(v, "cpu", quick=False)
+    # graph=False: the module itself (what the profiler walks); on a CPU its graph convs run the torch ops
+    z = D.random_latents(2, 4, 1, seed=3)[0]
+    dec = D.build_decoder(vaes["sd-vae"], v, "fp32", z, graph=False)
+    kinds = {type(m) for m in dec.modules()}
+    assert {GraphConv2d, GraphResnet, FusedGroupNorm} <= kinds
+    with torch.inference_mode():
+        got = dec(z)
+    ref = D._reference(vaes["sd-vae"], z)
+    assert got.shape == ref.shape and (got - ref).abs().max() < 1e-4
+
+
 def test_compile_off_and_budget_give_reasons(vaes):
     assert "compile=False" in D.skip_reason("compile", "cpu", quick=False, compile=False)
     assert D.skip_reason("eager", "cpu", quick=True) is None

@@ -7,7 +7,7 @@ artifacts on UNet-inpainted latents. This module holds what notebook 02 needs to
 - `bench_decoders`: decoders × batch sizes × dtypes × speed variants on the same random latents,
   with FLOPs/frame, % of the measured matrix ceiling and, beside every speed figure, the output's
   PSNR / max |Δ| against a strict-fp32 eager decode of the same latents. Every variant in
-  `VARIANTS` is *exact* (same math; only precision and scheduling change).
+  `VARIANTS` (lab.experiments.decoder_variants) is meant to be exact; a row under 50 dB is kept off the best rows.
 - `round_trip`: real photos through each autoencoder, plus the path the write-up used (SD-VAE
   latents, i.e. the UNet's space, decoded by TAESD); `fidelity_table` scores them.
 - `inpaint_experiment`: MuseTalk-style latents whose lower half comes from another image (the
@@ -38,6 +38,8 @@ from lab import params
 from lab.errors import BackendUnavailable, InputError
 from lab.experiments import common
 from lab.experiments.common import Run, batched, row, to_uint8, weights_label
+from lab.experiments.decoder_variants import (COMPILE_MODE, COMPILED, CUDNN_GRAPH, GRAPHED, INDUCTOR, NO_GRAPH,
+                                              REWRITE, SUBPIXEL, VARIANTS)
 from lab.experiments.decoder_quality import EXACT_PSNR_DB, QUALITY_FRAMES, best_rows, is_exact, scores, speed_ratio
 from lab.models.vae import KINDS, VAE
 from lab.models.weights import quiet_diffusers
@@ -45,41 +47,6 @@ from lab.runtime import compile_budget, cudnn_graph
 from lab.timing import bench, count_flops, matmul_ceiling, sync
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-# Every variant computes the same function; they differ only in memory layout, kernel choice and
-# launch overhead. Order matters: cheap ones first, compiles last (they can run out of budget).
-VARIANTS: dict[str, str] = {
-    "eager": "diffusers module as shipped (NCHW, cudnn.benchmark off)",
-    "channels_last": "NHWC weights + inputs: cuDNN's tensor-core convs need no transposes",
-    "cudnn_benchmark": "channels_last + cudnn.benchmark=True (cuDNN times its algorithms once per shape)",
-    "cuda_graph": "channels_last + cudnn.benchmark, whole decode captured in one CUDA graph (no launch overhead)",
-    "compile": "torch.compile default mode (Inductor fuses GroupNorm/SiLU/adds), channels_last + cudnn.benchmark",
-    "compile_cudagraphs": "torch.compile mode='reduce-overhead' (Inductor + CUDA graphs)",
-    "compile_autotune": "torch.compile mode='max-autotune-no-cudagraphs' (autotunes GEMM/conv templates; minutes)",
-    # the same function with fewer FLOPs: nearest-2x + 3x3 conv folded into a stride-2 4x4 transposed
-    # conv (lab.techniques.subpixel); exact up to summation order, PSNR vs fp32 shown on the row
-    "subpixel": "cudnn_benchmark + upsample convs folded into stride-2 transposed convs (2.25x fewer FLOPs there)",
-    "compile_subpixel": "compile_cudagraphs on the subpixel-folded decoder (one conv_transpose2d per upsampler)",
-    "compile_subpixel_phases": "compile_cudagraphs on the subpixel-folded decoder (four 2x2 phase convs as one conv)",
-    "compile_subpixel_frozen": "compile_subpixel + Inductor freezing (weights as constants) + 1x1 convs as matmuls "
-                               "(fusable epilogues: the shortcut conv and the residual add in one kernel)",
-    "compile_subpixel_groupnorm": "compile_subpixel with GroupNorm + SiLU as channels-last Triton passes "
-                                  "(lab.techniques.group_norm: statistics over whole pixel rows, conv1's bias taken in)",
-    "compile_subpixel_autotune": "compile_subpixel with mode='max-autotune' (Triton conv/GEMM templates vs cuDNN "
-                                 "per shape, + CUDA graphs; minutes of compile)",
-    "compile_subpixel_graph": "compile_subpixel_groupnorm, each conv a cuDNN graph-API conv (lab.techniques.graph_conv: "
-                              "plans timed per shape; bias and the resnet skip add in the conv's epilogue)",
-}
-_COMPILE_MODE = {"compile": "default", "compile_cudagraphs": "reduce-overhead", "compile_autotune": "max-autotune-no-cudagraphs",
-                 **{v: "max-autotune" if v.endswith("autotune") else "reduce-overhead" for v in VARIANTS if "_subpixel" in v}}
-COMPILED = tuple(_COMPILE_MODE)
-_SUBPIXEL = {v: "phases" if v.endswith("phases") else "transpose" for v in VARIANTS if "subpixel" in v}
-_INDUCTOR = {"compile_subpixel_frozen": {"freezing": True, "conv_1x1_as_mm": True}}  # patched while it compiles
-_GRAPHED = ("cuda_graph",) + tuple(v for v, m in _COMPILE_MODE.items() if m in ("reduce-overhead", "max-autotune"))
-_NO_GRAPH = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}   # the same, graphs off
-# the rewrites a variant applies to the (folded) decoder before compiling: lab.techniques module, function
-_REWRITE = {"compile_subpixel_groupnorm": [("group_norm", "fuse_group_norms")],
-            "compile_subpixel_graph": [("group_norm", "fuse_group_norms"), ("graph_conv", "graph_convs")]}
 
 # UNet-space latents (SD-VAE latents × 0.18215) have roughly unit standard deviation: that is how
 # Stable Diffusion chose the factor. Benchmark latents therefore use N(0, 1), never zeros.
@@ -265,7 +232,7 @@ def skip_reason(variant: str, device: torch.device | str, quick: bool, compile: 
     dev = torch.device(device)
     if variant not in VARIANTS:
         raise InputError(f"unknown variant {variant!r}; expected one of {list(VARIANTS)}")
-    if (variant == "cudnn_benchmark" or variant in _GRAPHED) and dev.type != "cuda":
+    if (variant == "cudnn_benchmark" or variant in GRAPHED) and dev.type != "cuda":
         return "needs a CUDA GPU (cuDNN / CUDA graphs); this run is on CPU"
     if variant in COMPILED:
         if not compile:
@@ -275,7 +242,7 @@ def skip_reason(variant: str, device: torch.device | str, quick: bool, compile: 
         info = {b["backend"]: b for b in backends()}["torch.compile"]
         if not info["available"]:
             return f"torch.compile unavailable: {info['detail']}"
-    if variant == "compile_subpixel_graph" and not (cu := cudnn_graph.available(dev, "fp16"))[0]:
+    if variant in CUDNN_GRAPH and not (cu := cudnn_graph.available(dev, "fp16"))[0]:
         return f"cuDNN graph API unavailable: {cu[1]}"
     return None
 
@@ -287,19 +254,19 @@ def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor,
     for compiled variants (that is where compilation happens). graph=False: the variant without its
     CUDA graph (the same kernels launched one by one, which a profiler sees one by one)."""
     # one private copy; folded (subpixel variants) in the model's own precision, then cast
-    model = _folded(vae, _SUBPIXEL[variant]).model if variant in _SUBPIXEL else None
+    model = _folded(vae, SUBPIXEL[variant]).model if variant in SUBPIXEL else None
     with quiet_diffusers():
         model = (model if model is not None else copy.deepcopy(vae.model)).to(dtype=DTYPES[dtype])
     if variant != "eager":
         model = model.to(memory_format=torch.channels_last)
-    for mod, fn in _REWRITE.get(variant, []):
+    for mod, fn in REWRITE.get(variant, []):
         getattr(importlib.import_module(f"lab.techniques.{mod}"), fn)(model.decoder)
     dec = VAE(vae.kind, model, vae.scaling_factor, vae.weights).decoder_module().eval()
-    if variant in ("eager", "channels_last", "cudnn_benchmark", "subpixel", "cuda_graph"):
-        return _cuda_graphed(dec, example) if variant == "cuda_graph" and graph else dec
+    if variant not in COMPILED:
+        return _cuda_graphed(dec, example) if variant in GRAPHED and graph else dec
     import torch._inductor.config as inductor_config
 
-    mode = _COMPILE_MODE[variant] if graph else _NO_GRAPH.get(_COMPILE_MODE[variant], _COMPILE_MODE[variant])
+    mode = COMPILE_MODE[variant] if graph else NO_GRAPH.get(COMPILE_MODE[variant], COMPILE_MODE[variant])
     compiled = compile_budget.compiled(dec, mode=mode, dynamic=False)
     if mode in ("reduce-overhead", "max-autotune"):  # both capture CUDA graphs
         def run(z: torch.Tensor) -> torch.Tensor:
@@ -308,7 +275,7 @@ def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor,
             return compiled(z)
     else:
         run = compiled
-    with inductor_config.patch(_INDUCTOR.get(variant, {})):  # compilation happens in this first call
+    with inductor_config.patch(INDUCTOR.get(variant, {})):  # compilation happens in this first call
         run(example)
     return run
 
@@ -379,7 +346,7 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
         reason = skip_reason(variant, dev, quick, compile)
         if reason is None and dtype != "fp32" and not cuda and variant != "eager":
             reason = "half precision on CPU is only measured eager (no fast CPU kernels to tune)"
-        if reason is None and variant in _SUBPIXEL:
+        if reason is None and variant in SUBPIXEL:
             reason = subpixel_skip_reason(vae)
         if reason is None and variant in COMPILED and compile_budget_s is not None and compile_spent > compile_budget_s:
             reason = f"compile budget of {compile_budget_s:.0f} s spent ({compile_spent:.0f} s); raise compile_budget_s"
@@ -393,7 +360,7 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
         if (kind, batch) not in refs:  # frames decode independently (GroupNorm is per sample): score a few
             zs = random_latents(batch, latent_hw, n_sets, seed=seed + batch, device=dev)
             refs[kind, batch] = [_reference(vae, z[:QUALITY_FRAMES]) for z in (zs[0], zs[-1])]
-        fpf = flops_per_frame(vae, latent_hw, _SUBPIXEL.get(variant))
+        fpf = flops_per_frame(vae, latent_hw, SUBPIXEL.get(variant))
         ceil, ceil_label = ceiling_tflops(dtype, dev, quick)
         t0 = time.perf_counter()
         fn = None
@@ -704,9 +671,9 @@ def headline(rows: Sequence[dict], batch: int, dtype: str) -> dict[str, Any]:
             if r["pct_of_ceiling"] is not None:
                 h[f"{kind} best % of {r['ceiling']} ceiling"] = round(r["pct_of_ceiling"], 1)
             h[f"{kind} best PSNR vs fp32 (dB)"] = round(r["psnr_vs_fp32"], 1)
-            if r["variant"] in _SUBPIXEL:  # also the best that kept the original layer structure
+            if r["variant"] in SUBPIXEL:  # also the best that kept the original layer structure
                 plain = [x for x in rows if x["status"] == "ok" and is_exact(x) and x["decoder"] == kind
-                         and x["batch"] == batch and x["dtype"] == dtype and x["variant"] not in _SUBPIXEL]
+                         and x["batch"] == batch and x["dtype"] == dtype and x["variant"] not in SUBPIXEL]
                 if plain:
                     p = max(plain, key=lambda x: x["fps"])
                     h[f"{kind} best FPS without folding b{batch} {dtype}"] = round(p["fps"], 1)
