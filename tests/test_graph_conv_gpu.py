@@ -77,11 +77,11 @@ def test_ditto_decoder_with_graph_convs_matches_the_merged_one():
     assert _captured_psnr(base, g, x) > 50
 
 
-@pytest.mark.xfail(strict=True, reason="an H100 measured the compiled build 33–47 dB vs fp32 on latents other than its "
-                                      "example (and unlike itself from call to call) while the same rewritten decoder "
-                                      "run eagerly scored 68.7–68.8 dB; cause not found yet")
-@pytest.mark.parametrize("graph", [True, False])
-def test_notebook_02_graph_variant_is_exact_on_latents_it_was_not_built_on(graph):
+@pytest.mark.parametrize("variant, graph", [("compile_subpixel_graph", True), ("compile_subpixel_graph", False),
+                                            ("cuda_graph_subpixel_graph", True)])
+def test_notebook_02_graph_variants_are_exact_on_latents_they_were_not_built_on(variant, graph):
+    # an H100 once scored this build 33–47 dB (and unlike itself from call to call) in six processes, and 68.8 dB
+    # with bit-equal repeats in two later ones (the journal of notebook 02): the check stays, a plain requirement
     _need_graphs()
     from lab.experiments import decoders as D
     from lab.models.vae import load_vae
@@ -91,7 +91,7 @@ def test_notebook_02_graph_variant_is_exact_on_latents_it_was_not_built_on(graph
     sets = [z.half().contiguous(memory_format=torch.channels_last) for z in raw]
     ref = D._reference(vae, raw[1][:4])
     with D._flags(cudnn_benchmark=True), torch.inference_mode():
-        fn = D.build_decoder(vae, "compile_subpixel_graph", "fp16", sets[0], graph=graph)
-        outs = [fn(sets[1])[:4].float().cpu() for _ in range(2)]
+        fn = D.build_decoder(vae, variant, "fp16", sets[0], graph=graph)
+        outs = [fn(sets[1])[:4].float().cpu() for _ in range(2)]   # to host: a graph's output is overwritten
     assert min(psnr(o, ref, data_range=1.0) for o in outs) > D.EXACT_PSNR_DB
     assert torch.equal(outs[0], outs[1])
