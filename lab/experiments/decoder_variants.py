@@ -40,16 +40,16 @@ VARIANTS: dict[str, str] = {
                                  "convs) without torch.compile: its eager ops captured in one CUDA graph",
 }
 COMPILE_MODE = {"compile": "default", "compile_cudagraphs": "reduce-overhead", "compile_autotune": "max-autotune-no-cudagraphs",
-                 **{v: "max-autotune" if v.endswith("autotune") else "reduce-overhead" for v in VARIANTS
-                    if v.startswith("compile_subpixel")}}
+                **{v: "max-autotune" if v.endswith("autotune") else "reduce-overhead" for v in VARIANTS
+                   if v.startswith("compile_subpixel")}}
 COMPILED = tuple(COMPILE_MODE)
 SUBPIXEL = {v: "phases" if v.endswith("phases") else "transpose" for v in VARIANTS if "subpixel" in v}
 INDUCTOR = {"compile_subpixel_frozen": {"freezing": True, "conv_1x1_as_mm": True}}  # patched while it compiles
 GRAPHED = ("cuda_graph", "cuda_graph_subpixel_graph") + tuple(v for v, m in COMPILE_MODE.items()
                                                             if m in ("reduce-overhead", "max-autotune"))
 NO_GRAPH = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}   # the same, graphs off
-# the rewrites a variant applies to the (folded) decoder before compiling: lab.techniques module, function
+# the rewrites a variant applies to the (folded) decoder before compiling or capture: lab.techniques module, function
 REWRITE = {"compile_subpixel_groupnorm": [("group_norm", "fuse_group_norms")],
-            "compile_subpixel_graph": [("group_norm", "fuse_group_norms"), ("graph_conv", "graph_convs")]}
+           "compile_subpixel_graph": [("group_norm", "fuse_group_norms"), ("graph_conv", "graph_convs")]}
 CUDNN_GRAPH = ("compile_subpixel_graph", "cuda_graph_subpixel_graph")   # the variants that need cuDNN's graph API
 REWRITE["cuda_graph_subpixel_graph"] = REWRITE["compile_subpixel_graph"]
