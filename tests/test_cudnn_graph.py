@@ -381,6 +381,37 @@ def test_each_autotuned_graph_says_so_once(monkeypatch, capsys):
     assert "fp8 conv x(16, 64, 32, 32) w(64, 64, 3, 3), 2 of 7 plans timed" in lines[0] and "eng4_k24=40" in lines[0]
 
 
+def test_the_built_graphs_are_listed_with_the_plan_each_runs(monkeypatch):
+    """A run records every graph it built and the plan that graph runs (autotuning picks plans per process)."""
+    from types import SimpleNamespace as NS
+
+    spec = C.ConvSpec.of((1, 1), epilogue=("bias", "add"))
+    g = NS(spec=spec, x_shape=(16, 512, 32, 32), w_shape=(512, 512, 3, 3), plan=3, plan_name="eng4_k24=10",
+           plan_ms=0.21, cached=False, plans=40, search="heuristics")
+    monkeypatch.setattr(C, "_BUILT", {})
+    assert C.built() == []
+    C._BUILT["k"] = g
+    (row,) = C.built()
+    assert row["x"] == "16×512×32×32" and row["w"] == "512×512×3×3" and row["epilogue"] == "bias add"
+    assert (row["plan"], row["plan_index"], row["from_cache"], row["plans"]) == ("eng4_k24=10", 3, False, 40)
+
+
+def test_notebook_02_keeps_the_plans_its_graph_conv_rows_ran(monkeypatch):
+    from types import SimpleNamespace as NS
+    from lab.experiments import decoders as D
+
+    tables = {}
+    run = NS(headline_batch=16, headline_dtype="fp16", iters=3, compile_budget_s=None, result=NS(timings={}),
+             variants=["eager"], table=lambda name, rows, show: tables.__setitem__(name, rows))
+    monkeypatch.setattr(D, "_bench", lambda *a, **k: [])
+    monkeypatch.setattr(C, "built", lambda: [{"plan": "eng62"}])
+    D.exact_variants(run)
+    assert "cudnn_plans" not in tables                    # no graph-conv variant in this run
+    run.variants = ["eager", "cuda_graph_subpixel_graph"]
+    D.exact_variants(run)
+    assert tables["cudnn_plans"] == [{"plan": "eng62"}]
+
+
 def test_the_plan_search_times_in_full_only_the_plans_near_the_best():
     # plan: its one-run time and its median; plan 2 fails; plan 4 is slow at first sight; plan 5 is the fastest
     times = {0: (1.00, 0.90), 1: (1.50, 1.40), 2: None, 3: (5.00, 4.80), 4: (1.70, 0.60), 5: (0.80, 0.50)}

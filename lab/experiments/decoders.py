@@ -145,10 +145,8 @@ def _ceiling(label: str, device: str, n: int, iters: int) -> float:
 
 
 def ceiling_tflops(dtype: str, device: torch.device | str, quick: bool = False) -> tuple[float | None, str]:
-    """(measured dense matmul TFLOP/s for `dtype` on `device`, its label); measured once per process.
-
-    CPU half precision has no fast matmul path worth quoting, so it returns (None, label) there.
-    """
+    """(measured dense matmul TFLOP/s for `dtype` on `device`, its label); measured once per process. CPU half
+    precision has no fast matmul path worth quoting, so it returns (None, label) there."""
     dev = torch.device(device)
     label = ceiling_label(dtype, dev)
     if dev.type != "cuda" and label != "fp32":
@@ -908,13 +906,15 @@ def show_throughput(run: Run, rows: Sequence[dict]) -> Any:
 
 
 def exact_variants(run: Run) -> list[dict[str, Any]]:
-    """Every variant of `variants` at the headline batch and dtype (compiled ones within
-    compile_budget_s). Table "variants"."""
+    """Every variant of `variants` at the headline batch and dtype (compiled ones within compile_budget_s).
+    Tables "variants" and, where graph convs ran, "cudnn_plans" (each graph's plan)."""
     t0 = time.perf_counter()
     rows = _bench(run, [run.headline_batch], [run.headline_dtype], run.variants, run.iters,
                   compile_budget_s=run.compile_budget_s)
     run.result.timings["variants_s"] = time.perf_counter() - t0
     run.table("variants", rows, show=False)
+    if any(v in CUDNN_GRAPH for v in run.variants) and (plans := cudnn_graph.built()):
+        run.table("cudnn_plans", plans, show=False)   # the plans the graph-conv rows ran: chosen anew per process
     return rows
 
 

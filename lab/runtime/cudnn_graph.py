@@ -517,3 +517,13 @@ def _to_op(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, extras: list[torch.
 def notes() -> list[str]:
     """One line per spec that fell back to torch, with cuDNN's reason."""
     return [f"{k}: {v}" for k, v in sorted(NOTES.items())]
+
+
+def built() -> list[dict[str, Any]]:
+    """One row per graph built in this process: the conv, its shapes and the plan it runs. A run records these so
+    that a result which goes wrong can be traced to its plans (autotuning picks them per process)."""
+    with _LOCK:
+        graphs = list(_BUILT.values())
+    return [{"io": g.spec.io, "epilogue": " ".join(g.spec.epilogue) or "-", "x": "×".join(map(str, g.x_shape)),
+             "w": "×".join(map(str, g.w_shape)), "stride": g.spec.stride[0], "plan": g.plan_name, "plan_index": g.plan,
+             "plan_ms": g.plan_ms, "from_cache": g.cached, "plans": g.plans, "search": g.search} for g in graphs]
