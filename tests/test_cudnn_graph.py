@@ -26,6 +26,9 @@ def test_epilogue_parsing_and_key_round_trip():
     (dict(epilogue=("leaky_relu:x",)), "leaky_relu:<slope>"),
     (dict(epilogue="bias"), "sequence of op names"),
     (dict(epilogue=("bias", "bias")), "once"),
+    (dict(epilogue=("stats", "bias")), "once and last"),
+    (dict(epilogue=("bias", "stats", "stats")), "once and last"),
+    (dict(epilogue=("stats:1",)), "is not one of"),
     (dict(io="int8"), "ConvSpec.io"),
     (dict(stride=(0, 1)), "ConvSpec.stride"),
 ])
@@ -153,6 +156,20 @@ def test_graph_equals_torch_and_captures(epilogue):
 
 
 @pytest.mark.gpu
+def test_graph_stats_match_torch():
+    _gpu()
+    dev, cl = torch.device("cuda"), torch.channels_last
+    x = torch.randn(4, 64, 32, 32, device=dev, dtype=torch.float16).contiguous(memory_format=cl)
+    w = (torch.randn(64, 64, 3, 3, device=dev, dtype=torch.float16) * 0.05).contiguous(memory_format=cl)
+    b = torch.randn(1, 64, 1, 1, device=dev, dtype=torch.float16)
+    spec = C.ConvSpec.of((1, 1), epilogue=("bias", "stats"))
+    y, sums = C.build(spec, x.shape, w.shape, dev)(x, w, [b])
+    want_y, want_sums = C.reference(x, w, spec, bias=b)
+    torch.testing.assert_close(y, want_y, atol=2e-2, rtol=2e-3)
+    torch.testing.assert_close(sums, want_sums, rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.gpu
 def test_fp8_graph_under_compile_matches_the_dequantized_conv():
     _gpu()
     ok, why = C.available("cuda", "fp8")
@@ -216,6 +233,23 @@ def test_search_and_survey_inputs_are_checked():
     assert S.main(["--epilogue", "gelu"]) == 2
 
 
+def test_stats_epilogue_sums_the_result_per_sample_and_channel():
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(2, 8, 6, 6, generator=g), torch.randn(16, 8, 3, 3, generator=g), torch.randn(16, generator=g)
+    spec = C.ConvSpec.of((1, 1), epilogue=("bias", "silu", "stats"))
+    assert spec.stats and not C.ConvSpec.of((1, 1), epilogue=("bias",)).stats
+    assert spec.tensors() == ("bias",) and C.ConvSpec.from_key(spec.key()) == spec
+    y, sums = C.reference(x, w, spec, bias=b)
+    acc = F.silu(F.conv2d(x, w, b, 1, 1))
+    torch.testing.assert_close(y.float(), acc, atol=2e-2, rtol=2e-3)
+    assert sums.shape == (2, 2, 16) and sums.dtype == torch.float32
+    torch.testing.assert_close(sums[0], acc.sum((2, 3)))
+    torch.testing.assert_close(sums[1], (acc * acc).sum((2, 3)))
+    # the op returns one tensor: a spec with a second output is refused there, pointing at the built graph
+    with pytest.raises(InputError, match="second output.*build"):
+        C.conv2d(x, w, spec, bias=b)
+
+
 def test_survey_baseline_computes_the_graphs_epilogue():
     from lab.runtime import cudnn_survey as S
 
@@ -227,6 +261,11 @@ def test_survey_baseline_computes_the_graphs_epilogue():
     want = C.reference(x, w, C.ConvSpec.of((1, 1), epilogue=epi), bias=bias, others=[r])
     assert torch.allclose(got, want.float(), atol=2e-2)
     assert not torch.allclose(got, S.torch_epilogue(("bias", "add"), (1, 1), compile=False)(x, w, bias, [r]), atol=1e-2)
+    # with the statistics: the output and its sums, as the graph returns them
+    got_y, got_sums = S.torch_epilogue(epi + ("stats",), (1, 1), compile=False)(x, w, bias, [r])
+    want_y, want_sums = C.reference(x, w, C.ConvSpec.of((1, 1), epilogue=epi + ("stats",)), bias=bias, others=[r])
+    assert torch.allclose(got_y, want_y.float(), atol=2e-2)
+    torch.testing.assert_close(got_sums, want_sums, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.gpu

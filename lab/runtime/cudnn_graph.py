@@ -15,8 +15,10 @@ seconds apiece). A run executes on torch's current stream, so a CUDA graph captu
 
 Epilogue ops apply in order to the fp32 accumulator: "scale" (× a per-output-channel fp32 tensor: the
 FP8 descale), "bias" (+ per channel), "add" / "mul" (with a tensor of the output's shape, e.g. a
-residual), "relu", "leaky_relu:<slope>", "silu", "sigmoid". `reference` computes the same in float32
-with torch (CPU tests and the fallback).
+residual), "relu", "leaky_relu:<slope>", "silu", "sigmoid"; "stats", last, adds a second output: the per-sample,
+per-channel sum and sum of squares of the result over its pixels in fp32, shape (2, N, K) (what a GroupNorm's
+statistics pass reads the output back for; a graph with it is called directly, `build(...)(x, w)`, and the survey
+times it). `reference` computes the same in float32 with torch (CPU tests and the fallback).
 
 A spec the graph API declines (a shape, a dtype, a channel count it has no engine for) does not stop a
 run: `conv2d` computes it with torch and records why in `NOTES` (the engine's notes). A missing wheel,
@@ -44,6 +46,7 @@ from lab.timing import gpu_ms
 IO = ("fp16", "fp8")
 UNARY = ("relu", "silu", "sigmoid")
 WITH_TENSOR = ("scale", "bias", "add", "mul")
+STATS = "stats"   # last op only: the result's per-sample per-channel sum and sum of squares, a second output
 # the declined specs and why (key → reason): a layer that fell back to torch says so in the engine's notes
 NOTES: dict[str, str] = {}
 _BUILT: dict[tuple, "ConvGraph"] = {}
@@ -80,12 +83,14 @@ def parse_epilogue(ops: Sequence[str]) -> tuple[str, ...]:
             except ValueError:
                 raise InputError(f"epilogue op {op!r}: expected 'leaky_relu:<slope>', e.g. 'leaky_relu:0.2'") from None
             out.append(f"leaky_relu:{slope:g}")
-        elif name in UNARY + WITH_TENSOR and not arg:
+        elif name in UNARY + WITH_TENSOR + (STATS,) and not arg:
             out.append(name)
         else:
-            raise InputError(f"epilogue op {op!r} is not one of {WITH_TENSOR + UNARY + ('leaky_relu:<slope>',)}")
+            raise InputError(f"epilogue op {op!r} is not one of {WITH_TENSOR + UNARY + ('leaky_relu:<slope>', STATS)}")
     if out.count("scale") > 1 or out.count("bias") > 1:
         raise InputError(f"epilogue {tuple(ops)}: 'scale' and 'bias' may each appear once")
+    if STATS in out[:-1]:
+        raise InputError(f"epilogue {tuple(ops)}: {STATS!r} sums the result, so it comes once and last")
     return tuple(out)
 
 
@@ -127,6 +132,10 @@ class ConvSpec:
         return cls(tuple(d["padding"]), tuple(d["stride"]), tuple(d["dilation"]), d["io"], tuple(d["epilogue"]),
                    d["out"])
 
+    @property
+    def stats(self) -> bool:
+        return STATS in self.epilogue
+
     def tensors(self) -> tuple[str, ...]:
         """The epilogue's tensor operands in order ("scale", "bias", then one "other" per add / mul)."""
         return tuple(op if op in ("scale", "bias") else "other" for op in self.epilogue if op in WITH_TENSOR)
@@ -158,8 +167,9 @@ def _extras(spec: ConvSpec, scale, bias, others) -> list[torch.Tensor]:
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, scale: torch.Tensor | None = None,
-              bias: torch.Tensor | None = None, others: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-    """What the graph computes, in float32 with torch (the fallback, and the CPU tests' yardstick)."""
+              bias: torch.Tensor | None = None, others: Sequence[torch.Tensor] = ()) -> Any:
+    """What the graph computes, in float32 with torch (the fallback, and the CPU tests' yardstick); with "stats",
+    (output, sums) like the graph."""
     acc = F.conv2d(x.float(), w.float(), None, spec.stride, spec.padding, spec.dilation)
     it = iter(_extras(spec, scale, bias, others))
     for op in spec.epilogue:
@@ -173,9 +183,10 @@ def reference(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, scale: torch.Ten
             acc = F.silu(acc)
         elif op == "sigmoid":
             acc = acc.sigmoid()
-        else:
+        elif op != STATS:
             acc = F.leaky_relu(acc, float(op.split(":")[1]))
-    return acc.to(torch.float16).contiguous(memory_format=torch.channels_last)
+    y = acc.to(torch.float16).contiguous(memory_format=torch.channels_last)
+    return (y, torch.stack([acc.sum((2, 3)), (acc * acc).sum((2, 3))])) if spec.stats else y
 
 
 # ----------------------------------------------------------------------------- availability
@@ -294,9 +305,16 @@ class ConvGraph:
                 y = g.swish(input=y, name=f"op{i}")
             elif op == "sigmoid":
                 y = g.sigmoid(input=y, name=f"op{i}")
-            else:
+            elif op != STATS:
                 y = g.leaky_relu(input=y, negative_slope=float(op.split(":")[1]), name=f"op{i}")
         y.set_output(True).set_data_type(half).set_stride(_strides_cl(self.out_shape))
+        self._sums = []
+        if spec.stats:   # reduction nodes: the output's shape names the kept dims (N, K), the pixels are summed
+            n = self.out_shape[0]
+            for name, t in (("sum", y), ("sumsq", g.mul(a=y, b=y, name="square"))):
+                r = g.reduction(input=t, mode=cudnn.reduction_mode.ADD, compute_data_type=f32, name=name)
+                r.set_output(True).set_data_type(f32).set_dim([n, k, 1, 1]).set_stride([k, 1, k, k])
+                self._sums.append(r)
         self._y, self.graph = y, g
         g.validate()
         g.build_operation_graph()
@@ -335,10 +353,17 @@ class ConvGraph:
         self.plan, self.plan_ms, self.cached = i, hit.get("plan_ms"), True
         return True
 
-    def _operands(self, x, w, extras, out) -> dict:
+    def _operands(self, x, w, extras, out, sums=None) -> dict:
         pack = {self._x: x, self._w: w, self._y: out}
         pack.update(zip(self._extra, extras))
+        if self._sums:
+            pack.update(zip(self._sums, sums))
         return pack
+
+    def _new_sums(self) -> torch.Tensor | None:
+        # zeroed per call: the reduction accumulates into its output
+        n, k = self.out_shape[:2]
+        return torch.zeros(2, n, k, device=self.device) if self._sums else None
 
     def _autotune(self) -> None:
         """Time the first AUTOTUNE_PLANS built plans on random operands; keep the fastest."""
@@ -352,11 +377,12 @@ class ConvGraph:
                   torch.randn(self.out_shape, device=dev, dtype=torch.float16).contiguous(
                       memory_format=torch.channels_last) for op in spec.tensors()]
         out = torch.empty(self.out_shape, device=dev, dtype=torch.float16, memory_format=torch.channels_last)
+        sums = self._new_sums()
         n = min(self.plans, AUTOTUNE_PLANS[self.search])
 
         def run(i: int) -> Any:   # the plan's own workspace, let go with the closure
             ws = torch.empty(max(self.graph.get_workspace_size_plan_at_index(i), 1), dtype=torch.uint8, device=dev)
-            return lambda: self._run(x, w, extras, out, ws, i)
+            return lambda: self._run(x, w, extras, out, ws, i, sums)
 
         best, self.timings = pick_plan(n, lambda i: gpu_ms(run(i), iters=1, warmup=1),
                                        lambda i: gpu_ms(run(i), iters=5, warmup=0))
@@ -370,21 +396,22 @@ class ConvGraph:
         except Exception:  # noqa: BLE001 - a name is a courtesy for the notes
             return f"plan {index}"
 
-    def _run(self, x, w, extras, out, ws, index) -> None:
+    def _run(self, x, w, extras, out, ws, index, sums=None) -> None:
         _frontend().set_stream(self.handle, torch.cuda.current_stream(self.device).cuda_stream)
-        self.graph.execute_plan_at_index(self._operands(x, w, extras, out), ws, index, handle=self.handle)
+        self.graph.execute_plan_at_index(self._operands(x, w, extras, out, sums), ws, index, handle=self.handle)
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, extras: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, extras: Sequence[torch.Tensor] = ()) -> Any:
+        """The output; with "stats" in the epilogue, (output, its (2, N, K) fp32 sums)."""
         # allocated channels-last: an NCHW empty() made channels-last is a copy kernel of the whole output per call
         out = torch.empty(self.out_shape, device=self.device, dtype=torch.float16, memory_format=torch.channels_last)
         # the workspace too per call, never kept: a graph built during CUDA-graph trees' warm-up would leave a kept
         # one in the trees' pool, untracked, and the capture refuses
         ws = torch.empty(self.workspace, dtype=torch.uint8, device=self.device)
-        cl = torch.channels_last
+        cl, sums = torch.channels_last, self._new_sums()
         self._run(x.contiguous(memory_format=cl), w.contiguous(memory_format=cl),
                   [t.contiguous() if t.dim() < 4 or t.shape[1] == 1 else t.contiguous(memory_format=cl) for t in extras],
-                  out, ws, self.plan)
-        return out
+                  out, ws, self.plan, sums)
+        return out if sums is None else (out, sums)
 
 
 TRIAGE = 2.0   # a plan whose first timed run is over twice the best median so far is not timed further
@@ -498,6 +525,9 @@ def conv2d(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, scale: torch.Tensor
     """The conv and its epilogue as one cuDNN graph (torch computes a spec the graph API declines)."""
     if x.dim() != 4 or w.dim() != 4:
         raise InputError(f"cuDNN conv takes 4-D NCHW input and weight, got {tuple(x.shape)} and {tuple(w.shape)}")
+    if spec.stats:
+        raise InputError(f"cuDNN conv with epilogue {spec.epilogue}: {STATS!r} adds a second output, which this op "
+                         f"does not return; call the built graph, build(spec, x.shape, w.shape, device)(x, w, extras)")
     extras = _extras(spec, scale, bias, others)
     if not x.is_cuda:
         return _fallback(x, w, spec, extras)

@@ -10,7 +10,10 @@ with their spread), its TFLOP/s, the CUDA kernels the profiler saw, and for the 
 timed and how long the build took. With `--epilogue bias,add` (any of cudnn_graph's epilogue ops) each
 graph carries that epilogue and torch's row is the conv with the same ops after it under torch.compile
 (Inductor: cuDNN's conv, then one fused pointwise kernel): one fusion measured alone against the compiled
-path. On random operands: a speed figure, never a quality one.
+path. `--epilogue bias,stats` puts a GroupNorm's statistics (per-sample per-channel sum and sum of squares) in the
+graph; torch's row then sums its output in the same compiled kernel, and the row says whether two of the graph's
+calls gave bit-equal sums (the reduction adds atomically) and how far its sums are from torch's fp32 ones. On
+random operands: a speed figure, never a quality one.
 """
 from __future__ import annotations
 
@@ -91,8 +94,11 @@ def torch_epilogue(epilogue: Sequence[str], pad: tuple[int, int], compile: bool 
                 raise InputError("the 'scale' op is the FP8 descale; leave it out of --epilogue")
             elif op in _ACT:
                 y = _ACT[op](y)
-            else:
+            elif op != C.STATS:
                 y = F.leaky_relu(y, float(op.split(":")[1]))
+        if C.STATS in epilogue:
+            acc = y.float()
+            return y, torch.stack([acc.sum((2, 3)), (acc * acc).sum((2, 3))])
         return y
     return compile_budget.compiled(f, dynamic=False) if epilogue and compile else f
 
@@ -148,7 +154,24 @@ def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), sea
             row[f"graph_{io}_plan"] = gph.plan_name
             put(f"graph_{io}", lambda: gph(xs, ws, extras))
             row[f"graph_{io}_vs_torch"] = round(row["torch_fp16_ms"] / row[f"graph_{io}_ms"], 3)
+            if spec.stats:
+                want = C.reference(xs, ws, spec, *_split(spec, extras))[1]
+                row.update(_sums_check(f"graph_{io}", gph, xs, ws, extras, want))
     return row
+
+
+def _split(spec: C.ConvSpec, extras: list[torch.Tensor]) -> tuple[Any, Any, list[torch.Tensor]]:
+    kinds = dict(zip(spec.tensors(), extras))
+    return kinds.get("scale"), kinds.get("bias"), [t for k, t in zip(spec.tensors(), extras) if k == "other"]
+
+
+def _sums_check(name: str, gph: Any, x: torch.Tensor, w: torch.Tensor, extras: list[torch.Tensor],
+                want: torch.Tensor) -> dict[str, Any]:
+    """Two calls' sums: bit-equal or not, and their worst error relative to the largest of torch's fp32 sums."""
+    a, b = gph(x, w, extras)[1], gph(x, w, extras)[1]
+    want = want.to(a.device)
+    return {f"{name}_sums_repeat_equal": bool(torch.equal(a, b)),
+            f"{name}_sums_rel_err": float(((a - want).abs().amax((1, 2)) / want.abs().amax((1, 2))).max())}
 
 
 def table(rows: Sequence[dict[str, Any]], ios: Sequence[str]) -> str:
@@ -208,6 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dump({"meta": meta, "rows": rows, "complete": len(rows) == len(shapes)}, f, indent=1)
     print(table(rows, ios))
     for r in rows:
+        for io in ios:
+            if f"graph_{io}_sums_rel_err" in r:
+                print(f"{r['shape']} {io} sums: relative error {r[f'graph_{io}_sums_rel_err']:.2e} vs torch fp32, two "
+                      f"calls {'bit-equal' if r[f'graph_{io}_sums_repeat_equal'] else 'differ'}")
         print(f"{r['shape']}: torch {r['torch_fp16_kernels']}; "
               + "; ".join(f"{io} {r.get(f'graph_{io}_plan', '')} {r.get(f'graph_{io}_kernels', '')}" for io in ios))
     return 0
