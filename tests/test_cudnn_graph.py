@@ -433,6 +433,13 @@ def test_the_built_graphs_are_listed_with_the_plan_each_runs(monkeypatch):
     (row,) = C.built()
     assert row["x"] == "16×512×32×32" and row["w"] == "512×512×3×3" and row["epilogue"] == "bias add"
     assert (row["plan"], row["plan_index"], row["from_cache"], row["plans"]) == ("eng4_k24=10", 3, False, 40)
+    assert row["vs_no_epilogue"] is None                   # no plain conv of this shape was built
+    # the same conv without an epilogue, and one of another shape: the epilogue's cost is the ratio of the plans
+    C._BUILT["plain"] = NS(**g.__dict__ | dict(spec=C.ConvSpec.of((1, 1)), plan_name="eng62", plan_ms=0.15))
+    C._BUILT["other"] = NS(**g.__dict__ | dict(spec=C.ConvSpec.of((1, 1)), x_shape=(16, 512, 64, 64), plan_ms=0.4))
+    rows = {(r["epilogue"], r["x"]): r for r in C.built()}
+    assert rows[("bias add", "16×512×32×32")]["vs_no_epilogue"] == 1.4
+    assert rows[("-", "16×512×32×32")]["vs_no_epilogue"] is None and rows[("-", "16×512×64×64")]["vs_no_epilogue"] is None
 
 
 def test_notebook_02_keeps_the_plans_its_graph_conv_rows_ran(monkeypatch):

@@ -551,9 +551,17 @@ def notes() -> list[str]:
 
 def built() -> list[dict[str, Any]]:
     """One row per graph built in this process: the conv, its shapes and the plan it runs. A run records these so
-    that a result which goes wrong can be traced to its plans (autotuning picks them per process)."""
+    that a result which goes wrong can be traced to its plans (autotuning picks them per process). Where the same
+    conv was also built without an epilogue, `vs_no_epilogue` is the ratio of the two plans' autotuned times: what
+    the epilogue cost (an epilogue can move a conv off cuDNN's fastest engines)."""
     with _LOCK:
         graphs = list(_BUILT.values())
-    return [{"io": g.spec.io, "epilogue": " ".join(g.spec.epilogue) or "-", "x": "×".join(map(str, g.x_shape)),
+    rows = [{"io": g.spec.io, "epilogue": " ".join(g.spec.epilogue) or "-", "x": "×".join(map(str, g.x_shape)),
              "w": "×".join(map(str, g.w_shape)), "stride": g.spec.stride[0], "plan": g.plan_name, "plan_index": g.plan,
              "plan_ms": g.plan_ms, "from_cache": g.cached, "plans": g.plans, "search": g.search} for g in graphs]
+    conv = lambda r: (r["io"], r["x"], r["w"], r["stride"])  # noqa: E731
+    plain = {conv(r): r["plan_ms"] for r in rows if r["epilogue"] == "-" and r["plan_ms"]}
+    for r in rows:
+        base = plain.get(conv(r))
+        r["vs_no_epilogue"] = round(r["plan_ms"] / base, 3) if base and r["plan_ms"] and r["epilogue"] != "-" else None
+    return rows
