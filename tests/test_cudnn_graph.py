@@ -293,7 +293,7 @@ def test_compiled_callers_hand_the_op_channels_last_input_from_one_fused_kernel(
 
         def __call__(self, x, w, extras):
             seen.append(x.stride())
-            return C._fallback(x, w, self.spec, extras)
+            return C.reference_packed(x, w, self.spec, extras)
 
     monkeypatch.setattr(C, "build", lambda spec, xs, ws, dev, autotune=True, search=None: Recorder(spec))
     spec = C.ConvSpec.of((1, 1), io="fp8", epilogue=("scale",))
@@ -309,7 +309,7 @@ def test_compiled_callers_hand_the_op_channels_last_input_from_one_fused_kernel(
     assert seen[-1] == (1024, 1, 128, 16)                     # channels-last strides of (2, 16, 8, 8)
     src = "\n".join(code)
     assert src.count("async_compile.cpp") == 1, src           # silu, cast and layout in one kernel
-    torch.testing.assert_close(out.float(), C._fallback(F.silu(x).to(torch.float8_e4m3fn), w, spec, [s]).float())
+    torch.testing.assert_close(out.float(), C.reference_packed(F.silu(x).to(torch.float8_e4m3fn), w, spec, [s]).float())
 
 
 class _Plans:

@@ -78,7 +78,10 @@ def test_the_uncompiled_graph_conv_variant_builds_the_compiled_ones_decoder(vaes
     v = "cuda_graph_subpixel_graph"
     assert v not in D.COMPILED and v in D.VARIANTS            # no torch.compile: a CUDA graph of the eager module
     assert "CUDA" in D.skip_reason(v, "cpu", quick=False)
-    assert D.skip_reason(v, "cpu", quick=False, compile=False) == D.skip_reason(v, "cpu", quick=False)
+    # with compile=False a compiled variant is skipped for it; this one is not (on a CUDA device it reaches the cuDNN
+    # check, which this machine fails for want of a GPU or the frontend)
+    assert "compile=False" in D.skip_reason("compile_subpixel_graph", "cuda", quick=False, compile=False)
+    assert "compile=False" not in D.skip_reason(v, "cuda", quick=False, compile=False)
     # graph=False: the module itself (what the profiler walks); on a CPU its graph convs run the torch ops
     z = D.random_latents(2, 4, 1, seed=3)[0]
     dec = D.build_decoder(vaes["sd-vae"], v, "fp32", z, graph=False)

@@ -186,7 +186,14 @@ def reference(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, scale: torch.Ten
         elif op != STATS:
             acc = F.leaky_relu(acc, float(op.split(":")[1]))
     y = acc.to(torch.float16).contiguous(memory_format=torch.channels_last)
-    return (y, torch.stack([acc.sum((2, 3)), (acc * acc).sum((2, 3))])) if spec.stats else y
+    return (y, channel_sums(acc)) if spec.stats else y
+
+
+def channel_sums(y: torch.Tensor) -> torch.Tensor:
+    """The "stats" output of an (N, K, H, W) result: its per-sample per-channel sum and sum of squares, (2, N, K)
+    fp32."""
+    acc = y.float()
+    return torch.stack([acc.sum((2, 3)), (acc * acc).sum((2, 3))])
 
 
 # ----------------------------------------------------------------------------- availability
@@ -501,11 +508,12 @@ def _cudnn_conv(x: torch.Tensor, w: torch.Tensor, key: str, extras: list[torch.T
             raise
         except Exception as e:  # noqa: BLE001 - the graph API declined this spec: torch computes it, said in NOTES
             _declined(key, shapes, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
-    return _fallback(x, w, spec, extras)
+    return reference_packed(x, w, spec, extras)
 
 
-def _fallback(x, w, spec: ConvSpec, extras) -> torch.Tensor:
-    # the extras are already in epilogue order; hand them back by kind
+def reference_packed(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, extras: Sequence[torch.Tensor]) -> Any:
+    """`reference` with the epilogue's tensors as a built graph takes them (in epilogue order, as `_extras` packs
+    them): the torch fallback, and the yardstick of a graph called directly."""
     kinds = spec.tensors()
     get = dict(zip(kinds, extras))
     others = [t for k, t in zip(kinds, extras) if k == "other"]
@@ -530,7 +538,7 @@ def conv2d(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, scale: torch.Tensor
                          f"does not return; call the built graph, build(spec, x.shape, w.shape, device)(x, w, extras)")
     extras = _extras(spec, scale, bias, others)
     if not x.is_cuda:
-        return _fallback(x, w, spec, extras)
+        return reference_packed(x, w, spec, extras)
     return _to_op(x, w, spec, extras)
 
 
@@ -559,7 +567,9 @@ def built() -> list[dict[str, Any]]:
     rows = [{"io": g.spec.io, "epilogue": " ".join(g.spec.epilogue) or "-", "x": "×".join(map(str, g.x_shape)),
              "w": "×".join(map(str, g.w_shape)), "stride": g.spec.stride[0], "plan": g.plan_name, "plan_index": g.plan,
              "plan_ms": g.plan_ms, "from_cache": g.cached, "plans": g.plans, "search": g.search} for g in graphs]
-    conv = lambda r: (r["io"], r["x"], r["w"], r["stride"])  # noqa: E731
+    def conv(r: dict[str, Any]) -> tuple:
+        return r["io"], r["x"], r["w"], r["stride"]
+
     plain = {conv(r): r["plan_ms"] for r in rows if r["epilogue"] == "-" and r["plan_ms"]}
     for r in rows:
         base = plain.get(conv(r))

@@ -96,10 +96,7 @@ def torch_epilogue(epilogue: Sequence[str], pad: tuple[int, int], compile: bool 
                 y = _ACT[op](y)
             elif op != C.STATS:
                 y = F.leaky_relu(y, float(op.split(":")[1]))
-        if C.STATS in epilogue:
-            acc = y.float()
-            return y, torch.stack([acc.sum((2, 3)), (acc * acc).sum((2, 3))])
-        return y
+        return (y, C.channel_sums(y)) if C.STATS in epilogue else y
     return compile_budget.compiled(f, dynamic=False) if epilogue and compile else f
 
 
@@ -155,14 +152,9 @@ def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), sea
             put(f"graph_{io}", lambda: gph(xs, ws, extras))
             row[f"graph_{io}_vs_torch"] = round(row["torch_fp16_ms"] / row[f"graph_{io}_ms"], 3)
             if spec.stats:
-                want = C.reference(xs, ws, spec, *_split(spec, extras))[1]
+                want = C.reference_packed(xs, ws, spec, extras)[1]
                 row.update(_sums_check(f"graph_{io}", gph, xs, ws, extras, want))
     return row
-
-
-def _split(spec: C.ConvSpec, extras: list[torch.Tensor]) -> tuple[Any, Any, list[torch.Tensor]]:
-    kinds = dict(zip(spec.tensors(), extras))
-    return kinds.get("scale"), kinds.get("bias"), [t for k, t in zip(spec.tensors(), extras) if k == "other"]
 
 
 def _sums_check(name: str, gph: Any, x: torch.Tensor, w: torch.Tensor, extras: list[torch.Tensor],
