@@ -335,7 +335,8 @@ def _decimals(v: float) -> int:
 
 def spread_from_tables(value: float, tables: dict[str, list[dict]]) -> tuple[str, int | None]:
     """Where a table row holds the headline figure (the same number to its printed precision) with its
-    runs — `<field>_min` / `<field>_max` beside `runs`, or a `<field>_runs` list — its spread and repeats."""
+    runs — `<field>_min` / `<field>_max` beside `runs` (or `iters`: timed calls), or a `<field>_runs` list — its
+    spread and repeats."""
     tol = 0.5 * 10 ** -_decimals(value) + 1e-9
     for rows in tables.values():
         for row in rows if isinstance(rows, list) else []:
@@ -347,7 +348,7 @@ def spread_from_tables(value: float, tables: dict[str, list[dict]]) -> tuple[str
                 runs = row.get(f"{f}_runs")
                 if isinstance(runs, list) and len(runs) > 1 and all(isinstance(r, (int, float)) for r in runs):
                     return f"{_fmt(min(runs))}–{_fmt(max(runs))}", len(runs)
-                lo, hi, n = row.get(f"{f}_min"), row.get(f"{f}_max"), row.get("runs") or row.get("repeats")
+                lo, hi, n = row.get(f"{f}_min"), row.get(f"{f}_max"), row.get("runs") or row.get("repeats") or row.get("iters")
                 if isinstance(lo, (int, float)) and isinstance(hi, (int, float)):
                     return (f"{_fmt(lo)}–{_fmt(hi)}" if n != 1 else ""), (int(n) if isinstance(n, int) else None)
     return "", None

@@ -303,3 +303,16 @@ def test_a_docs_page_keeps_each_machines_newest_row_of_a_figure():
                     machine="NVIDIA H100 80GB HBM3 (sm_90)")
     text = R.docs_section([h200, old_h100, h100], "06")
     assert text.index("| 380 FPS | H100 |") < text.index("| 400 FPS | H200 |") and "300 FPS" not in text
+
+
+def test_a_headline_figure_takes_the_spread_of_its_table_rows_timed_calls():
+    # notebook 02's rows: the median FPS of `iters` timed decodes with the slowest and fastest beside it
+    res = {"headline": {"sd-vae best FPS b16 fp16": 860.5},
+           "tables": {"variants": [{"variant": "eager", "fps": 290.1, "fps_min": 288.0, "fps_max": 291.0, "iters": 20},
+                                   {"variant": "graph", "fps": 860.46, "fps_min": 851.2, "fps_max": 866.04, "iters": 20}]}}
+    (row,) = L.rows_from_result(res, "02_taesd_vs_vae", "lab run 02")
+    assert (row.value, row.spread, row.repeats) == (860.5, "851.2–866", 20)
+    # a figure no table row holds has no spread and no count
+    (row,) = L.rows_from_result({"headline": {"sd-vae best FPS b16 fp16": 700.0}, "tables": res["tables"]},
+                                "02_taesd_vs_vae", "lab run 02")
+    assert (row.spread, row.repeats) == ("", None)

@@ -286,7 +286,7 @@ def _bench_row(**kw: Any) -> dict[str, Any]:
     base = dict(decoder=None, batch=None, dtype=None, variant=None, status="ok", reason="", fps=None,
                 ms_per_batch=None, ms_per_frame=None, gflops_per_frame=None, tflops=None, ceiling=None,
                 ceiling_tflops=None, pct_of_ceiling=None, psnr_vs_fp32=None, max_abs_vs_fp32=None,
-                repeat_max_abs=None, setup_s=None, peak_mem_gib=None, iters=None)
+                repeat_max_abs=None, setup_s=None, peak_mem_gib=None, iters=None, fps_min=None, fps_max=None)
     base.update(kw)
     return base
 
@@ -378,7 +378,7 @@ def bench_decoders(vaes: dict[str, VAE], batch_sizes: Sequence[int] = (1, 2, 4, 
                              ceiling=ceil_label, ceiling_tflops=ceil, pct_of_ceiling=r.pct_of_ceiling, **quality,
                              setup_s=setup,
                              peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
-                             iters=r.iters))
+                             iters=r.iters, fps_min=batch / r.max_s, fps_max=batch / r.min_s))
         except Exception as e:  # one variant failing (a compile error, OOM) must not sink the sweep
             rows.append(_bench_row(**info, status="failed", reason=f"{type(e).__name__}: {str(e).strip()[:300]}"))
         finally:
