@@ -170,30 +170,44 @@ def _splits(n: int, hw: int, block: int) -> int:
     return max(1, min(triton.cdiv(SPLIT_PROGRAMS, max(n, 1)), MAX_SPLITS, triton.cdiv(hw, block)))
 
 
-def group_norm_nhwc_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float,
-                           silu: bool, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The three passes on a channels-last (N, C, H, W) tensor; the output is channels-last too. pre_bias:
-    a per-channel bias added to x before the norm (the producing conv's, which then runs without it)."""
+def group_stats(x: torch.Tensor, groups: int, eps: float, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The statistics passes alone on a channels-last (N, C, H, W) tensor: (N, groups, 2) fp32, each group's mean
+    (of x + pre_bias) and 1/std."""
     n, c, h, w = x.shape
     hw = h * w
-    block, stats_block = _block(c, TILE_ELEMS), _block(c, STATS_TILE_ELEMS, least=2)
+    stats_block = _block(c, STATS_TILE_ELEMS, least=2)
     s = _splits(n, hw, stats_block)
     rows = triton.cdiv(triton.cdiv(hw, s), stats_block) * stats_block
     s = triton.cdiv(hw, rows)
     mean = torch.empty(n, s, groups, device=x.device, dtype=torch.float32)
     m2 = torch.empty(n, s, groups, device=x.device, dtype=torch.float32)
     stats = torch.empty(n, groups, 2, device=x.device, dtype=torch.float32)
-    y = torch.empty_like(x, memory_format=torch.channels_last)
     has_bias = pre_bias is not None
-    pb = pre_bias if has_bias else weight
-    _group_norm_partial_kernel[(n, s)](x, pb, mean, m2, hw, s, ROWS=rows, C=c, G=groups, BLOCK=stats_block,
-                                       HAS_BIAS=has_bias, num_warps=STATS_WARPS)
+    _group_norm_partial_kernel[(n, s)](x, pre_bias if has_bias else x, mean, m2, hw, s, ROWS=rows, C=c, G=groups,
+                                       BLOCK=stats_block, HAS_BIAS=has_bias, num_warps=STATS_WARPS)
     _group_norm_combine_kernel[(n,)](mean, m2, stats, hw, s, float(eps), ROWS=rows, S2=triton.next_power_of_2(s),
                                      C=c, G=groups, num_warps=8)
-    _group_norm_apply_kernel[(n, triton.cdiv(hw, block))](x, y, stats, weight, bias, pb, hw, C=c, G=groups,
-                                                          BLOCK=block, SILU=bool(silu), HAS_BIAS=has_bias,
-                                                          num_warps=NUM_WARPS)
+    return stats
+
+
+def group_apply(x: torch.Tensor, stats: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, silu: bool,
+                pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The apply pass alone: (x + pre_bias − mean) · rstd · γ + β (then SiLU) from `group_stats`' statistics."""
+    n, c, h, w = x.shape
+    block = _block(c, TILE_ELEMS)
+    y = torch.empty_like(x, memory_format=torch.channels_last)
+    has_bias = pre_bias is not None
+    _group_norm_apply_kernel[(n, triton.cdiv(h * w, block))](x, y, stats, weight, bias, pre_bias if has_bias else weight,
+                                                             h * w, C=c, G=stats.shape[1], BLOCK=block,
+                                                             SILU=bool(silu), HAS_BIAS=has_bias, num_warps=NUM_WARPS)
     return y
+
+
+def group_norm_nhwc_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float,
+                           silu: bool, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The three passes on a channels-last (N, C, H, W) tensor; the output is channels-last too. pre_bias:
+    a per-channel bias added to x before the norm (the producing conv's, which then runs without it)."""
+    return group_apply(x, group_stats(x, groups, eps, pre_bias), weight, bias, silu, pre_bias)
 
 
 @torch.library.custom_op("lab::group_norm_nhwc", mutates_args=())
@@ -297,4 +311,4 @@ def unfuse_group_norms(module: nn.Module) -> int:
     return n
 
 
-__all__ = ["FusedGroupNorm", "fuse_group_norms", "unfuse_group_norms", "group_norm_nhwc", "group_norm_nhwc_triton", "supported"]
+__all__ = ["FusedGroupNorm", "fuse_group_norms", "unfuse_group_norms", "group_norm_nhwc", "group_norm_nhwc_triton", "group_stats", "group_apply", "supported"]
