@@ -79,6 +79,6 @@ def test_survey_command_refuses_bad_shapes_and_a_missing_gpu(capsys, monkeypatch
 def test_table_says_what_the_fusion_saves():
     row = {"shape": [16, 128, 128, 256, 3], "apply_ms": 0.3, "cudnn_ms": 0.46, "cudnn_tflops": 670.0,
            "triton_plain_ms": 0.55, "triton_plain_tflops": 560.0, "prologue_ms": 0.9, "prologue_tflops": 343.0,
-           "net_ms": -0.14}
+           "net_ms": -0.14, "fast_sigmoid_ms": 0.7}
     t = nc.table([row])
-    assert "16, 128 → 128, 256², 3" in t and "-0.140 ms" in t
+    assert "16, 128 → 128, 256², 3" in t and "-0.140 ms" in t and "| 0.700 ms |" in t

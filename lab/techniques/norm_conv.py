@@ -54,7 +54,7 @@ if triton is not None:
     def _norm_conv3x3_kernel(x_ptr, w_ptr, bias_ptr, stats_ptr, gamma_ptr, beta_ptr, y_ptr, H, W,
                              CIN: tl.constexpr, COUT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr, PROLOGUE: tl.constexpr,
-                             HAS_BIAS: tl.constexpr):
+                             HAS_BIAS: tl.constexpr, FAST_SIGMOID: tl.constexpr = False):
         # one program: BM pixels of one sample × BN output channels; the K loop runs over 9 taps × STEPS channel
         # steps (CIN / BK) as one flat loop, so Triton pipelines its loads
         pid_m = tl.program_id(0)
@@ -80,7 +80,12 @@ if triton is not None:
                 scale = tl.load(stats_ptr + (n * G + g) * 2 + 1) * tl.load(gamma_ptr + ks).to(tl.float32)
                 shift = tl.load(beta_ptr + ks).to(tl.float32) - mean * scale
                 v = a.to(tl.float32) * scale[None, :] + shift[None, :]
-                v = v * tl.sigmoid(v)
+                if FAST_SIGMOID:  # σ(v) = (1 + tanh(v/2)) / 2 with the GPU's one-instruction tanh (survey only)
+                    th = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [0.5 * v], dtype=tl.float32,
+                                                   is_pure=True, pack=1)
+                    v = v * (0.5 + 0.5 * th)
+                else:
+                    v = v * tl.sigmoid(v)
                 # the conv pads the normalized tensor with zeros: out-of-image taps are 0 after the norm
                 a = tl.where(ok[:, None], v, 0.0).to(x_ptr.dtype.element_ty)
             b = tl.load(w_ptr + (t * CIN + ks)[:, None] * COUT + cols[None, :])
@@ -119,10 +124,12 @@ def check(x: torch.Tensor, w_packed: torch.Tensor, groups: int, config: Sequence
 
 def norm_silu_conv3x3(x: torch.Tensor, stats: torch.Tensor | None, gamma: torch.Tensor | None,
                       beta: torch.Tensor | None, w_packed: torch.Tensor, bias: torch.Tensor | None = None,
-                      config: Sequence[int] | None = None) -> torch.Tensor:
+                      config: Sequence[int] | None = None, fast_sigmoid: bool = False) -> torch.Tensor:
     """conv2d(silu(group_norm(x)), w, bias, padding=1) on a channels-last tensor, normalizing in the prologue;
     with `stats=None` the plain conv2d(x, w, bias, padding=1) by the same kernel (the implicit GEMM alone).
-    `stats`: group_norm.group_stats(x, G, eps); `w_packed`: pack_weight(w). Output channels-last."""
+    `stats`: group_norm.group_stats(x, G, eps); `w_packed`: pack_weight(w). Output channels-last. `fast_sigmoid`
+    (GPU only): the SiLU's sigmoid by the hardware tanh, approximate (~2⁻¹¹ relative), to measure what the exact
+    sigmoid's two special-function instructions per value cost the prologue."""
     n, c, h, w = x.shape
     cfg = tuple(config) if config is not None else (CONFIGS[0] if x.is_cuda else INTERPRETED_CONFIG)
     groups = stats.shape[1] if stats is not None else 1
@@ -134,8 +141,8 @@ def norm_silu_conv3x3(x: torch.Tensor, stats: torch.Tensor | None, gamma: torch.
     grid = (n * h * w // bm, cout // bn)
     _norm_conv3x3_kernel[grid](x, w_packed, bias if bias is not None else w_packed, stats if pro else x,
                                gamma if pro else x, beta if pro else x, y, h, w, CIN=c, COUT=cout, G=groups, BM=bm,
-                               BN=bn, BK=bk, STEPS=c // bk, PROLOGUE=pro, HAS_BIAS=bias is not None, num_stages=stages,
-                               num_warps=warps)
+                               BN=bn, BK=bk, STEPS=c // bk, PROLOGUE=pro, HAS_BIAS=bias is not None,
+                               FAST_SIGMOID=bool(fast_sigmoid), num_stages=stages, num_warps=warps)
     return y
 
 
@@ -191,7 +198,9 @@ def survey_shape(shape: Sequence[int], configs: Sequence[tuple] = CONFIGS, seed:
         fits = [c for c in configs if cout % c[1] == 0 and (hw * hw) % c[0] == 0 and cin % c[2] == 0]
         plain_ms, plain_cfg, _ = _fastest(lambda c: norm_silu_conv3x3(a, None, None, None, wp, bias, c), fits)
         pro_ms, pro_cfg, tried = _fastest(lambda c: norm_silu_conv3x3(x, stats, gamma, beta, wp, bias, c), fits)
+        fast_ms, fast_cfg, _ = _fastest(lambda c: norm_silu_conv3x3(x, stats, gamma, beta, wp, bias, c, True), fits)
         y = norm_silu_conv3x3(x, stats, gamma, beta, wp, bias, pro_cfg).float()
+        yf = norm_silu_conv3x3(x, stats, gamma, beta, wp, bias, fast_cfg, True).float()
         ref = F.conv2d(a, wcl, bias, padding=1).float()
     flops = 2 * b * hw * hw * cout * cin * 9
     return {"shape": list(shape), "apply_ms": apply_ms[0], "cudnn_ms": cudnn_ms[0], "unfused_ms": apply_ms[0] + cudnn_ms[0],
@@ -199,17 +208,20 @@ def survey_shape(shape: Sequence[int], configs: Sequence[tuple] = CONFIGS, seed:
             "prologue_config": list(pro_cfg), "net_ms": apply_ms[0] + cudnn_ms[0] - pro_ms,
             "cudnn_tflops": flops / cudnn_ms[0] / 1e9, "triton_plain_tflops": flops / plain_ms / 1e9,
             "prologue_tflops": flops / pro_ms / 1e9,
-            "rel_err_vs_cudnn": float((y - ref).norm() / ref.norm()), "configs_tried": tried}
+            "fast_sigmoid_ms": fast_ms, "fast_sigmoid_config": list(fast_cfg),
+            "rel_err_vs_cudnn": float((y - ref).norm() / ref.norm()),
+            "fast_sigmoid_rel_err_vs_cudnn": float((yf - ref).norm() / ref.norm()), "configs_tried": tried}
 
 
 def table(rows: Sequence[dict]) -> str:
-    lines = ["| conv (B, Cin → Cout, H², k) | apply pass | cuDNN conv | Triton conv | Triton conv + prologue | net |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| conv (B, Cin → Cout, H², k) | apply pass | cuDNN conv | Triton conv | Triton conv + prologue | net | "
+             "prologue, approximate sigmoid |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         b, ci, co, h, k = r["shape"]
         lines.append(f"| {b}, {ci} → {co}, {h}², {k} | {r['apply_ms']:.3f} ms | {r['cudnn_ms']:.3f} ms "
                      f"({r['cudnn_tflops']:.0f} TFLOP/s) | {r['triton_plain_ms']:.3f} ms ({r['triton_plain_tflops']:.0f}) | "
-                     f"{r['prologue_ms']:.3f} ms ({r['prologue_tflops']:.0f}) | {r['net_ms']:+.3f} ms |")
+                     f"{r['prologue_ms']:.3f} ms ({r['prologue_tflops']:.0f}) | {r['net_ms']:+.3f} ms | "
+                     f"{r.get('fast_sigmoid_ms', float('nan')):.3f} ms |")
     return "\n".join(lines)
 
 
