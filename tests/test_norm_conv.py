@@ -1,4 +1,4 @@
-"""GroupNorm + SiLU in a 3×3 conv's prologue (lab.runtime.norm_conv): the Triton implicit-GEMM conv under
+"""GroupNorm + SiLU in a 3×3 conv's prologue (lab.techniques.norm_conv): the Triton implicit-GEMM conv under
 Triton's CPU interpreter against conv2d(silu(group_norm(x))) in float64 (borders, several channel steps, two
 samples with their own statistics), the plain conv by the same kernel, the weight packing, refusals and the
 survey's command line."""
@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from lab.errors import InputError
-from lab.runtime import norm_conv as nc
+from lab.techniques import norm_conv as nc
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CHECK = """
 import torch, torch.nn.functional as F
-from lab.runtime import norm_conv as nc
+from lab.techniques import norm_conv as nc
 from lab.techniques import group_norm as gn
 torch.manual_seed(0)
 worst_pro = worst_plain = 0.0

@@ -6,7 +6,7 @@ raw `x` and the group statistics and normalizes each tile as it loads it never m
 it pays is a race against cuDNN's own conv: the fused kernel must lose less than the apply pass costs. The
 survey measures exactly that, per conv shape:
 
-    python -m lab.runtime.norm_conv --shape 16,128,128,256,3 --json norm_conv.json
+    python -m lab.techniques.norm_conv --shape 16,128,128,256,3 --json norm_conv.json
 
 Each shape's row holds the apply pass, cuDNN's conv of its output (torch, `cudnn.benchmark`), the Triton conv
 without the prologue (how close the implicit GEMM is to cuDNN) and with it, each one call's GPU time; `net_ms`
@@ -20,6 +20,8 @@ applied after the normalization, as the conv pads its input.
 
     stats = group_norm.group_stats(x, groups, eps)             # (N, G, 2): mean, 1/std
     y = norm_silu_conv3x3(x, stats, gamma, beta, pack_weight(w), bias)
+
+A candidate technique: no pipeline switches it on (it is not registered) until its survey shows it pays.
 """
 from __future__ import annotations
 
@@ -228,7 +230,7 @@ def table(rows: Sequence[dict]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from lab.runtime.cudnn_survey import parse_shape
 
-    ap = argparse.ArgumentParser(prog="python -m lab.runtime.norm_conv", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lab.techniques.norm_conv", description=__doc__.split("\n")[0])
     ap.add_argument("--shape", action="append", help="batch,Cin,Cout,H,3 (repeatable; default: the SD-VAE's convs after a norm)")
     ap.add_argument("--json", help="write the rows to this file")
     a = ap.parse_args(argv)
