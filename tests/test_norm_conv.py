@@ -69,9 +69,25 @@ def test_bad_inputs_are_named(make, match):
         nc.norm_silu_conv3x3(x, None, None, None, w, None)
 
 
+@pytest.mark.parametrize("shape, match", [((16, 128, 128, 64, 1), "3×3 only"), ((16, 96, 128, 64, 3), "power of two"),
+                                          ((16, 1024, 128, 64, 3), "power of two"), ((16, 128, 96, 64, 3), "Cout by"),
+                                          ((16, 128, 128, 7, 3), "H² by")])
+def test_survey_refuses_shapes_no_tile_fits(shape, match):
+    with pytest.raises(InputError, match=match):
+        nc.fitting_configs(shape)
+
+
+def test_survey_tries_only_the_tiles_that_divide_the_shape():
+    fits = nc.fitting_configs((16, 128, 128, 256, 3))
+    assert fits and all(c[1] <= 128 for c in fits)          # no 256-wide output tile for 128 output channels
+    assert len(nc.fitting_configs((16, 512, 512, 32, 3))) == len(nc.CONFIGS)
+
+
 def test_survey_command_refuses_bad_shapes_and_a_missing_gpu(capsys, monkeypatch):
     assert nc.main(["--shape", "16,128,128"]) == 2
     assert "batch,Cin,Cout,H,k" in capsys.readouterr().err
+    assert nc.main(["--shape", "16,128,96,64,3"]) == 2
+    assert "no tile config" in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert nc.main(["--shape", "16,128,128,256,3"]) == 2
     assert "CUDA GPU" in capsys.readouterr().err

@@ -176,14 +176,28 @@ def _fastest(fn_of_cfg: Any, configs: Sequence[tuple]) -> tuple[float, tuple, li
     return best["ms"], tuple(best["config"]), tried
 
 
+def fitting_configs(shape: Sequence[int], configs: Sequence[tuple] = CONFIGS) -> list[tuple]:
+    """The tile configs that divide a survey shape (B, Cin, Cout, H, k); refuses a shape none fits, naming why."""
+    b, cin, cout, hw, k = shape
+    if k != 3:
+        raise InputError(f"shape {tuple(shape)}: the prologue conv is 3×3 only (k = 3)")
+    if not (_pow2(cin) and 2 * GROUPS <= cin <= GN.MAX_CHANNELS):
+        raise InputError(f"shape {tuple(shape)}: Cin must be a power of two from {2 * GROUPS} to {GN.MAX_CHANNELS} "
+                         f"({GROUPS} groups; the statistics passes' tiles)")
+    fits = [c for c in configs if cout % c[1] == 0 and (hw * hw) % c[0] == 0 and cin % c[2] == 0]
+    if not fits:
+        raise InputError(f"shape {tuple(shape)}: no tile config divides it (H² by {sorted({c[0] for c in configs})}, "
+                         f"Cout by {sorted({c[1] for c in configs})}, Cin by {sorted({c[2] for c in configs})})")
+    return fits
+
+
 def survey_shape(shape: Sequence[int], configs: Sequence[tuple] = CONFIGS, seed: int = 0) -> dict[str, Any]:
     """One conv shape at fp16 on random operands: the unfused path (apply pass + cuDNN conv) against the
     prologue-fused Triton conv, with the plain Triton conv beside them; medians of graph-captured calls."""
     from lab.runtime.cudnn_survey import graph_ms
 
-    b, cin, cout, hw, k = shape
-    if k != 3:
-        raise InputError(f"shape {tuple(shape)}: the prologue conv is 3×3 only")
+    fits = fitting_configs(shape, configs)
+    b, cin, cout, hw, _ = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = (torch.randn(b, cin, hw, hw, device="cuda", generator=g) * 2 + 0.5).half().to(memory_format=torch.channels_last)
     wt = (torch.randn(cout, cin, 3, 3, device="cuda", generator=g) / (9 * cin) ** 0.5).half()
@@ -193,11 +207,9 @@ def survey_shape(shape: Sequence[int], configs: Sequence[tuple] = CONFIGS, seed:
     wp, wcl = pack_weight(wt), wt.to(memory_format=torch.channels_last)
     stats = GN.group_stats(x, GROUPS, EPS)
     a = GN.group_apply(x, stats, gamma, beta, silu=True)
-    torch.backends.cudnn.benchmark = True
-    with torch.no_grad():
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False):
         apply_ms = graph_ms(lambda: GN.group_apply(x, stats, gamma, beta, silu=True))
         cudnn_ms = graph_ms(lambda: F.conv2d(a, wcl, bias, padding=1))
-        fits = [c for c in configs if cout % c[1] == 0 and (hw * hw) % c[0] == 0 and cin % c[2] == 0]
         plain_ms, plain_cfg, _ = _fastest(lambda c: norm_silu_conv3x3(a, None, None, None, wp, bias, c), fits)
         pro_ms, pro_cfg, tried = _fastest(lambda c: norm_silu_conv3x3(x, stats, gamma, beta, wp, bias, c), fits)
         fast_ms, fast_cfg, _ = _fastest(lambda c: norm_silu_conv3x3(x, stats, gamma, beta, wp, bias, c, True), fits)
@@ -236,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         shapes = [parse_shape(s) for s in a.shape] if a.shape else list(SHAPES)
+        for s in shapes:
+            fitting_configs(s)
         if triton is None or not torch.cuda.is_available():
             raise InputError("the survey needs a CUDA GPU and Triton")
     except InputError as e:
