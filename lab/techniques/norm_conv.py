@@ -1,7 +1,7 @@
 """GroupNorm + SiLU in a 3×3 convolution's prologue: a Triton implicit-GEMM conv that normalizes as it loads.
 
 Why: in the compiled SD-VAE decoder every conv of a ResNet block reads `silu(group_norm(x))`, which the apply pass
-writes out in full and the conv reads back (2.40 ms of 17.17 per batch of 16 on an H100). A conv that takes the
+writes out in full and the conv reads back (2.38 ms of 17.17 per batch of 16 on an H100). A conv that takes the
 raw `x` and the group statistics and normalizes each tile as it loads it never materializes that tensor. Whether
 it pays is a race against cuDNN's own conv: the fused kernel must lose less than the apply pass costs. The
 survey measures exactly that, per conv shape:
@@ -11,8 +11,8 @@ survey measures exactly that, per conv shape:
 Each shape's row holds the apply pass, cuDNN's conv of its output (torch, `cudnn.benchmark`), the Triton conv
 without the prologue (how close the implicit GEMM is to cuDNN) and with it, each one call's GPU time; `net_ms`
 is what the fusion saves per call (negative: it loses). An implicit-GEMM prologue normalizes each input value
-once per filter tap (nine times for a 3×3 conv), so its SiLU costs nine sigmoids per value where the apply pass
-pays one.
+once per filter tap and per output-channel tile (nine times or more for a 3×3 conv), so its SiLU costs nine or
+more sigmoids per value where the apply pass pays one.
 
 The kernel is the same function as `conv2d(silu(group_norm(x)), w, b, padding=1)`: the normalized values are
 rounded to the input's dtype before the matrix multiply, as the unfused path stores them, and the zero padding is
@@ -43,11 +43,12 @@ try:
 except ImportError:  # pragma: no cover - Triton ships with torch on Linux
     triton = None
 
-# tile shapes tried on a GPU (BM pixels × BN output channels, BK input channels per step); BN is cut to Cout
+# tile shapes tried on a GPU (BM pixels × BN output channels, BK input channels per step, pipeline stages, warps);
+# a shape tries those that divide it (fitting_configs)
 CONFIGS = [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (128, 64, 64, 4, 4), (256, 128, 64, 3, 8), (64, 128, 64, 4, 4)]
 INTERPRETED_CONFIG = (16, 16, 16, 1, 1)
 GROUPS, EPS = 32, 1e-6   # the SD-VAE decoder's GroupNorm
-# the convs after a GroupNorm + SiLU in the SD-VAE decoder at batch 16 (B, Cin, Cout, H, k)
+# four of the convs after a GroupNorm + SiLU in the SD-VAE decoder at batch 16 (B, Cin, Cout, H, k)
 SHAPES = ((16, 512, 512, 32, 3), (16, 512, 512, 64, 3), (16, 256, 256, 128, 3), (16, 128, 128, 256, 3))
 
 
