@@ -69,6 +69,19 @@ def test_bad_inputs_are_named(make, match):
         nc.norm_silu_conv3x3(x, None, None, None, w, None)
 
 
+def test_bad_statistics_and_a_cpu_tensor_are_named():
+    x = torch.randn(2, 32, 4, 4).contiguous(memory_format=torch.channels_last)
+    w = nc.pack_weight(torch.randn(16, 32, 3, 3))
+    g = torch.ones(32)
+    with pytest.raises(InputError, match=r"stats: expected .*\(N=2, groups, 2\) float32"):
+        nc.norm_silu_conv3x3(x, torch.zeros(1, 4, 2), g, g, w, None, config=(16, 16, 16, 1, 1))
+    with pytest.raises(InputError, match="stats: expected"):
+        nc.norm_silu_conv3x3(x, torch.zeros(2, 4, 2, dtype=torch.float16), g, g, w, None, config=(16, 16, 16, 1, 1))
+    # a well-formed call on a CPU tensor outside the interpreter: refused before any launch
+    with pytest.raises(InputError, match="CUDA tensor"):
+        nc.norm_silu_conv3x3(x, torch.zeros(2, 4, 2), g, g, w, None, config=(16, 16, 16, 1, 1))
+
+
 @pytest.mark.parametrize("shape, match", [((16, 128, 128, 64, 1), "3×3 only"), ((16, 96, 128, 64, 3), "power of two"),
                                           ((16, 1024, 128, 64, 3), "power of two"), ((16, 128, 96, 64, 3), "Cout by"),
                                           ((16, 128, 128, 7, 3), "H² by")])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -47,6 +48,8 @@ except ImportError:  # pragma: no cover - Triton ships with torch on Linux
 # a shape tries those that divide it (fitting_configs)
 CONFIGS = [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (128, 64, 64, 4, 4), (256, 128, 64, 3, 8), (64, 128, 64, 4, 4)]
 INTERPRETED_CONFIG = (16, 16, 16, 1, 1)
+# under Triton's CPU interpreter the kernel also takes CPU tensors (the tests)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 GROUPS, EPS = 32, 1e-6   # the SD-VAE decoder's GroupNorm
 # four of the convs after a GroupNorm + SiLU in the SD-VAE decoder at batch 16 (B, Cin, Cout, H, k)
 SHAPES = ((16, 512, 512, 32, 3), (16, 512, 512, 64, 3), (16, 256, 256, 128, 3), (16, 128, 128, 256, 3))
@@ -110,7 +113,7 @@ def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
-def check(x: torch.Tensor, w_packed: torch.Tensor, groups: int, config: Sequence[int]) -> None:
+def check(x: torch.Tensor, w_packed: torch.Tensor, stats: torch.Tensor | None, config: Sequence[int]) -> None:
     """Refuse what the kernel does not take, naming it."""
     bm, bn, bk = config[:3]
     if x.dim() != 4 or not x.is_contiguous(memory_format=torch.channels_last):
@@ -120,9 +123,18 @@ def check(x: torch.Tensor, w_packed: torch.Tensor, groups: int, config: Sequence
         raise InputError(f"weight: expected pack_weight's (9·{c}, Cout) in {x.dtype}, got {tuple(w_packed.shape)} "
                          f"{w_packed.dtype}")
     cout = w_packed.shape[1]
+    groups = 1
+    if stats is not None:
+        groups = stats.shape[1] if stats.dim() == 3 else 0
+        if stats.shape != (n, groups, 2) or groups < 1 or stats.dtype != torch.float32:
+            raise InputError(f"stats: expected group_norm.group_stats' (N={n}, groups, 2) float32, got "
+                             f"{tuple(stats.shape)} {stats.dtype}")
     if (h * w) % bm or c % bk or cout % bn or c % groups or not _pow2(c // groups):
         raise InputError(f"shape (C={c}, Cout={cout}, H·W={h * w}, groups={groups}): needs H·W a multiple of {bm}, "
                          f"C of {bk}, Cout of {bn} and a power-of-two group width")
+    if triton is None or not (x.is_cuda or INTERPRETED):
+        raise InputError(f"x: the prologue conv runs on a CUDA tensor with Triton (or under TRITON_INTERPRET=1), "
+                         f"got a {x.device.type} tensor")
 
 
 def norm_silu_conv3x3(x: torch.Tensor, stats: torch.Tensor | None, gamma: torch.Tensor | None,
@@ -135,8 +147,8 @@ def norm_silu_conv3x3(x: torch.Tensor, stats: torch.Tensor | None, gamma: torch.
     sigmoid's two special-function instructions per value cost the prologue."""
     n, c, h, w = x.shape
     cfg = tuple(config) if config is not None else (CONFIGS[0] if x.is_cuda else INTERPRETED_CONFIG)
+    check(x, w_packed, stats, cfg)
     groups = stats.shape[1] if stats is not None else 1
-    check(x, w_packed, groups, cfg)
     bm, bn, bk, stages, warps = cfg
     cout = w_packed.shape[1]
     y = torch.empty(n, cout, h, w, device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
