@@ -109,10 +109,6 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.permute(2, 3, 1, 0).reshape(9 * weight.shape[1], weight.shape[0]).contiguous()
 
 
-def _pow2(v: int) -> bool:
-    return v > 0 and v & (v - 1) == 0
-
-
 def check(x: torch.Tensor, w_packed: torch.Tensor, stats: torch.Tensor | None, config: Sequence[int]) -> None:
     """Refuse what the kernel does not take, naming it."""
     bm, bn, bk = config[:3]
@@ -129,7 +125,7 @@ def check(x: torch.Tensor, w_packed: torch.Tensor, stats: torch.Tensor | None, c
         if stats.shape != (n, groups, 2) or groups < 1 or stats.dtype != torch.float32:
             raise InputError(f"stats: expected group_norm.group_stats' (N={n}, groups, 2) float32, got "
                              f"{tuple(stats.shape)} {stats.dtype}")
-    if (h * w) % bm or c % bk or cout % bn or c % groups or not _pow2(c // groups):
+    if (h * w) % bm or c % bk or cout % bn or c % groups or not GN._pow2(c // groups):
         raise InputError(f"shape (C={c}, Cout={cout}, H·W={h * w}, groups={groups}): needs H·W a multiple of {bm}, "
                          f"C of {bk}, Cout of {bn} and a power-of-two group width")
     if triton is None or not (x.is_cuda or INTERPRETED):
@@ -194,7 +190,7 @@ def fitting_configs(shape: Sequence[int], configs: Sequence[tuple] = CONFIGS) ->
     b, cin, cout, hw, k = shape
     if k != 3:
         raise InputError(f"shape {tuple(shape)}: the prologue conv is 3×3 only (k = 3)")
-    if not (_pow2(cin) and 2 * GROUPS <= cin <= GN.MAX_CHANNELS):
+    if not (GN._pow2(cin) and 2 * GROUPS <= cin <= GN.MAX_CHANNELS):
         raise InputError(f"shape {tuple(shape)}: Cin must be a power of two from {2 * GROUPS} to {GN.MAX_CHANNELS} "
                          f"({GROUPS} groups; the statistics passes' tiles)")
     fits = [c for c in configs if cout % c[1] == 0 and (hw * hw) % c[0] == 0 and cin % c[2] == 0]
@@ -282,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows, "complete": len(rows) == len(shapes)}, f, indent=1)
+    print(f"{meta['device']}, {meta['weights']}, one call's GPU time (median of graph replays):")
     print(table(rows))
     return 0
 
