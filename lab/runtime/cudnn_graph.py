@@ -13,6 +13,12 @@ nowhere), keyed by the spec, the shapes, the GPU architecture and the cuDNN and 
 process builds that one plan instead of building and timing them all (each plan is a runtime-compiled kernel,
 seconds apiece). A run executes on torch's current stream, so a CUDA graph captures it.
 
+A prologue normalizes the conv's input as the kernel loads it: `prologue=("norm", "silu")` computes
+`conv(silu(x·s + t))` with s and t per sample and input channel, fp32 (N, C, 1, 1) tensors (a GroupNorm's apply with
+its statistics and affine folded in: s = γ/σ, t = β − μ·s); the activated input is rounded to fp16, as an unfused
+apply pass stores it, and the conv's zero padding is of that tensor. Whether cuDNN takes such a graph (a
+per-sample scale, this activation) is for the GPU to say: a declined graph is a row with the reason in the survey.
+
 Epilogue ops apply in order to the fp32 accumulator: "scale" (× a per-output-channel fp32 tensor: the
 FP8 descale), "bias" (+ per channel), "add" / "mul" (with a tensor of the output's shape, e.g. a
 residual), "relu", "leaky_relu:<slope>", "silu", "sigmoid"; "stats", last, adds a second output: the per-sample,
@@ -46,6 +52,8 @@ from lab.timing import gpu_ms
 IO = ("fp16", "fp8")
 UNARY = ("relu", "silu", "sigmoid")
 WITH_TENSOR = ("scale", "bias", "add", "mul")
+PRO_ACT = ("relu", "silu")
+PROLOGUE = "norm"  # the input × a per-(sample, channel) scale + shift, optionally then one of PRO_ACT
 STATS = "stats"   # last op only: the result's per-sample per-channel sum and sum of squares, a second output
 # the declined specs and why (key → reason): a layer that fell back to torch says so in the engine's notes
 NOTES: dict[str, str] = {}
@@ -94,6 +102,16 @@ def parse_epilogue(ops: Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def parse_prologue(ops: Sequence[str]) -> tuple[str, ...]:
+    """The prologue as a checked tuple: (), ("norm",) or ("norm", <one of PRO_ACT>)."""
+    if isinstance(ops, str):
+        raise InputError(f"prologue must be a sequence of op names, got the string {ops!r}")
+    out = tuple(str(o) for o in ops)
+    if out and (out[0] != PROLOGUE or len(out) > 2 or any(o not in PRO_ACT for o in out[1:])):
+        raise InputError(f"prologue {out}: expected ({PROLOGUE!r},) or ({PROLOGUE!r}, one of {PRO_ACT})")
+    return out
+
+
 @dataclass(frozen=True)
 class ConvSpec:
     """What a graph computes, shapes aside: the conv's geometry, the operand type and the epilogue."""
@@ -103,6 +121,7 @@ class ConvSpec:
     io: str = "fp16"          # "fp16": fp16 x and w; "fp8": e4m3 x and w (the descale is an epilogue "scale")
     epilogue: tuple[str, ...] = ()
     out: str = "fp16"
+    prologue: tuple[str, ...] = ()   # ops on the input before the conv (parse_prologue)
 
     def __post_init__(self):
         if self.io not in IO:
@@ -114,14 +133,20 @@ class ConvSpec:
             if len(v) != 2 or any(not isinstance(i, int) or i < 0 for i in v) or (name != "padding" and 0 in v):
                 raise InputError(f"ConvSpec.{name} must be two non-negative ints (stride, dilation >= 1), got {v!r}")
         object.__setattr__(self, "epilogue", parse_epilogue(self.epilogue))
+        object.__setattr__(self, "prologue", parse_prologue(self.prologue))
+        if self.prologue and self.io != "fp16":
+            raise InputError(f"ConvSpec.prologue {self.prologue} normalizes an fp16 input; io={self.io!r} has none")
+        d = asdict(self)
+        if not self.prologue:   # keys (and the plan cache's entries) of specs without one stay as they were
+            del d["prologue"]
         # made once: torch.compile cannot trace json.dumps, so a call site only reads this string
-        object.__setattr__(self, "_key", json.dumps(asdict(self), sort_keys=True))
+        object.__setattr__(self, "_key", json.dumps(d, sort_keys=True))
 
     @classmethod
     def of(cls, padding: Sequence[int] = (0, 0), stride: Sequence[int] = (1, 1), dilation: Sequence[int] = (1, 1),
-           io: str = "fp16", epilogue: Sequence[str] = ()) -> "ConvSpec":
+           io: str = "fp16", epilogue: Sequence[str] = (), prologue: Sequence[str] = ()) -> "ConvSpec":
         return cls(tuple(int(i) for i in padding), tuple(int(i) for i in stride), tuple(int(i) for i in dilation),
-                   io, parse_epilogue(epilogue))
+                   io, parse_epilogue(epilogue), "fp16", parse_prologue(prologue))
 
     def key(self) -> str:
         return self._key
@@ -130,15 +155,17 @@ class ConvSpec:
     def from_key(cls, key: str) -> "ConvSpec":
         d = json.loads(key)
         return cls(tuple(d["padding"]), tuple(d["stride"]), tuple(d["dilation"]), d["io"], tuple(d["epilogue"]),
-                   d["out"])
+                   d["out"], tuple(d.get("prologue", ())))
 
     @property
     def stats(self) -> bool:
         return STATS in self.epilogue
 
     def tensors(self) -> tuple[str, ...]:
-        """The epilogue's tensor operands in order ("scale", "bias", then one "other" per add / mul)."""
-        return tuple(op if op in ("scale", "bias") else "other" for op in self.epilogue if op in WITH_TENSOR)
+        """The tensor operands in order: the prologue's ("pre_scale", "pre_shift"), then the epilogue's ("scale",
+        "bias", then one "other" per add / mul)."""
+        pre = ("pre_scale", "pre_shift") if self.prologue else ()
+        return pre + tuple(op if op in ("scale", "bias") else "other" for op in self.epilogue if op in WITH_TENSOR)
 
     def out_shape(self, x_shape: Sequence[int], w_shape: Sequence[int]) -> tuple[int, int, int, int]:
         n, c, h, w = x_shape
@@ -153,25 +180,48 @@ class ConvSpec:
         return n, k, ho, wo
 
 
-def _extras(spec: ConvSpec, scale, bias, others) -> list[torch.Tensor]:
+def _extras(spec: ConvSpec, scale, bias, others, pre=None) -> list[torch.Tensor]:
     want, have = spec.tensors(), []
     others = list(others or ())
+    pre = list(pre or ())
+    if not spec.prologue and pre:
+        raise InputError(f"cuDNN conv without a prologue: got {len(pre)} prologue tensor(s)")
     for kind in want:
-        t = scale if kind == "scale" else bias if kind == "bias" else (others.pop(0) if others else None)
+        if kind.startswith("pre_"):
+            t = pre.pop(0) if pre else None
+        else:
+            t = scale if kind == "scale" else bias if kind == "bias" else (others.pop(0) if others else None)
         if t is None:
-            raise InputError(f"cuDNN conv with epilogue {spec.epilogue}: the {kind!r} tensor is missing")
+            where = f"prologue {spec.prologue}" if kind.startswith("pre_") else f"epilogue {spec.epilogue}"
+            raise InputError(f"cuDNN conv with {where}: the {kind!r} tensor is missing")
         have.append(t)
-    if others:
-        raise InputError(f"cuDNN conv with epilogue {spec.epilogue}: {len(others)} tensor(s) more than it uses")
+    if others or pre:
+        raise InputError(f"cuDNN conv with epilogue {spec.epilogue}: {len(others) + len(pre)} tensor(s) more than "
+                         f"it uses")
     return have
 
 
+def prologue_input(x: torch.Tensor, spec: ConvSpec, pre_scale: torch.Tensor, pre_shift: torch.Tensor) -> torch.Tensor:
+    """What the conv of a spec with a prologue reads: act(x·s + t) in fp32, rounded to fp16 (the unfused path's
+    stored tensor). s, t: (N, C, 1, 1)."""
+    n, c = x.shape[:2]
+    for name, t in (("pre_scale", pre_scale), ("pre_shift", pre_shift)):
+        if tuple(t.shape) != (n, c, 1, 1):
+            raise InputError(f"cuDNN conv prologue: {name} must be (N={n}, C={c}, 1, 1), got {tuple(t.shape)}")
+    v = x.float() * pre_scale.float() + pre_shift.float()
+    act = spec.prologue[1:]
+    v = v.relu() if act == ("relu",) else F.silu(v) if act == ("silu",) else v
+    return v.to(torch.float16).float()
+
+
 def reference(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, scale: torch.Tensor | None = None,
-              bias: torch.Tensor | None = None, others: Sequence[torch.Tensor] = ()) -> Any:
+              bias: torch.Tensor | None = None, others: Sequence[torch.Tensor] = (),
+              pre: Sequence[torch.Tensor] = ()) -> Any:
     """What the graph computes, in float32 with torch (the fallback, and the CPU tests' yardstick); with "stats",
-    (output, sums) like the graph."""
-    acc = F.conv2d(x.float(), w.float(), None, spec.stride, spec.padding, spec.dilation)
-    it = iter(_extras(spec, scale, bias, others))
+    (output, sums) like the graph. `pre`: the prologue's (scale, shift)."""
+    it = iter(_extras(spec, scale, bias, others, pre))
+    xf = prologue_input(x, spec, next(it), next(it)) if spec.prologue else x.float()
+    acc = F.conv2d(xf, w.float(), None, spec.stride, spec.padding, spec.dilation)
     for op in spec.epilogue:
         if op in WITH_TENSOR:
             t = next(it).float()
@@ -295,9 +345,20 @@ class ConvGraph:
         g = cudnn.pygraph(io_data_type=half, intermediate_data_type=f32, compute_data_type=f32, handle=self.handle)
         self._x = g.tensor(name="x", dim=list(x_shape), stride=_strides_cl(x_shape), data_type=io_t)
         self._w = g.tensor(name="w", dim=list(w_shape), stride=_strides_cl(w_shape), data_type=io_t)
-        y = g.conv_fprop(image=self._x, weight=self._w, padding=list(spec.padding), stride=list(spec.stride),
-                         dilation=list(spec.dilation), compute_data_type=f32, name="conv")
         self._extra = []
+        image = self._x
+        if spec.prologue:   # image = act(x · s + t), s and t per (sample, channel)
+            n, c = x_shape[:2]
+            for name in ("pre_scale", "pre_shift"):
+                self._extra.append(g.tensor(name=name, dim=[n, c, 1, 1], stride=[c, 1, c, c], data_type=f32))
+            image = g.add(a=g.mul(a=image, b=self._extra[0], name="pre_mul"), b=self._extra[1], name="pre_add")
+            if spec.prologue[1:] == ("relu",):
+                image = g.relu(input=image, name="pre_act")
+            elif spec.prologue[1:] == ("silu",):
+                image = g.swish(input=image, name="pre_act")
+            image.set_data_type(half)   # the conv reads fp16, as it reads an unfused apply pass's output
+        y = g.conv_fprop(image=image, weight=self._w, padding=list(spec.padding), stride=list(spec.stride),
+                         dilation=list(spec.dilation), compute_data_type=f32, name="conv")
         k = self.out_shape[1]
         for i, op in enumerate(spec.epilogue):
             if op in WITH_TENSOR:
@@ -379,7 +440,9 @@ class ConvGraph:
         dt = torch.float8_e4m3fn if spec.io == "fp8" else torch.float16
         x, w = (t.to(dt).contiguous(memory_format=torch.channels_last) for t in (x, w))
         k = self.out_shape[1]
-        extras = [torch.rand(1, k, 1, 1, device=dev) if op == "scale" else
+        n, c = self.x_shape[:2]
+        extras = [torch.rand(n, c, 1, 1, device=dev).contiguous(memory_format=torch.channels_last)
+                  if op.startswith("pre_") else torch.rand(1, k, 1, 1, device=dev) if op == "scale" else
                   torch.randn(1, k, 1, 1, device=dev, dtype=torch.float16) if op == "bias" else
                   torch.randn(self.out_shape, device=dev, dtype=torch.float16).contiguous(
                       memory_format=torch.channels_last) for op in spec.tensors()]
@@ -517,9 +580,10 @@ def reference_packed(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, extras: S
     kinds = spec.tensors()
     get = dict(zip(kinds, extras))
     others = [t for k, t in zip(kinds, extras) if k == "other"]
+    pre = [get[k] for k in ("pre_scale", "pre_shift") if k in get]
     xf = x.float() if x.dtype != torch.float8_e4m3fn else x.to(torch.float16).float()
     wf = w.float() if w.dtype != torch.float8_e4m3fn else w.to(torch.float16).float()
-    return reference(xf, wf, spec, get.get("scale"), get.get("bias"), others)
+    return reference(xf, wf, spec, get.get("scale"), get.get("bias"), others, pre)
 
 
 @_cudnn_conv.register_fake
@@ -529,14 +593,16 @@ def _(x, w, key, extras):
 
 
 def conv2d(x: torch.Tensor, w: torch.Tensor, spec: ConvSpec, scale: torch.Tensor | None = None,
-           bias: torch.Tensor | None = None, others: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-    """The conv and its epilogue as one cuDNN graph (torch computes a spec the graph API declines)."""
+           bias: torch.Tensor | None = None, others: Sequence[torch.Tensor] = (),
+           pre: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """The conv with its prologue and epilogue as one cuDNN graph (torch computes a spec the graph API declines).
+    `pre`: the prologue's (scale, shift), fp32 (N, C, 1, 1)."""
     if x.dim() != 4 or w.dim() != 4:
         raise InputError(f"cuDNN conv takes 4-D NCHW input and weight, got {tuple(x.shape)} and {tuple(w.shape)}")
     if spec.stats:
         raise InputError(f"cuDNN conv with epilogue {spec.epilogue}: {STATS!r} adds a second output, which this op "
                          f"does not return; call the built graph, build(spec, x.shape, w.shape, device)(x, w, extras)")
-    extras = _extras(spec, scale, bias, others)
+    extras = _extras(spec, scale, bias, others, pre)
     if not x.is_cuda:
         return reference_packed(x, w, spec, extras)
     return _to_op(x, w, spec, extras)
@@ -560,18 +626,20 @@ def notes() -> list[str]:
 def built() -> list[dict[str, Any]]:
     """One row per graph built in this process: the conv, its shapes and the plan it runs. A run records these so
     that a result which goes wrong can be traced to its plans (autotuning picks them per process). Where the same
-    conv was also built without an epilogue, `vs_no_epilogue` is the ratio of the two plans' autotuned times: what
-    the epilogue cost (an epilogue can move a conv off cuDNN's fastest engines)."""
+    conv was also built without an epilogue or prologue, `vs_no_epilogue` is the ratio of the two plans' autotuned
+    times: what the fusion cost (an epilogue can move a conv off cuDNN's fastest engines)."""
     with _LOCK:
         graphs = list(_BUILT.values())
-    rows = [{"io": g.spec.io, "epilogue": " ".join(g.spec.epilogue) or "-", "x": "×".join(map(str, g.x_shape)),
+    rows = [{"io": g.spec.io, "prologue": " ".join(g.spec.prologue) or "-", "epilogue": " ".join(g.spec.epilogue) or "-",
+             "x": "×".join(map(str, g.x_shape)),
              "w": "×".join(map(str, g.w_shape)), "stride": g.spec.stride[0], "plan": g.plan_name, "plan_index": g.plan,
              "plan_ms": g.plan_ms, "from_cache": g.cached, "plans": g.plans, "search": g.search} for g in graphs]
     def conv(r: dict[str, Any]) -> tuple:
         return r["io"], r["x"], r["w"], r["stride"]
 
-    plain = {conv(r): r["plan_ms"] for r in rows if r["epilogue"] == "-" and r["plan_ms"]}
+    plain = {conv(r): r["plan_ms"] for r in rows if r["epilogue"] == r["prologue"] == "-" and r["plan_ms"]}
     for r in rows:
         base = plain.get(conv(r))
-        r["vs_no_epilogue"] = round(r["plan_ms"] / base, 3) if base and r["plan_ms"] and r["epilogue"] != "-" else None
+        fused = r["epilogue"] != "-" or r["prologue"] != "-"
+        r["vs_no_epilogue"] = round(r["plan_ms"] / base, 3) if base and r["plan_ms"] and fused else None
     return rows

@@ -12,8 +12,12 @@ graph carries that epilogue and torch's row is the conv with the same ops after 
 (Inductor: cuDNN's conv, then one fused pointwise kernel): one fusion measured alone against the compiled
 path. `--epilogue bias,stats` puts a GroupNorm's statistics (per-sample per-channel sum and sum of squares) in the
 graph; torch's row then sums its output in the same compiled kernel, and the row says whether two of the graph's
-calls gave bit-equal sums (the reduction adds atomically) and how far its sums are from torch's fp32 ones. On
-random operands: a speed figure, never a quality one.
+calls gave bit-equal sums (the reduction adds atomically) and how far its sums are from torch's fp32 ones.
+`--prologue norm,silu` (fp16 only) puts a GroupNorm's apply in front of the conv (`act(x·s + t)`, s and t per
+sample and channel) and torch's row is that pass compiled, then the conv: the fusion of the apply pass into the
+conv that reads it, with the graph's error against torch's fp32 arithmetic over the whole output and over its
+border ring (where the zero padding must be of the normalized tensor). On random operands: a speed figure, never a
+quality one.
 """
 from __future__ import annotations
 
@@ -80,12 +84,19 @@ def kernels(fn: Callable[[], Any]) -> list[tuple[str, float]]:
 _ACT = {"relu": torch.relu, "silu": F.silu, "sigmoid": torch.sigmoid}
 
 
-def torch_epilogue(epilogue: Sequence[str], pad: tuple[int, int], compile: bool = True) -> Callable[..., torch.Tensor]:
-    """torch's conv and then `epilogue`'s ops, as torch.compile runs them (the baseline of a fusion)."""
-    epilogue = C.parse_epilogue(epilogue)
+def torch_epilogue(epilogue: Sequence[str], pad: tuple[int, int], compile: bool = True,
+                   prologue: Sequence[str] = ()) -> Callable[..., torch.Tensor]:
+    """torch's conv with `prologue`'s pass before it and `epilogue`'s ops after it, as torch.compile runs them (the
+    baseline of a fusion). With a prologue, `others` starts with its (scale, shift)."""
+    epilogue, prologue = C.parse_epilogue(epilogue), C.parse_prologue(prologue)
 
     def f(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, others: list[torch.Tensor]) -> torch.Tensor:
-        y, it = F.conv2d(x, w, None, 1, pad), iter(others)
+        it = iter(others)
+        if prologue:   # the apply pass: fp32 arithmetic, stored as fp16
+            v = x.float() * next(it) + next(it)
+            v = torch.relu(v) if prologue[1:] == ("relu",) else F.silu(v) if prologue[1:] == ("silu",) else v
+            x = v.to(x.dtype)
+        y = F.conv2d(x, w, None, 1, pad)
         for op in epilogue:
             if op in ("bias", "add", "mul"):
                 t = bias if op == "bias" else next(it)
@@ -97,13 +108,13 @@ def torch_epilogue(epilogue: Sequence[str], pad: tuple[int, int], compile: bool 
             elif op != C.STATS:
                 y = F.leaky_relu(y, float(op.split(":")[1]))
         return (y, C.channel_sums(y)) if C.STATS in epilogue else y
-    return compile_budget.compiled(f, dynamic=False) if epilogue and compile else f
+    return compile_budget.compiled(f, dynamic=False) if (epilogue or prologue) and compile else f
 
 
 def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), search: str | None = None,
-                 device: str = "cuda", epilogue: Sequence[str] = ()) -> dict[str, Any]:
-    """One shape's row: torch fp16 (with `epilogue` after it, compiled) and each graph (with `epilogue` in it):
-    time, spread, TFLOP/s, kernels and plan count."""
+                 device: str = "cuda", epilogue: Sequence[str] = (), prologue: Sequence[str] = ()) -> dict[str, Any]:
+    """One shape's row: torch fp16 (with `prologue` before it and `epilogue` after it, compiled) and each graph
+    (with them in it): time, spread, TFLOP/s, kernels and plan count."""
     b, cin, cout, h, k = shape
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -113,12 +124,19 @@ def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), sea
     flops = 2.0 * b * cout * h * h * cin * k * k
     pad = (k // 2, k // 2)
     row: dict[str, Any] = {"shape": f"{b}, {cin} → {cout}, {h}², {k}", "gflop": round(flops / 1e9, 1),
-                           "epilogue": ",".join(epilogue)}
-    epi = C.parse_epilogue(epilogue)
+                           "epilogue": ",".join(epilogue), "prologue": ",".join(prologue)}
+    epi, pro = C.parse_epilogue(epilogue), C.parse_prologue(prologue)
+    if pro and tuple(ios) != ("fp16",):
+        raise InputError(f"prologue {pro}: the graph normalizes an fp16 input; time it with ios=('fp16',)")
     bias = torch.randn(1, cout, 1, 1, device=dev, dtype=torch.float16)
     others = [torch.randn(b, cout, h, h, device=dev, dtype=torch.float16).contiguous(memory_format=cl)
               for op in epi if op in ("add", "mul")]
-    base = torch_epilogue(epi, pad)
+    # a GroupNorm's folded apply on an input of mean ~0.5 and std ~2: s = γ/σ, t = β − μ·s per sample and channel
+    pre = [(0.5 + 0.05 * torch.randn(b, cin, 1, 1, device=dev)).contiguous(memory_format=cl),
+           (-0.25 + 0.05 * torch.randn(b, cin, 1, 1, device=dev)).contiguous(memory_format=cl)] if pro else []
+    if pro:
+        x = (x * 2 + 0.5).contiguous(memory_format=cl)
+    base = torch_epilogue(epi, pad, prologue=pro)
 
     def put(name: str, fn: Callable[[], Any]) -> None:
         med, lo, hi = graph_ms(fn)
@@ -128,11 +146,11 @@ def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), sea
 
     torch.backends.cudnn.benchmark = True
     with torch.no_grad():
-        put("torch_fp16", lambda: base(x, w, bias, others))
+        put("torch_fp16", lambda: base(x, w, bias, pre + others))
         for io in ios:
             tail = [bias] * ("bias" in epi) + others
             if io == "fp16":
-                spec, xs, ws, extras = C.ConvSpec.of(pad, io="fp16", epilogue=epi), x, w, tail
+                spec, xs, ws, extras = C.ConvSpec.of(pad, io="fp16", epilogue=epi, prologue=pro), x, w, pre + tail
             else:
                 spec = C.ConvSpec.of(pad, io="fp8", epilogue=("scale",) + epi)
                 xs = x.to(torch.float8_e4m3fn)
@@ -154,7 +172,21 @@ def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), sea
             if spec.stats:
                 want = C.reference_packed(xs, ws, spec, extras)[1]
                 row.update(_sums_check(f"graph_{io}", gph, xs, ws, extras, want))
+            elif spec.prologue:
+                row.update(output_error(f"graph_{io}", gph(xs, ws, extras), C.reference_packed(xs, ws, spec, extras)))
     return row
+
+
+def output_error(name: str, got: torch.Tensor, want: torch.Tensor) -> dict[str, Any]:
+    """Relative error (norm of the difference over the norm of `want`) over the whole output and over its
+    one-pixel border ring, where a conv reads its zero padding."""
+    got, want = got.float(), want.float().to(got.device)
+    ring = torch.ones(got.shape[-2:], dtype=torch.bool, device=got.device)
+    ring[1:-1, 1:-1] = False
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    return {f"{name}_rel_err": rel(got, want), f"{name}_border_rel_err": rel(got[..., ring], want[..., ring])}
 
 
 def _sums_check(name: str, gph: Any, x: torch.Tensor, w: torch.Tensor, extras: list[torch.Tensor],
@@ -189,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--io", default="fp16,fp8", help="graph operand types to time, of fp16,fp8")
     ap.add_argument("--search", default=C.SEARCH, help=f"which plans the graphs time, one of {C.SEARCHES}")
     ap.add_argument("--epilogue", default="", help="ops fused into each graph and run after torch's conv, e.g. bias,add")
+    ap.add_argument("--prologue", default="", help="a pass fused in front of each graph's conv and run before "
+                    "torch's: norm or norm,relu or norm,silu (fp16 only)")
     ap.add_argument("--json", help="write the rows (with kernel names) to this file")
     a = ap.parse_args(argv)
     try:
@@ -201,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         epi = C.parse_epilogue([o.strip() for o in a.epilogue.split(",") if o.strip()])
         if "scale" in epi:
             raise InputError("--epilogue: 'scale' is the FP8 descale the survey adds itself; leave it out")
+        pro = C.parse_prologue([o.strip() for o in a.prologue.split(",") if o.strip()])
+        if pro and ios != ["fp16"]:
+            raise InputError(f"--prologue {a.prologue!r} normalizes an fp16 input: pass --io fp16")
         C.require("cuda", "fp8" if "fp8" in ios else "fp16")
     except (InputError, BackendUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -208,12 +245,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     cudnn = C._frontend()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": cudnn.backend_version(),
             "frontend": getattr(cudnn, "__version__", "?"), "search": a.search, "weights": "random operands",
-            "epilogue": ",".join(epi)}
+            "epilogue": ",".join(epi), "prologue": ",".join(pro)}
     print(json.dumps(meta), flush=True)
     rows = []
     for i, shape in enumerate(shapes):
         t0 = time.perf_counter()
-        rows.append(survey_shape(shape, ios, a.search, epilogue=epi))
+        rows.append(survey_shape(shape, ios, a.search, epilogue=epi, prologue=pro))
         r = rows[-1]
         print(f"[{i + 1}/{len(shapes)}] {r['shape']}: torch {r['torch_fp16_ms']:.3f} ms "
               + " ".join(f"{io} {r.get(f'graph_{io}_ms', '—')} ms ({r.get(f'graph_{io}_plans_timed', 0)} plans)"
@@ -224,6 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(rows, ios))
     for r in rows:
         for io in ios:
+            if f"graph_{io}_rel_err" in r:
+                print(f"{r['shape']} {io} output: relative error {r[f'graph_{io}_rel_err']:.2e} vs torch fp32, "
+                      f"{r[f'graph_{io}_border_rel_err']:.2e} on the border ring")
             if f"graph_{io}_sums_rel_err" in r:
                 print(f"{r['shape']} {io} sums: relative error {r[f'graph_{io}_sums_rel_err']:.2e} vs torch fp32, two "
                       f"calls {'bit-equal' if r[f'graph_{io}_sums_repeat_equal'] else 'differ'}")
