@@ -166,7 +166,12 @@ def test_graph_stats_match_torch():
     y, sums = C.build(spec, x.shape, w.shape, dev)(x, w, [b])
     want_y, want_sums = C.reference(x, w, spec, bias=b)
     torch.testing.assert_close(y, want_y, atol=2e-2, rtol=2e-3)
-    torch.testing.assert_close(sums, want_sums, rtol=1e-3, atol=1e-2)
+    # cuDNN may sum the fp32 accumulator or the fp16 output it stores (what an unfused statistics pass reads): the
+    # two differ by up to the output's rounding summed over the pixels, which a fixed tolerance did not always hold
+    acc = F.conv2d(x.float(), w.float(), b.float().flatten(), 1, 1)
+    r = want_y.float()
+    bound = torch.stack([(r - acc).abs().sum((2, 3)), ((r - acc).abs() * (r + acc).abs()).sum((2, 3))])
+    assert bool(((sums - want_sums).abs() <= bound + 1e-4 * want_sums.abs() + 1e-3).all())
 
 
 @pytest.mark.gpu
@@ -524,6 +529,13 @@ def test_prologue_operand_refusals():
         C.conv2d(x, w, spec, pre=(torch.ones(1, 8, 1, 1), s))
     with pytest.raises(InputError, match="without a prologue"):
         C.conv2d(x, w, C.ConvSpec.of((1, 1)), pre=(s, s))
+    # per channel only: one scale and shift for every sample
+    per_channel = C.ConvSpec.of((1, 1), prologue=("channel_norm", "silu"))
+    with pytest.raises(InputError, match=r"pre_scale must be \(N=1, C=8, 1, 1\)"):
+        C.conv2d(x, w, per_channel, pre=(s, s))
+    sc, tc = torch.rand(1, 8, 1, 1) + 0.5, torch.randn(1, 8, 1, 1)
+    torch.testing.assert_close(C.conv2d(x, w, per_channel, pre=(sc, tc)),
+                               C.conv2d(x, w, spec, pre=(sc.expand(2, -1, -1, -1), tc.expand(2, -1, -1, -1))))
 
 
 def test_survey_baseline_runs_the_prologue_pass_and_refuses_fp8():
