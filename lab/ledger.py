@@ -7,7 +7,7 @@ weights and the date. A reference run (a notebook run whose folder lies under `o
 appends its headline rows here when it finishes (`record_run`, called by the runner); `import_run` turns an
 existing run folder into rows with that run's own commit and date. The README's results section and
 each docs page's current figures are generated from the newest rows (`newest`); a row whose family
-code changed after its commit is stale (`stale`, from `git log` since that commit).
+code changed after its commit is stale (`stale`, from `git diff` between that commit and the working tree).
 
 The file is plain CSV, written whole under a temporary name and renamed (`lab.results.atomic_write_text`).
 """
@@ -234,25 +234,20 @@ def family_code(notebook: str) -> tuple[str, ...]:
 
 
 def changed_since(commit: str, root: str | Path | None = None) -> set[str] | None:
-    """Paths changed after `commit` (committed since, or changed in the working tree); None where that
-    cannot be known (no git, not a repository, a commit the history lacks)."""
+    """Paths whose content differs between `commit` and the working tree (committed since or not): a file changed
+    and changed back since is not among them, as it changed nothing a row ran. None where that cannot be known (no
+    git, not a repository, a commit the history lacks)."""
     commit = clean_commit(commit)
     if not commit:
         return None
-    cwd = str(root or ROOT)
     try:
-        log = subprocess.run(["git", "log", "--format=", "--name-only", f"{commit}..HEAD"], cwd=cwd,
-                             capture_output=True, text=True, timeout=60)
-        if log.returncode != 0:
-            return None
-        diff = subprocess.run(["git", "diff", "--name-only", "HEAD"], cwd=cwd, capture_output=True, text=True,
-                              timeout=60)
+        diff = subprocess.run(["git", "diff", "--name-only", "--no-renames", commit], cwd=str(root or ROOT),
+                              capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
-    out = {p.strip() for p in log.stdout.splitlines() if p.strip()}
-    if diff.returncode == 0:
-        out |= {p.strip() for p in diff.stdout.splitlines() if p.strip()}
-    return out
+    if diff.returncode != 0:
+        return None
+    return {p.strip() for p in diff.stdout.splitlines() if p.strip()}
 
 
 def stale(row: Row, changed_paths: set[str] | Callable[[str], set[str] | None] | None) -> bool:

@@ -529,13 +529,6 @@ def test_prologue_operand_refusals():
         C.conv2d(x, w, spec, pre=(torch.ones(1, 8, 1, 1), s))
     with pytest.raises(InputError, match="without a prologue"):
         C.conv2d(x, w, C.ConvSpec.of((1, 1)), pre=(s, s))
-    # per channel only: one scale and shift for every sample
-    per_channel = C.ConvSpec.of((1, 1), prologue=("channel_norm", "silu"))
-    with pytest.raises(InputError, match=r"pre_scale must be \(N=1, C=8, 1, 1\)"):
-        C.conv2d(x, w, per_channel, pre=(s, s))
-    sc, tc = torch.rand(1, 8, 1, 1) + 0.5, torch.randn(1, 8, 1, 1)
-    torch.testing.assert_close(C.conv2d(x, w, per_channel, pre=(sc, tc)),
-                               C.conv2d(x, w, spec, pre=(sc.expand(2, -1, -1, -1), tc.expand(2, -1, -1, -1))))
 
 
 def test_survey_baseline_runs_the_prologue_pass_and_refuses_fp8():

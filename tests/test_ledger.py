@@ -131,6 +131,36 @@ def test_a_row_whose_family_code_changed_after_its_commit_is_stale(tmp_path):
         assert not {p for p in (L.changed_since(head, ROOT) or set()) if p.startswith("lab/models/nonexistent")}
 
 
+def test_a_file_changed_and_changed_back_since_a_commit_is_not_a_change(tmp_path):
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("no git here")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    code = tmp_path / "lab" / "models"
+    code.mkdir(parents=True)
+    (code / "ditto.py").write_text("a = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    first = git("rev-parse", "HEAD")
+    (code / "ditto.py").write_text("a = 2\n")
+    git("commit", "-qam", "changed")
+    changed = git("rev-parse", "HEAD")
+    (code / "ditto.py").write_text("a = 1\n")
+    git("commit", "-qam", "changed back")
+    assert L.changed_since(first, tmp_path) == set()        # the code the first commit ran is the code now
+    assert L.changed_since(changed, tmp_path) == {"lab/models/ditto.py"}
+    (code / "ditto.py").write_text("a = 3\n")                # a change not yet committed counts too
+    assert L.changed_since(first, tmp_path) == {"lab/models/ditto.py"}
+    assert not L.stale(_row(commit=first[:7]), L.changed_since(first, tmp_path) - {"lab/models/ditto.py"})
+    assert L.stale(_row(commit=first[:7]), L.changed_since(first, tmp_path))
+
+
 def test_the_readme_generator_writes_only_between_its_markers_and_keeps_12_kb(tmp_path):
     before, after = "# title\n\n" + "prose line\n" * 700, "\n## after\n\ntail text\n"
     readme = tmp_path / "README.md"

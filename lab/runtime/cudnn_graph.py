@@ -15,8 +15,7 @@ seconds apiece). A run executes on torch's current stream, so a CUDA graph captu
 
 A prologue normalizes the conv's input as the kernel loads it: `prologue=("norm", "silu")` computes
 `conv(silu(x·s + t))` with s and t per sample and input channel, fp32 (N, C, 1, 1) tensors (a GroupNorm's apply with
-its statistics and affine folded in: s = γ/σ, t = β − μ·s); "channel_norm" takes them per channel only, (1, C, 1, 1)
-(a BatchNorm's apply); the activated input is rounded to fp16, as an unfused
+its statistics and affine folded in: s = γ/σ, t = β − μ·s); the activated input is rounded to fp16, as an unfused
 apply pass stores it, and the conv's zero padding is of that tensor. Whether cuDNN takes such a graph (a
 per-sample scale, this activation) is for the GPU to say: a declined graph is a row with the reason in the survey.
 
@@ -54,9 +53,7 @@ IO = ("fp16", "fp8")
 UNARY = ("relu", "silu", "sigmoid")
 WITH_TENSOR = ("scale", "bias", "add", "mul")
 PRO_ACT = ("relu", "silu")
-# the input × a scale + a shift, optionally then one of PRO_ACT: "norm" per sample and channel (a GroupNorm's apply),
-# "channel_norm" per channel only (a BatchNorm's, the prologue cuDNN's fusion engines are built for)
-PROLOGUES = ("norm", "channel_norm")
+PROLOGUE = "norm"  # the input × a per-(sample, channel) scale + shift, optionally then one of PRO_ACT
 STATS = "stats"   # last op only: the result's per-sample per-channel sum and sum of squares, a second output
 # the declined specs and why (key → reason): a layer that fell back to torch says so in the engine's notes
 NOTES: dict[str, str] = {}
@@ -106,12 +103,12 @@ def parse_epilogue(ops: Sequence[str]) -> tuple[str, ...]:
 
 
 def parse_prologue(ops: Sequence[str]) -> tuple[str, ...]:
-    """The prologue as a checked tuple: (), (<one of PROLOGUES>,) or (<one of PROLOGUES>, <one of PRO_ACT>)."""
+    """The prologue as a checked tuple: (), ("norm",) or ("norm", <one of PRO_ACT>)."""
     if isinstance(ops, str):
         raise InputError(f"prologue must be a sequence of op names, got the string {ops!r}")
     out = tuple(str(o) for o in ops)
-    if out and (out[0] not in PROLOGUES or len(out) > 2 or any(o not in PRO_ACT for o in out[1:])):
-        raise InputError(f"prologue {out}: expected one of {PROLOGUES}, alone or then one of {PRO_ACT}")
+    if out and (out[0] != PROLOGUE or len(out) > 2 or any(o not in PRO_ACT for o in out[1:])):
+        raise InputError(f"prologue {out}: expected ({PROLOGUE!r},) or ({PROLOGUE!r}, one of {PRO_ACT})")
     return out
 
 
@@ -204,20 +201,13 @@ def _extras(spec: ConvSpec, scale, bias, others, pre=None) -> list[torch.Tensor]
     return have
 
 
-def prologue_shape(spec: ConvSpec, x_shape: Sequence[int]) -> tuple[int, int, int, int]:
-    """The shape of the prologue's scale and shift for an input of `x_shape`."""
-    return (1 if spec.prologue[0] == "channel_norm" else int(x_shape[0]), int(x_shape[1]), 1, 1)
-
-
 def prologue_input(x: torch.Tensor, spec: ConvSpec, pre_scale: torch.Tensor, pre_shift: torch.Tensor) -> torch.Tensor:
     """What the conv of a spec with a prologue reads: act(x·s + t) in fp32, rounded to fp16 (the unfused path's
-    stored tensor). s, t: (N, C, 1, 1), or (1, C, 1, 1) for "channel_norm"."""
+    stored tensor). s, t: (N, C, 1, 1)."""
     n, c = x.shape[:2]
-    want = prologue_shape(spec, x.shape)
     for name, t in (("pre_scale", pre_scale), ("pre_shift", pre_shift)):
-        if tuple(t.shape) != want:
-            raise InputError(f"cuDNN conv prologue {spec.prologue}: {name} must be (N={want[0]}, C={c}, 1, 1), got "
-                             f"{tuple(t.shape)}")
+        if tuple(t.shape) != (n, c, 1, 1):
+            raise InputError(f"cuDNN conv prologue: {name} must be (N={n}, C={c}, 1, 1), got {tuple(t.shape)}")
     v = x.float() * pre_scale.float() + pre_shift.float()
     act = spec.prologue[1:]
     v = v.relu() if act == ("relu",) else F.silu(v) if act == ("silu",) else v
@@ -358,10 +348,9 @@ class ConvGraph:
         self._extra = []
         image = self._x
         if spec.prologue:   # image = act(x · s + t), s and t per (sample, channel)
-            dim = list(prologue_shape(spec, x_shape))
-            c = dim[1]
+            n, c = x_shape[:2]
             for name in ("pre_scale", "pre_shift"):
-                self._extra.append(g.tensor(name=name, dim=dim, stride=[c, 1, c, c], data_type=f32))
+                self._extra.append(g.tensor(name=name, dim=[n, c, 1, 1], stride=[c, 1, c, c], data_type=f32))
             image = g.add(a=g.mul(a=image, b=self._extra[0], name="pre_mul"), b=self._extra[1], name="pre_add")
             if spec.prologue[1:] == ("relu",):
                 image = g.relu(input=image, name="pre_act")
@@ -451,7 +440,8 @@ class ConvGraph:
         dt = torch.float8_e4m3fn if spec.io == "fp8" else torch.float16
         x, w = (t.to(dt).contiguous(memory_format=torch.channels_last) for t in (x, w))
         k = self.out_shape[1]
-        extras = [torch.rand(prologue_shape(spec, self.x_shape), device=dev).contiguous(memory_format=torch.channels_last)
+        n, c = self.x_shape[:2]
+        extras = [torch.rand(n, c, 1, 1, device=dev).contiguous(memory_format=torch.channels_last)
                   if op.startswith("pre_") else torch.rand(1, k, 1, 1, device=dev) if op == "scale" else
                   torch.randn(1, k, 1, 1, device=dev, dtype=torch.float16) if op == "bias" else
                   torch.randn(self.out_shape, device=dev, dtype=torch.float16).contiguous(

@@ -14,7 +14,7 @@ path. `--epilogue bias,stats` puts a GroupNorm's statistics (per-sample per-chan
 graph; torch's row then sums its output in the same compiled kernel, and the row says whether two of the graph's
 calls gave bit-equal sums (the reduction adds atomically) and how far its sums are from torch's fp32 ones.
 `--prologue norm,silu` (fp16 only) puts a GroupNorm's apply in front of the conv (`act(x·s + t)`, s and t per
-sample and channel; `channel_norm`: per channel, a BatchNorm's) and torch's row is that pass compiled, then the conv: the fusion of the apply pass into the
+sample and channel) and torch's row is that pass compiled, then the conv: the fusion of the apply pass into the
 conv that reads it, with the graph's error against torch's fp32 arithmetic over the whole output and over its
 border ring (where the zero padding must be of the normalized tensor). On random operands: a speed figure, never a
 quality one.
@@ -132,9 +132,8 @@ def survey_shape(shape: Sequence[int], ios: Sequence[str] = ("fp16", "fp8"), sea
     others = [torch.randn(b, cout, h, h, device=dev, dtype=torch.float16).contiguous(memory_format=cl)
               for op in epi if op in ("add", "mul")]
     # a GroupNorm's folded apply on an input of mean ~0.5 and std ~2: s = γ/σ, t = β − μ·s per sample and channel
-    ps = C.prologue_shape(C.ConvSpec.of(prologue=pro), x.shape) if pro else ()
-    pre = [(0.5 + 0.05 * torch.randn(ps, device=dev)).contiguous(memory_format=cl),
-           (-0.25 + 0.05 * torch.randn(ps, device=dev)).contiguous(memory_format=cl)] if pro else []
+    pre = [(0.5 + 0.05 * torch.randn(b, cin, 1, 1, device=dev)).contiguous(memory_format=cl),
+           (-0.25 + 0.05 * torch.randn(b, cin, 1, 1, device=dev)).contiguous(memory_format=cl)] if pro else []
     if pro:
         x = (x * 2 + 0.5).contiguous(memory_format=cl)
     base = torch_epilogue(epi, pad, prologue=pro)
@@ -223,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--search", default=C.SEARCH, help=f"which plans the graphs time, one of {C.SEARCHES}")
     ap.add_argument("--epilogue", default="", help="ops fused into each graph and run after torch's conv, e.g. bias,add")
     ap.add_argument("--prologue", default="", help="a pass fused in front of each graph's conv and run before "
-                    "torch's: norm or channel_norm, alone or then relu or silu, e.g. norm,silu (fp16 only)")
+                    "torch's: norm or norm,relu or norm,silu (fp16 only)")
     ap.add_argument("--json", help="write the rows (with kernel names) to this file")
     a = ap.parse_args(argv)
     try:
