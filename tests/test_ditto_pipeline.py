@@ -401,7 +401,12 @@ def test_early_start_features_per_window_are_the_same_numbers(engine, avatar):
         ref = P.run(e, avatar, a, SR, keep_faces=True)
         got = P.run(P.reconfigure(e, techniques=_t(e, "early_start")), avatar, a, SR, keep_faces=True)
         assert "per window" in got.motion_source and "per window" not in ref.motion_source
-        assert got.counts == ref.counts and torch.equal(got.faces, ref.faces), changes
+        assert got.counts == ref.counts, changes
+        # the first block is one batch, so frames land in other renderer batches than the whole-clip run's; oneDNN's
+        # CPU convs may round a sample differently in another batch (one level where a value sits on .5; seen on an
+        # AMD EPYC host at stride 3), as for the block sizes above
+        diff = (got.faces.int() - ref.faces.int()).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3, changes
         assert got.first_frame_s is not None and 0 < got.first_frame_s < got.wall_s
         # the first block one renderer batch: dense 4 frames, then 16-frame blocks (4 blocks for 40 frames, not 3);
         # stride 3: the 9 frames whose keyframes fill one batch, then 16 (3 blocks, the same count as 16-frame ones)
