@@ -26,6 +26,7 @@ On a tensor that is not channels-last on a CUDA device, or without Triton, the m
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional
 
 import torch
@@ -53,6 +54,7 @@ SPLIT_PROGRAMS = 1024
 # the merge holds a sample's splits × groups in registers at once
 MAX_SPLITS = 256
 MAX_CHANNELS = 512
+E4M3_MAX = 448.0       # the largest finite float8_e4m3fn: beyond it a cast gives NaN, so the FP8 output is clamped
 
 
 if triton is not None:
@@ -122,8 +124,9 @@ if triton is not None:
         tl.store(stats_ptr + (n * G + g) * 2 + 1, 1.0 / tl.sqrt(var + eps))
 
     @triton.jit
-    def _group_norm_apply_kernel(x_ptr, y_ptr, stats_ptr, w_ptr, b_ptr, bias_ptr, HW, C: tl.constexpr,
-                                 G: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def _group_norm_apply_kernel(x_ptr, y_ptr, stats_ptr, w_ptr, b_ptr, bias_ptr, out_scale, HW, C: tl.constexpr,
+                                 G: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                 FP8: tl.constexpr):
         n = tl.program_id(0)
         p = tl.program_id(1)
         rows = p * BLOCK + tl.arange(0, BLOCK)
@@ -143,6 +146,8 @@ if triton is not None:
         y = x * scale[None, :] + shift[None, :]
         if SILU:
             y = y * tl.sigmoid(y)
+        if FP8:   # the next conv's static input scale: its e4m3 cast written here, not by a pass of its own
+            y = tl.minimum(tl.maximum(y / out_scale, -448.0), 448.0)   # E4M3_MAX
         tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=m[:, None])
 
 
@@ -191,15 +196,18 @@ def group_stats(x: torch.Tensor, groups: int, eps: float, pre_bias: torch.Tensor
 
 
 def group_apply(x: torch.Tensor, stats: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, silu: bool,
-                pre_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The apply pass alone: (x + pre_bias − mean) · rstd · γ + β (then SiLU) from `group_stats`' statistics."""
+                pre_bias: torch.Tensor | None = None, out_scale: float | None = None) -> torch.Tensor:
+    """The apply pass alone: (x + pre_bias − mean) · rstd · γ + β (then SiLU) from `group_stats`' statistics.
+    `out_scale`: written as float8_e4m3fn, y / out_scale clamped to ±448 (an FP8 conv's static input scale)."""
     n, c, h, w = x.shape
     block = _block(c, TILE_ELEMS)
-    y = torch.empty_like(x, memory_format=torch.channels_last)
+    fp8 = out_scale is not None
+    y = torch.empty_like(x, memory_format=torch.channels_last, dtype=torch.float8_e4m3fn if fp8 else None)
     has_bias = pre_bias is not None
     _group_norm_apply_kernel[(n, triton.cdiv(h * w, block))](x, y, stats, weight, bias, pre_bias if has_bias else weight,
-                                                             h * w, C=c, G=stats.shape[1], BLOCK=block,
-                                                             SILU=bool(silu), HAS_BIAS=has_bias, num_warps=NUM_WARPS)
+                                                             float(out_scale) if fp8 else 1.0, h * w, C=c,
+                                                             G=stats.shape[1], BLOCK=block, SILU=bool(silu),
+                                                             HAS_BIAS=has_bias, FP8=fp8, num_warps=NUM_WARPS)
     return y
 
 
@@ -223,12 +231,32 @@ def _(x, weight, bias, groups, eps, silu, pre_bias=None):
     return torch.empty_like(x, memory_format=torch.channels_last)
 
 
+@torch.library.custom_op("lab::group_norm_nhwc_fp8", mutates_args=())
+def group_norm_nhwc_fp8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float,
+                        silu: bool, out_scale: float, pre_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`group_norm_nhwc` written as float8_e4m3fn with a static scale (y / out_scale, clamped to ±448)."""
+    return group_apply(x, group_stats(x, groups, eps, pre_bias), weight, bias, silu, pre_bias, out_scale)
+
+
+@group_norm_nhwc_fp8.register_fake
+def _(x, weight, bias, groups, eps, silu, out_scale, pre_bias=None):
+    return torch.empty_like(x, memory_format=torch.channels_last, dtype=torch.float8_e4m3fn)
+
+
+def to_e4m3(y: torch.Tensor, scale: float) -> torch.Tensor:
+    """y / scale in fp32, clamped to ±448, as float8_e4m3fn: the FP8 output's arithmetic in torch."""
+    return (y.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
 class FusedGroupNorm(nn.Module):
     """An nn.GroupNorm (with affine weights), optionally followed by SiLU, on the Triton passes where
     they apply (CUDA, channels-last), else on torch's kernels. Same function either way.
 
     pre_bias: the producing conv's bias, taken over from it (the conv then runs without one): the
-    statistics pass adds it as it reads, so the conv's output is not rewritten just to add a bias."""
+    statistics pass adds it as it reads, so the conv's output is not rewritten just to add a bias.
+    out_scale: the output written as float8_e4m3fn with this static scale (`fp8_output`), for an FP8 conv."""
+
+    out_scale: float | None = None
 
     def __init__(self, norm: nn.GroupNorm, silu: bool = False, pre_bias: nn.Parameter | None = None):
         super().__init__()
@@ -245,12 +273,25 @@ class FusedGroupNorm(nn.Module):
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, silu={self.silu}, pre_bias={self.pre_bias is not None}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.out_scale
         if x.is_cuda and supported(x, self.num_groups):
+            if s is not None:
+                return group_norm_nhwc_fp8(x, self.weight, self.bias, self.num_groups, self.eps, self.silu, s,
+                                           self.pre_bias)
             return group_norm_nhwc(x, self.weight, self.bias, self.num_groups, self.eps, self.silu, self.pre_bias)
         if self.pre_bias is not None:
             x = x + self.pre_bias.view(1, -1, *([1] * (x.dim() - 2)))
         y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
-        return F.silu(y) if self.silu else y
+        y = F.silu(y) if self.silu else y
+        return y if s is None else to_e4m3(y, s)
+
+    def fp8_output(self, scale: float) -> "FusedGroupNorm":
+        """A twin (the same parameters) that writes its output as float8_e4m3fn, y / scale clamped to ±448."""
+        if not scale > 0 or scale == float("inf"):
+            raise InputError(f"FusedGroupNorm.fp8_output: the scale must be finite and > 0, got {scale!r}")
+        twin = copy.copy(self)
+        twin.out_scale = float(scale)
+        return twin
 
 
 @technique("fused_norm", family="musetalk", exact=True,
