@@ -1138,9 +1138,9 @@ def headline(run: Run) -> dict[str, Any]:
         hl[f"sd-vae mixed plan for {v['target_db']:.0f} dB"] = (
             f"{v['fp8_layers']} of {len(res.tables.get('mixed_sensitivity', []))} layers in FP8 "
             f"({100 * v['fp8_flops_share']:.1f} % of GEMM FLOPs), measured {v['psnr_db']:.2f} dB")
+    hl.update(res.metrics.get("best_build_fp8", {}).get("headline", {}))   # §3c: lab.experiments.fp8_decoder
     hl["weights"] = "random" if all(w == "random" for w in run.weights.values()) else "given"
-    bs = run.budget.summary()
-    limit = "no limit" if bs["time_budget_s"] is None else f"{bs['time_budget_s']:.0f} s"
+    limit = "no limit" if (bs := run.budget.summary())["time_budget_s"] is None else f"{bs['time_budget_s']:.0f} s"
     hl["time budget"] = (f"{bs['elapsed_s']:.0f} s used of {limit}; steps skipped: {bs['steps_skipped']}, "
                          f"aborted at the deadline: {bs['steps_aborted']}")
     return hl

@@ -137,6 +137,50 @@ def table(result: dict[str, Any]) -> str:
     return text + f"\n\n{result['device']}, seeded random weights and latents: a speed figure and an arithmetic bound."
 
 
+HEADLINE = "sd-vae fastest exact build"   # the headline keys' prefix (notebook 03's ledger rows)
+EST_S = {"cuda": 150.0, "cpu": 30.0}      # two builds (compile, cuDNN plans, calibration) and their timed decodes
+
+
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The two rows as headline figures: both FPS (their spread in the tables), the FP8 row's speed-up over the exact
+    one in the same process and its error against it."""
+    exact, fp8 = result["rows"]
+    return {f"{HEADLINE}: exact FPS": round(exact["fps"], 1), f"{HEADLINE}: FP8 resnet convs FPS": round(fp8["fps"], 1),
+            f"{HEADLINE}: FP8/exact speed-up": round(fp8["speedup_vs_exact"], 3),
+            f"{HEADLINE}: FP8 PSNR vs exact (dB)": round(fp8["psnr_vs_exact_db"], 2),
+            f"{HEADLINE}: FP8 SSIM vs exact": round(fp8["ssim_vs_exact"], 4),
+            f"{HEADLINE}: FP8 blocks": fp8["fp8_blocks"]}
+
+
+def section(run: Any) -> Any:
+    """Notebook 03's §3c: `measure` on the run's SD-VAE (batch 16 full size on a GPU; the tiny decoder at batch 2,
+    eager, on a CPU) within the time budget; tables `best_build_fp8` and `best_build_fp8_blocks`, headline figures in
+    the run's metrics (`finish` adds them). Returns the Markdown shown."""
+    from lab.experiments.fp8 import _md
+    from lab.models.vae import load_vae
+    from lab.runtime import cudnn_graph
+
+    run.budget.section("§3c the fastest exact SD-VAE build with FP8 resnet convs")
+    gpu = run.device.type == "cuda"
+    why = ("sd-vae is not among `models`" if "sd-vae" not in run.models else
+           "" if not gpu else cudnn_graph.available(run.device, "fp8")[1])
+    if why:
+        return _md(f"*Skipped: {why}.*")
+
+    def go() -> dict[str, Any]:
+        vae = load_vae("sd-vae", run.weights["sd-vae"], size=run.size, device=run.device, seed=run.seed)
+        return measure(vae, run.batch if gpu else 2, run.iters if gpu else 2, run.seed, compile=gpu)
+
+    r = run.budget.run("sd-vae fastest exact build, FP8 resnet convs", EST_S[run.device.type], go)
+    if not r.ok:
+        return _md(f"*Not measured ({r.status}): {r.reason}*")
+    run.result.tables["best_build_fp8"] = r.value["rows"]
+    run.result.tables["best_build_fp8_blocks"] = r.value["times"] or r.value["blocks"]
+    run.result.metrics["best_build_fp8"] = {"headline": headline(r.value), "fallbacks": r.value["fallbacks"]}
+    return _md(f"**`{BASE}` as is and with FP8 resnet convs** (batch {r.value['rows'][0]['batch']}{run.suffix()})\n\n"
+               + table(r.value))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lab.experiments.fp8_decoder", description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=16)
