@@ -74,12 +74,13 @@ def _quality(out: torch.Tensor, ref: torch.Tensor, prefix: str) -> dict[str, flo
             f"cosine_vs_{prefix}": metrics.cosine(a, b)}
 
 
-def measure(vae: Any, batch: int = 16, repeats: int = 20, seed: int = 0, compile: bool = True) -> dict[str, Any]:
+def measure(vae: Any, batch: int = 16, repeats: int = 20, seed: int = 0, compile: bool = True,
+            latent_hw: int = LATENT_HW) -> dict[str, Any]:
     """The exact and FP8 rows (FPS median of `repeats` with min–max, the FP8 row's error) and the FP8 build's
     per-block report. Timed latents, calibration latents and the scored latents are distinct sets."""
     dev = next(vae.model.parameters()).device
-    timed = D.random_latents(batch, LATENT_HW, 4, seed=seed + 1, device=dev, dtype=torch.float16)
-    calib = D.random_latents(batch, LATENT_HW, 2, seed=seed + 2, device=dev, dtype=torch.float16)
+    timed = D.random_latents(batch, latent_hw, 4, seed=seed + 1, device=dev, dtype=torch.float16)
+    calib = D.random_latents(batch, latent_hw, 2, seed=seed + 2, device=dev, dtype=torch.float16)
     timed = [z.contiguous(memory_format=torch.channels_last) for z in timed]
     fp32 = D._reference(vae, timed[0])
     rows, outs, report = [], {}, {}
@@ -153,8 +154,8 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def section(run: Any) -> Any:
-    """Notebook 03's §3c: `measure` on the run's SD-VAE (batch 16 full size on a GPU; the tiny decoder at batch 2,
-    eager, on a CPU) within the time budget; tables `best_build_fp8` and `best_build_fp8_blocks`, headline figures in
+    """Notebook 03's §3c: `measure` on the run's SD-VAE at its batch and image size (on a CPU batch 2, eager) within
+    the time budget; tables `best_build_fp8` and `best_build_fp8_blocks`, headline figures in
     the run's metrics (`finish` adds them). Returns the Markdown shown."""
     from lab.experiments.fp8 import _md
     from lab.models.vae import load_vae
@@ -169,7 +170,8 @@ def section(run: Any) -> Any:
 
     def go() -> dict[str, Any]:
         vae = load_vae("sd-vae", run.weights["sd-vae"], size=run.size, device=run.device, seed=run.seed)
-        return measure(vae, run.batch if gpu else 2, run.iters if gpu else 2, run.seed, compile=gpu)
+        return measure(vae, run.batch if gpu else 2, run.iters if gpu else 2, run.seed, compile=gpu,
+                       latent_hw=run.image_size // 8)
 
     r = run.budget.run("sd-vae fastest exact build, FP8 resnet convs", EST_S[run.device.type], go)
     if not r.ok:
