@@ -91,7 +91,7 @@ def measure(vae: Any, batch: int = 16, repeats: int = 20, seed: int = 0, compile
     from lab.runtime import cudnn_graph
 
     return {"rows": rows, "blocks": report.get("blocks", []), "times": report.get("times", []),
-            "fallbacks": cudnn_graph.notes(),   # specs cuDNN declined (torch ran them): none, for the speed to be cuDNN's
+            "fallbacks": cudnn_graph.notes(),   # specs cuDNN declined (torch ran them): none, if the speed is cuDNN's
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
 
 
@@ -109,7 +109,8 @@ def _row(vae: Any, name: str, fp8: bool, timed: Sequence[torch.Tensor], calib: S
     row = {"variant": f"{BASE} ({name})", "batch": batch, "fps": batch / b.median_s, "fps_min": batch / b.max_s,
            "fps_max": batch / b.min_s, "ms_per_batch": 1e3 * b.median_s, "repeats": b.iters,
            **_quality(outs[name], fp32, "fp32")}
-    progress_step(f"sd-vae {name}: {row['fps']:.1f} FPS (median of {b.iters}, {row['fps_min']:.1f}–{row['fps_max']:.1f})")
+    spread = f"{row['fps_min']:.1f}–{row['fps_max']:.1f}"
+    progress_step(f"sd-vae {name}: {row['fps']:.1f} FPS (median of {b.iters}, {spread})")
     if fp8:
         row.update(_quality(outs[name], outs["exact"], "exact"))
         row["fp8_blocks"] = sum(r["fp8"] for r in rep["blocks"])

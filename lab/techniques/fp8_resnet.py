@@ -74,8 +74,8 @@ class FP8GraphConv(nn.Module):
 def resnets(decoder: nn.Module) -> list[tuple[str, GraphResnet]]:
     """The decoder's GraphResnet blocks whose two norms are FusedGroupNorms (the build this technique needs)."""
     return [(n, m) for n, m in decoder.named_modules()
-            if isinstance(m, GraphResnet) and isinstance(m.norm1, FusedGroupNorm) and isinstance(m.norm2, FusedGroupNorm)
-            and isinstance(m.conv1, GraphConv2d) and isinstance(m.conv2, GraphConv2d)]
+            if isinstance(m, GraphResnet) and all(isinstance(n, FusedGroupNorm) for n in (m.norm1, m.norm2))
+            and all(isinstance(c, GraphConv2d) for c in (m.conv1, m.conv2))]
 
 
 def calibrate(decoder: nn.Module, batches: Iterable[torch.Tensor], call: Callable[[torch.Tensor], Any] | None = None
