@@ -85,7 +85,7 @@ def test_fp8_build_approximates_the_exact_build_and_undoes_to_it():
     vae = _tiny_vae()
     zs = fp8_decoder.D.random_latents(2, 8, 3, seed=5, dtype=torch.float16)
     exact, _ = fp8_decoder.build(vae, zs[0], compile=False)
-    fp8, report = fp8_decoder.build(vae, zs[0], zs[1:], fp8=True, compile=False)
+    fp8, report = fp8_decoder.build(vae, zs[0], zs[1:], resnet_convs="fp8", compile=False)
     n_blocks = len(report["blocks"])
     assert n_blocks > 0 and all(r["fp8"] and r["amax_conv1"] > 0 for r in report["blocks"])
     with torch.inference_mode():
@@ -112,6 +112,12 @@ def test_calibration_refuses_a_plain_decoder_no_batches_and_a_conv_input_that_st
         blk.norm2.bias.zero_()      # conv2 reads silu(0) = 0 everywhere
     with pytest.raises(InputError, match=rf"{name}\.conv2's input \|x\| max is 0"):
         FR.calibrate(inner, [z], call=dec)
+
+
+def test_build_refuses_an_unknown_resnet_convs_option():
+    z = torch.randn(1, 4, 8, 8).half()
+    with pytest.raises(InputError, match="resnet_convs must be one of"):
+        fp8_decoder.build(_tiny_vae(), z, resnet_convs="int8", compile=False)
 
 
 def test_keep_faster_keeps_only_blocks_that_gain_enough():

@@ -1,7 +1,7 @@
 """The SD-VAE decoder's FP8 tier on its fastest exact build: notebook 02's best decoder with FP8 resnet convs.
 
     python -m lab.experiments.fp8_decoder --json fp8_decoder.json          # a GPU, full size, random weights
-    rows = measure(vae, batch=16)                                           # the same from a notebook
+    result = measure(vae, batch=16)                                         # the same from a notebook
 
 Builds notebook 02's `compile_subpixel_graph` decoder (subpixel upsamplers, GroupNorm + SiLU as Triton passes, cuDNN
 graph convs with the skip adds in their epilogues, compiled into CUDA graphs) twice: as is (the exact row) and with
@@ -33,11 +33,14 @@ BASE = "compile_subpixel_graph"   # notebook 02's fastest exact SD-VAE build (it
 LATENT_HW = 32                    # MuseTalk's 256² faces
 
 
-def build(vae: Any, example: torch.Tensor, calibration: Sequence[torch.Tensor] = (), fp8: bool = False,
+RESNET_CONVS = ("fp16", "fp8")   # the resnet blocks' convs: as the exact build runs them, or lab.techniques.fp8_resnet
+
+
+def build(vae: Any, example: torch.Tensor, calibration: Sequence[torch.Tensor] = (), resnet_convs: str = "fp16",
           compile: bool = True) -> tuple[Callable[[torch.Tensor], torch.Tensor], dict[str, Any]]:
-    """The base build (fp16, channels-last), with FP8 resnet convs if `fp8` (calibrated on `calibration`); compiled
-    into CUDA graphs on a GPU when `compile`. Returns (decode, report: the blocks' rows and kernel times, and the
-    rewritten decoder module)."""
+    """The base build (fp16, channels-last), its resnet convs in FP8 if `resnet_convs` is "fp8" (calibrated on
+    `calibration`); compiled into CUDA graphs on a GPU when `compile`. Returns (decode, report: the blocks' rows and
+    kernel times, and the rewritten decoder module)."""
     from lab.models.vae import VAE
 
     from lab.models.weights import quiet_diffusers
@@ -48,7 +51,9 @@ def build(vae: Any, example: torch.Tensor, calibration: Sequence[torch.Tensor] =
         getattr(importlib.import_module(f"lab.techniques.{mod}"), fn)(model.decoder)
     dec = VAE(vae.kind, model, vae.scaling_factor, vae.weights).decoder_module().eval()
     report: dict[str, Any] = {"blocks": [], "times": [], "module": model.decoder}
-    if fp8:
+    if resnet_convs not in RESNET_CONVS:
+        raise InputError(f"resnet_convs must be one of {RESNET_CONVS}, got {resnet_convs!r}")
+    if resnet_convs == "fp8":
         amax = fp8_resnet.calibrate(model.decoder, calibration, call=dec)
         only = None
         if example.is_cuda:   # a block stays fp16 where FP8 does not pay (measured); a CPU keeps every block
@@ -85,8 +90,8 @@ def measure(vae: Any, batch: int = 16, repeats: int = 20, seed: int = 0, compile
     fp32 = D._reference(vae, timed[0])
     rows, outs, report = [], {}, {}
     with D._flags(cudnn_benchmark=True):   # as notebook 02 builds it: the upsamplers' transposed convs are torch's
-        for name, fp8 in (("exact", False), ("fp8 resnet convs", True)):
-            rows.append(_row(vae, name, fp8, timed, calib, batch, repeats, compile, fp32, outs, report))
+        for name, convs in (("exact", "fp16"), ("fp8 resnet convs", "fp8")):
+            rows.append(_row(vae, name, convs, timed, calib, batch, repeats, compile, fp32, outs, report))
     rows[1]["speedup_vs_exact"] = rows[1]["fps"] / rows[0]["fps"]
     from lab.runtime import cudnn_graph
 
@@ -95,13 +100,13 @@ def measure(vae: Any, batch: int = 16, repeats: int = 20, seed: int = 0, compile
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
 
 
-def _row(vae: Any, name: str, fp8: bool, timed: Sequence[torch.Tensor], calib: Sequence[torch.Tensor], batch: int,
+def _row(vae: Any, name: str, convs: str, timed: Sequence[torch.Tensor], calib: Sequence[torch.Tensor], batch: int,
          repeats: int, compile: bool, fp32: torch.Tensor, outs: dict[str, torch.Tensor], report: dict[str, Any]
          ) -> dict[str, Any]:
     """One build timed and scored (the FP8 one also against the exact one's images, its report kept in `report`)."""
     dev = timed[0].device
     progress_step(f"sd-vae {name}: build …")
-    fn, rep = build(vae, timed[0], calib, fp8=fp8, compile=compile)
+    fn, rep = build(vae, timed[0], calib, resnet_convs=convs, compile=compile)
     with torch.inference_mode():
         outs[name] = fn(timed[0]).float().cpu()
     progress_step(f"sd-vae {name}: {repeats} timed decodes …")
@@ -111,7 +116,7 @@ def _row(vae: Any, name: str, fp8: bool, timed: Sequence[torch.Tensor], calib: S
            **_quality(outs[name], fp32, "fp32")}
     spread = f"{row['fps_min']:.1f}–{row['fps_max']:.1f}"
     progress_step(f"sd-vae {name}: {row['fps']:.1f} FPS (median of {b.iters}, {spread})")
-    if fp8:
+    if convs == "fp8":
         row.update(_quality(outs[name], outs["exact"], "exact"))
         row["fp8_blocks"] = sum(r["fp8"] for r in rep["blocks"])
         report.update(rep)

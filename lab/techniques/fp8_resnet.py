@@ -161,7 +161,8 @@ def _ms(fn: Callable[[], Any], iters: int = 20) -> float:
 
 def block_times(decoder: nn.Module, amax: dict[str, dict[str, Any]], iters: int = 20) -> list[dict[str, Any]]:
     """Per calibrated block on a GPU: its two convs' time in fp16 (graph convs) and in FP8 (input already e4m3, as
-    the norm writes it) on random input of the calibrated shape; ms per call, median-free (one timed loop each)."""
+    the norm writes it) on random input of the calibrated shape; ms per call, the mean of one timed loop of `iters`
+    calls each (a choice between two kernels, not a reported figure)."""
     rows = []
     for name, blk in resnets(decoder):
         a = amax.get(name)
