@@ -20,6 +20,7 @@ passes ran GroupNorm + SiLU 1.1–1.5× faster than inductor's kernels at the de
 
     gn = FusedGroupNorm(norm, silu=True)   # norm: nn.GroupNorm; == silu(norm(x))
     fuse_group_norms(decoder)              # in place: every ResnetBlock2D's norms + SiLU, conv_norm_out + conv_act
+    gn.fp8_output(s)                       # a twin writing e4m3, y / s clamped (lab.techniques.fp8_resnet)
 
 On a tensor that is not channels-last on a CUDA device, or without Triton, the module runs
 `F.group_norm` (+ `F.silu`): the same function by torch's own kernels.
