@@ -107,7 +107,7 @@ def test_calibration_refuses_a_plain_decoder_no_batches_and_a_conv_input_that_st
     with pytest.raises(InputError, match="no calibration batches"):
         FR.calibrate(inner, [], call=dec)
     name, blk = FR.resnets(inner)[0]
-    with torch.no_grad():
+    with torch.inference_mode():     # the build's parameters are inference tensors
         blk.norm2.weight.zero_()
         blk.norm2.bias.zero_()      # conv2 reads silu(0) = 0 everywhere
     with pytest.raises(InputError, match=rf"{name}\.conv2's input \|x\| max is 0"):

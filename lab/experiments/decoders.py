@@ -245,12 +245,12 @@ def skip_reason(variant: str, device: torch.device | str, quick: bool, compile: 
     return None
 
 
-def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor,
-                  graph: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A callable latents → images in [0, 1] for one variant, built on a private copy of the model
-    (so channels_last / dtype changes never leak into other variants). First call already done
-    for compiled variants (that is where compilation happens). graph=False: the variant without its
-    CUDA graph (the same kernels launched one by one, which a profiler sees one by one)."""
+def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor, graph: bool = True,
+                  then: Callable[[torch.nn.Module], Any] | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A callable latents → images in [0, 1] for one variant, built on a private copy of the model (so channels_last /
+    dtype changes never leak into other variants); `then(module)`, if given, runs on the built decoder module before
+    any compile or capture. First call already done for compiled variants (that is where compilation happens).
+    graph=False: the variant without its CUDA graph (the same kernels launched one by one, as a profiler sees them)."""
     # one private copy; folded (subpixel variants) in the model's own precision, then cast
     model = _folded(vae, SUBPIXEL[variant]).model if variant in SUBPIXEL else None
     with quiet_diffusers():
@@ -260,16 +260,16 @@ def build_decoder(vae: VAE, variant: str, dtype: str, example: torch.Tensor,
     for mod, fn in REWRITE.get(variant, []):
         getattr(importlib.import_module(f"lab.techniques.{mod}"), fn)(model.decoder)
     dec = VAE(vae.kind, model, vae.scaling_factor, vae.weights).decoder_module().eval()
+    if then is not None:
+        then(dec)
     if variant not in COMPILED:
         return _cuda_graphed(dec, example) if variant in GRAPHED and graph else dec
     import torch._inductor.config as inductor_config
-
     mode = COMPILE_MODE[variant] if graph else NO_GRAPH.get(COMPILE_MODE[variant], COMPILE_MODE[variant])
     compiled = compile_budget.compiled(dec, mode=mode, dynamic=False)
     if mode in ("reduce-overhead", "max-autotune"):  # both capture CUDA graphs
         def run(z: torch.Tensor) -> torch.Tensor:
-            # tell CUDA-graph trees each call is a new step, so the previous output's memory is reused
-            torch.compiler.cudagraph_mark_step_begin()
+            torch.compiler.cudagraph_mark_step_begin()   # each call a new step: the last output's memory is reused
             return compiled(z)
     else:
         run = compiled

@@ -14,7 +14,6 @@ bound on the arithmetic, not a quality finding.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from typing import Any, Callable, Sequence
@@ -24,9 +23,8 @@ import torch
 from lab import metrics
 from lab.errors import BackendUnavailable, InputError
 from lab.experiments import decoders as D
-from lab.experiments.decoder_variants import REWRITE
 from lab.progress import step as progress_step
-from lab.runtime import compile_budget
+from lab.timing import bench
 from lab.techniques import fp8_resnet
 
 BASE = "compile_subpixel_graph"   # notebook 02's fastest exact SD-VAE build (its variants table)
@@ -34,43 +32,34 @@ LATENT_HW = 32                    # MuseTalk's 256² faces
 
 
 RESNET_CONVS = ("fp16", "fp8")   # the resnet blocks' convs: as the exact build runs them, or lab.techniques.fp8_resnet
+EAGER_TWIN = "cuda_graph_subpixel_graph"   # BASE's rewrites without torch.compile: with graph=False, the module itself
 
 
 def build(vae: Any, example: torch.Tensor, calibration: Sequence[torch.Tensor] = (), resnet_convs: str = "fp16",
           compile: bool = True) -> tuple[Callable[[torch.Tensor], torch.Tensor], dict[str, Any]]:
-    """The base build (fp16, channels-last), its resnet convs in FP8 if `resnet_convs` is "fp8" (calibrated on
-    `calibration`); compiled into CUDA graphs on a GPU when `compile`. Returns (decode, report: the blocks' rows and
-    kernel times, and the rewritten decoder module)."""
-    from lab.models.vae import VAE
-
-    from lab.models.weights import quiet_diffusers
-
-    with quiet_diffusers():
-        model = D._folded(vae, "transpose").model.to(dtype=torch.float16).to(memory_format=torch.channels_last)
-    for mod, fn in REWRITE[BASE]:
-        getattr(importlib.import_module(f"lab.techniques.{mod}"), fn)(model.decoder)
-    dec = VAE(vae.kind, model, vae.scaling_factor, vae.weights).decoder_module().eval()
-    report: dict[str, Any] = {"blocks": [], "times": [], "module": model.decoder}
+    """Notebook 02's BASE build (`decoders.build_decoder`: fp16, channels-last), its resnet convs in FP8 if
+    `resnet_convs` is "fp8" (calibrated on `calibration`); compiled into CUDA graphs on a GPU when `compile`, else the
+    same rewrites eager. Returns (decode, report: the variant built, the blocks' rows and kernel times, the rewritten
+    decoder)."""
     if resnet_convs not in RESNET_CONVS:
         raise InputError(f"resnet_convs must be one of {RESNET_CONVS}, got {resnet_convs!r}")
-    if resnet_convs == "fp8":
-        amax = fp8_resnet.calibrate(model.decoder, calibration, call=dec)
-        only = None
-        if example.is_cuda:   # a block stays fp16 where FP8 does not pay (measured); a CPU keeps every block
-            report["times"] = fp8_resnet.block_times(model.decoder, amax)
-            only = fp8_resnet.keep_faster(report["times"])
-        report["blocks"] = fp8_resnet.fp8_resnets(model.decoder, amax, only)
-    if not (compile and example.is_cuda):
-        return dec, report
-    compiled = compile_budget.compiled(dec, mode="reduce-overhead", dynamic=False)
+    report: dict[str, Any] = {"blocks": [], "times": [], "module": None}
 
-    def run(z: torch.Tensor) -> torch.Tensor:
-        torch.compiler.cudagraph_mark_step_begin()   # each call a new step: the last output's memory is reused
-        return compiled(z)
+    def then(dec: torch.nn.Module) -> None:   # on the built module, before torch.compile sees it
+        report["module"] = inner = dec.model.decoder
+        if resnet_convs == "fp8":
+            amax = fp8_resnet.calibrate(inner, calibration, call=dec)
+            only = None
+            if example.is_cuda:   # a block stays fp16 where FP8 does not pay (measured); a CPU keeps every block
+                report["times"] = fp8_resnet.block_times(inner, amax)
+                only = fp8_resnet.keep_faster(report["times"])
+            report["blocks"] = fp8_resnet.fp8_resnets(inner, amax, only)
 
+    compiled = compile and example.is_cuda
+    report["variant"] = BASE if compiled else f"{EAGER_TWIN}, eager"
     with torch.inference_mode():
-        run(example)   # compiles here
-    return run, report
+        fn = D.build_decoder(vae, BASE if compiled else EAGER_TWIN, "fp16", example, graph=compiled, then=then)
+    return fn, report
 
 
 def _quality(out: torch.Tensor, ref: torch.Tensor, prefix: str) -> dict[str, float]:
@@ -110,8 +99,9 @@ def _row(vae: Any, name: str, convs: str, timed: Sequence[torch.Tensor], calib: 
     with torch.inference_mode():
         outs[name] = fn(timed[0]).float().cpu()
     progress_step(f"sd-vae {name}: {repeats} timed decodes …")
-    b = _bench(fn, timed, repeats, dev)
-    row = {"variant": f"{BASE} ({name})", "batch": batch, "fps": batch / b.median_s, "fps_min": batch / b.max_s,
+    b = bench(fn, inputs=[(z,) for z in timed], warmup=3, iters=repeats, device=dev)
+    row = {"variant": f"{rep['variant']} ({name})", "batch": batch, "fps": batch / b.median_s,
+           "fps_min": batch / b.max_s,
            "fps_max": batch / b.min_s, "ms_per_batch": 1e3 * b.median_s, "repeats": b.iters,
            **_quality(outs[name], fp32, "fp32")}
     spread = f"{row['fps_min']:.1f}–{row['fps_max']:.1f}"
@@ -123,12 +113,6 @@ def _row(vae: Any, name: str, convs: str, timed: Sequence[torch.Tensor], calib: 
     del fn
     torch._dynamo.reset()
     return row
-
-
-def _bench(fn: Callable, zs: Sequence[torch.Tensor], repeats: int, dev: torch.device) -> Any:
-    from lab.timing import bench
-
-    return bench(fn, inputs=[(z,) for z in zs], warmup=3, iters=repeats, device=dev)
 
 
 def table(result: dict[str, Any]) -> str:

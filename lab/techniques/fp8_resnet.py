@@ -26,9 +26,10 @@ from torch import nn
 from lab.errors import InputError
 from lab.runtime import cudnn_graph
 from lab.runtime.conv_graphs import GraphConv2d, GraphResnet
-from lab.techniques.group_norm import E4M3_MAX, FusedGroupNorm
+from lab.techniques import fp8
+from lab.techniques.fp8 import E4M3, E4M3_MAX
+from lab.techniques.group_norm import FusedGroupNorm
 
-E4M3 = torch.float8_e4m3fn
 MIN_GAIN = 1.05   # FP8 within 5 % of the fp16 block's conv time does not pay for its rounding error
 
 
@@ -43,9 +44,8 @@ class FP8GraphConv(nn.Module):
         if not (x_scale > 0 and math.isfinite(x_scale)):
             raise InputError(f"FP8GraphConv: the input scale must be finite and > 0, got {x_scale!r}")
         object.__setattr__(self, "fp16", conv)   # unregistered: what plain_resnets puts back
-        w = conv.weight.detach().float()
-        w_scale = w.abs().amax(dim=(1, 2, 3)).clamp(min=1e-12) / E4M3_MAX
-        wq = (w / w_scale.view(-1, 1, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        w_scale = fp8.weight_scale(conv.weight, "per_channel")
+        wq, _ = fp8.quantize(conv.weight, w_scale)
         self.register_buffer("weight_fp8", wq.contiguous(memory_format=torch.channels_last))
         self.register_buffer("descale", (w_scale * x_scale).float().contiguous())
         self.x_scale = float(x_scale)

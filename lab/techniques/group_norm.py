@@ -36,6 +36,7 @@ from torch import nn
 
 from lab.errors import InputError
 from lab.techniques import technique
+from lab.techniques.fp8 import E4M3_MAX   # beyond it a cast to e4m3 gives NaN: the FP8 output is clamped
 
 try:
     import triton
@@ -55,7 +56,6 @@ SPLIT_PROGRAMS = 1024
 # the merge holds a sample's splits × groups in registers at once
 MAX_SPLITS = 256
 MAX_CHANNELS = 512
-E4M3_MAX = 448.0       # the largest finite float8_e4m3fn: beyond it a cast gives NaN, so the FP8 output is clamped
 
 
 if triton is not None:
